@@ -1,0 +1,96 @@
+"""``python -m e2e.cluster up|down|status``: the local control plane for people.
+
+The default cluster lives in $SPILLWAY_CLUSTER_DIR (default /tmp/spillway-cluster)
+on fixed ports from --port-base (default 16380), so a second ``up`` finds it.
+Exit status: 0 ok, 1 the cluster failed (the message says why), 2 bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from e2e.cluster.controlplane import (
+    ClusterConfig,
+    ClusterError,
+    LocalCluster,
+    Ports,
+    locate_binaries,
+)
+
+DEFAULT_DIR = Path(os.environ.get("SPILLWAY_CLUSTER_DIR", "/tmp/spillway-cluster"))
+DEFAULT_PORT_BASE = 16380
+NODE_COLUMNS = (
+    "custom-columns=NAME:.metadata.name,"
+    "READY:.status.conditions[?(@.type=='Ready')].status,"
+    "GPUS:.status.allocatable.nvidia\\.com/gpu,CPU:.status.allocatable.cpu,"
+    "MEMORY:.status.allocatable.memory,"
+    "PRODUCT:.metadata.labels.nvidia\\.com/gpu\\.product,PODCIDR:.spec.podCIDR"
+)
+
+
+def _cluster(args: argparse.Namespace, need_binaries: bool) -> LocalCluster:
+    config = ClusterConfig(
+        workdir=args.dir,
+        ports=Ports.from_base(args.port_base),
+        nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        gpu_product=args.gpu_product,
+        pod_net=args.pod_net,
+    )
+    if need_binaries:
+        config.binaries = locate_binaries(args.bin_cache)
+    return LocalCluster(config)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="e2e/cluster", description=__doc__.split("\n")[0])
+    parser.add_argument("command", choices=["up", "down", "status"])
+    parser.add_argument("--dir", type=Path, default=DEFAULT_DIR, help="state and data folder")
+    parser.add_argument("--port-base", type=int, default=DEFAULT_PORT_BASE,
+                        help="first of six consecutive loopback ports")
+    parser.add_argument("--nodes", type=int, default=2, help="fake GPU nodes")
+    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--gpu-product", default="NVIDIA-H100-80GB-HBM3",
+                        help="value of the nvidia.com/gpu.product node label")
+    parser.add_argument("--pod-net", default="127.1",
+                        help="node N gets pod CIDR <pod-net>.N.0/24 (must be inside 127/8)")
+    parser.add_argument("--bin-cache", type=Path, default=None,
+                        help="folder tools/build.sh fills (default ~/.cache/spillway/bin)")
+    args = parser.parse_args(argv)
+    if not args.pod_net.startswith("127."):
+        parser.error("--pod-net must be inside 127.0.0.0/8: pod IPs are bound on loopback")
+    if not 1 <= args.nodes <= 200:
+        parser.error("--nodes must be between 1 and 200")
+
+    try:
+        if args.command == "down":
+            ports = Ports.from_base(args.port_base)
+            LocalCluster(ClusterConfig(workdir=args.dir, ports=ports)).stop()
+            print(f"stopped the local cluster in {args.dir}")
+            return 0
+        if args.command == "status":
+            cluster = _cluster(args, need_binaries=False)
+            if cluster.running():
+                print(f"up: {cluster.config.server}  KUBECONFIG={cluster.config.kubeconfig}")
+                return 0
+            print(f"down (no running cluster in {args.dir})")
+            return 1
+        cluster = _cluster(args, need_binaries=True)
+        seconds = cluster.start()
+        if seconds == 0.0:
+            print(f"already up: {cluster.config.server}")
+        else:
+            print(f"control plane ready in {seconds:.1f}s: {cluster.config.server}")
+        print(f"export KUBECONFIG={cluster.config.kubeconfig}")
+        print(cluster.kubectl("get", "nodes", "-o", NODE_COLUMNS), end="")
+        return 0
+    except ClusterError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,554 @@
+"""Start, check and stop a real Kubernetes control plane on loopback.
+
+Processes: etcd, kube-apiserver, kube-controller-manager, kube-scheduler and the
+KWOK controller, each in its own process group with its log in ``<workdir>/logs``.
+State (pids, ports) lives in ``<workdir>/state.json`` so that ``up`` is idempotent
+and ``down`` works from another process. Every wait has a deadline and fails with
+the tail of the component's log instead of hanging.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import ssl
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import yaml
+
+from e2e.cluster.pki import make_pki
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+VERSIONS_FILE = REPO_ROOT / "tools" / "versions.env"
+STAGES_FILE = Path(__file__).with_name("kwok-stages.yaml")
+
+# Service network: never routed on this machine (no kube-proxy); only the apiserver
+# needs one to allocate ClusterIPs. Pod IPs are loopback, see ClusterConfig.pod_net.
+SERVICE_CIDR = "10.0.0.0/24"
+
+COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
+
+
+class ClusterError(RuntimeError):
+    """The cluster cannot be started or checked; the message says what to do."""
+
+
+def read_versions(path: Path = VERSIONS_FILE) -> dict[str, str]:
+    versions = {}
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#") and "=" in line:
+            key, value = line.split("=", 1)
+            versions[key] = value
+    return versions
+
+
+def default_bin_cache() -> Path:
+    return Path(os.environ.get("SPILLWAY_BIN_CACHE", Path.home() / ".cache/spillway/bin"))
+
+
+def locate_binaries(cache: Path | None = None) -> dict[str, Path]:
+    """Map each binary name to its path in the version-keyed cache that
+    ``tools/build.sh`` fills; a missing one is a ClusterError naming the fix."""
+    cache = cache or default_bin_cache()
+    v = read_versions()
+    families = {
+        "etcd": f"etcd-v{v['ETCD_VERSION']}",
+        "kube-apiserver": f"k8s-v{v['K8S_VERSION']}",
+        "kube-controller-manager": f"k8s-v{v['K8S_VERSION']}",
+        "kube-scheduler": f"k8s-v{v['K8S_VERSION']}",
+        "kubectl": f"k8s-v{v['K8S_VERSION']}",
+        "kwok": f"kwok-v{v['KWOK_VERSION']}",
+        "helm": f"helm-v{v['HELM_VERSION']}",
+    }
+    found, missing = {}, []
+    for name, family in families.items():
+        path = cache / family / name
+        if path.is_file() and os.access(path, os.X_OK):
+            found[name] = path
+        else:
+            missing.append(str(path))
+    if missing:
+        raise ClusterError(
+            "missing binaries: " + ", ".join(missing) + " -- build them with tools/build.sh "
+            "(or point SPILLWAY_BIN_CACHE at a folder that holds them)"
+        )
+    return found
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+@dataclass
+class Ports:
+    etcd_client: int
+    etcd_peer: int
+    apiserver: int
+    controller_manager: int
+    scheduler: int
+    kwok: int
+
+    @classmethod
+    def from_base(cls, base: int) -> Ports:
+        return cls(base, base + 1, base + 2, base + 3, base + 4, base + 5)
+
+    @classmethod
+    def free(cls) -> Ports:
+        return cls(*(free_port() for _ in range(6)))
+
+
+@dataclass
+class ClusterConfig:
+    workdir: Path
+    ports: Ports
+    nodes: int = 2
+    gpus_per_node: int = 8
+    # GPU Feature Discovery style product label; the operator selects nodes by it.
+    gpu_product: str = "NVIDIA-H100-80GB-HBM3"
+    gpu_memory_mib: int = 81559
+    node_cpu: str = "224"
+    node_memory: str = "2Ti"
+    # Node N gets podCIDR <pod_net>.N.0/24. Anything in 127/8 routes to lo on Linux,
+    # so a local process bound to a pod IP stands in for that pod's container.
+    pod_net: str = "127.1"
+    binaries: dict[str, Path] = field(default_factory=dict)
+
+    @property
+    def kubeconfig(self) -> Path:
+        return self.workdir / "kubeconfig"
+
+    @property
+    def server(self) -> str:
+        return f"https://127.0.0.1:{self.ports.apiserver}"
+
+
+class LocalCluster:
+    """One local control plane. ``start()`` is idempotent; ``stop()`` leaves nothing."""
+
+    def __init__(self, config: ClusterConfig):
+        self.config = config
+        self.workdir = config.workdir
+        self.pki = self.workdir / "pki"
+        self.logs = self.workdir / "logs"
+        self.state_file = self.workdir / "state.json"
+        self.pids: dict[str, int] = {}
+        self.timings: dict[str, float] = {}
+
+    # ---------------------------------------------------------------- state
+
+    def _load_state(self) -> dict | None:
+        try:
+            return json.loads(self.state_file.read_text())
+        except (OSError, ValueError):
+            return None
+
+    def _save_state(self) -> None:
+        state = {
+            "pids": self.pids,
+            "ports": asdict(self.config.ports),
+            "kubeconfig": str(self.config.kubeconfig),
+            "nodes": self.config.nodes,
+            "pod_net": self.config.pod_net,
+        }
+        self.state_file.write_text(json.dumps(state, indent=2))
+
+    @staticmethod
+    def _alive(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        # A zombie child still answers kill(0); reap it if it is ours.
+        with contextlib.suppress(ChildProcessError):
+            done, _ = os.waitpid(pid, os.WNOHANG)
+            if done == pid:
+                return False
+        return True
+
+    def running(self) -> bool:
+        """True when every component of a previous start is alive and the API answers."""
+        state = self._load_state()
+        if not state or set(state.get("pids", {})) != set(COMPONENTS):
+            return False
+        if not all(self._alive(pid) for pid in state["pids"].values()):
+            return False
+        self.config.ports = Ports(**state["ports"])
+        self.pids = {k: int(v) for k, v in state["pids"].items()}
+        return self._http_ok(f"{self.config.server}/readyz", self._ssl())
+
+    # ---------------------------------------------------------------- helpers
+
+    def _ssl(self) -> ssl.SSLContext:
+        return ssl.create_default_context(cafile=str(self.pki / "ca.crt"))
+
+    @staticmethod
+    def _http_ok(url: str, context: ssl.SSLContext | None = None) -> bool:
+        try:
+            with urllib.request.urlopen(url, context=context, timeout=2) as r:
+                return r.status == 200
+        except (OSError, urllib.error.URLError, ssl.SSLError):
+            return False
+
+    def _log_tail(self, name: str, lines: int = 25) -> str:
+        try:
+            text = (self.logs / f"{name}.log").read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        return "\n".join(text[-lines:])
+
+    def _wait(self, what: str, check: Callable[[], bool], component: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            pid = self.pids.get(component)
+            if pid is not None and not self._alive(pid):
+                raise ClusterError(
+                    f"{component} exited while waiting for {what}; last log lines "
+                    f"({self.logs / (component + '.log')}):\n{self._log_tail(component)}"
+                )
+            if check():
+                return
+            time.sleep(0.2)
+        raise ClusterError(
+            f"timed out after {timeout:.0f}s waiting for {what}; last lines of "
+            f"{component}.log:\n{self._log_tail(component)}"
+        )
+
+    def _spawn(self, name: str, args: list[str]) -> None:
+        binary = self.config.binaries[name]
+        log = open(self.logs / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
+        proc = subprocess.Popen(
+            [str(binary), *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,  # its own process group: stop() kills the whole tree
+        )
+        log.close()
+        self.pids[name] = proc.pid
+        self._save_state()
+
+    def _kubeconfig(self, path: Path, user: str, cert: str) -> None:
+        def b64(p: Path) -> str:
+            import base64
+
+            return base64.b64encode(p.read_bytes()).decode()
+
+        doc = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [
+                {
+                    "name": "spillway-local",
+                    "cluster": {
+                        "server": self.config.server,
+                        "certificate-authority-data": b64(self.pki / "ca.crt"),
+                    },
+                }
+            ],
+            "users": [
+                {
+                    "name": user,
+                    "user": {
+                        "client-certificate-data": b64(self.pki / f"{cert}.crt"),
+                        "client-key-data": b64(self.pki / f"{cert}.key"),
+                    },
+                }
+            ],
+            "contexts": [
+                {"name": "spillway-local", "context": {"cluster": "spillway-local", "user": user}}
+            ],
+            "current-context": "spillway-local",
+        }
+        path.write_text(yaml.safe_dump(doc))
+        path.chmod(0o600)
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def check_ports(self) -> None:
+        taken = [
+            f"{port} ({name})"
+            for name, port in asdict(self.config.ports).items()
+            if not port_is_free(port)
+        ]
+        if taken:
+            raise ClusterError(
+                "ports already in use on 127.0.0.1: " + ", ".join(taken) + ". Another cluster "
+                "may be running (e2e/cluster/down) or choose other ports (--port-base)."
+            )
+
+    def start(self, timeout: float = 120) -> float:
+        """Start every component and the fake GPU nodes; return seconds to ready.
+
+        If this workdir's cluster is already up, return 0 without touching it.
+        """
+        if self.running():
+            return 0.0
+        self.stop()  # leftovers of a half-started run
+        if not self.config.binaries:
+            self.config.binaries = locate_binaries()
+        self.check_ports()
+        t0 = time.monotonic()
+        for d in (self.workdir, self.logs):
+            d.mkdir(parents=True, exist_ok=True)
+        make_pki(self.pki)
+        try:
+            self._start_etcd(timeout)
+            self._start_apiserver(timeout)
+            self._start_controllers(timeout)
+            self._create_nodes(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        self.timings["ready"] = time.monotonic() - t0
+        return self.timings["ready"]
+
+    def _start_etcd(self, timeout: float) -> None:
+        p = self.config.ports
+        client, peer = f"http://127.0.0.1:{p.etcd_client}", f"http://127.0.0.1:{p.etcd_peer}"
+        data = self.workdir / "etcd"
+        self._spawn(
+            "etcd",
+            [
+                "--name=spillway",
+                f"--data-dir={data}",
+                f"--listen-client-urls={client}",
+                f"--advertise-client-urls={client}",
+                f"--listen-peer-urls={peer}",
+                f"--initial-advertise-peer-urls={peer}",
+                f"--initial-cluster=spillway={peer}",
+                "--unsafe-no-fsync",  # test data only; fsync dominates start-up otherwise
+                "--auto-compaction-retention=1",
+                "--quota-backend-bytes=4294967296",
+                "--log-level=warn",
+            ],
+        )
+        self._wait("etcd /health", lambda: self._http_ok(client + "/health"), "etcd", timeout)
+
+    def _start_apiserver(self, timeout: float) -> None:
+        p, k = self.config.ports, self.pki
+        self._spawn(
+            "kube-apiserver",
+            [
+                f"--etcd-servers=http://127.0.0.1:{p.etcd_client}",
+                "--bind-address=127.0.0.1",
+                "--advertise-address=127.0.0.1",
+                f"--secure-port={p.apiserver}",
+                # Endpoints validation refuses loopback; nothing reaches the kubernetes
+                # Service from outside anyway.
+                "--endpoint-reconciler-type=none",
+                f"--cert-dir={self.workdir / 'apiserver-certs'}",
+                f"--tls-cert-file={k / 'apiserver.crt'}",
+                f"--tls-private-key-file={k / 'apiserver.key'}",
+                f"--client-ca-file={k / 'ca.crt'}",
+                f"--service-account-key-file={k / 'sa.pub'}",
+                f"--service-account-signing-key-file={k / 'sa.key'}",
+                "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+                f"--service-cluster-ip-range={SERVICE_CIDR}",
+                "--authorization-mode=Node,RBAC",
+                "--allow-privileged=true",
+                "--enable-priority-and-fairness=false",
+                "--v=1",
+            ],
+        )
+        ctx = self._ssl()
+        self._wait(
+            "kube-apiserver /readyz",
+            lambda: self._http_ok(f"{self.config.server}/readyz", ctx),
+            "kube-apiserver",
+            timeout,
+        )
+        self._kubeconfig(self.config.kubeconfig, "spillway-admin", "admin")
+        for stem in ("controller-manager", "scheduler", "kwok"):
+            self._kubeconfig(self.workdir / f"{stem}.kubeconfig", stem, stem)
+        self.timings["apiserver"] = time.monotonic()
+
+    def _start_controllers(self, timeout: float) -> None:
+        p, k, w = self.config.ports, self.pki, self.workdir
+        self._spawn(
+            "kube-controller-manager",
+            [
+                f"--kubeconfig={w / 'controller-manager.kubeconfig'}",
+                f"--authentication-kubeconfig={w / 'controller-manager.kubeconfig'}",
+                f"--authorization-kubeconfig={w / 'controller-manager.kubeconfig'}",
+                "--leader-elect=false",
+                "--bind-address=127.0.0.1",
+                f"--secure-port={p.controller_manager}",
+                f"--cert-dir={w / 'controller-manager-certs'}",
+                f"--root-ca-file={k / 'ca.crt'}",
+                f"--service-account-private-key-file={k / 'sa.key'}",
+                "--use-service-account-credentials",
+                # Pod IPs are loopback, which Endpoints/EndpointSlices refuse; the
+                # operator and tests address pods by IP instead.
+                "--controllers=*,-endpoints-controller,-endpointslice-controller,"
+                "-endpointslice-mirroring-controller",
+                "--v=1",
+            ],
+        )
+        self._spawn(
+            "kube-scheduler",
+            [
+                f"--kubeconfig={w / 'scheduler.kubeconfig'}",
+                f"--authentication-kubeconfig={w / 'scheduler.kubeconfig'}",
+                f"--authorization-kubeconfig={w / 'scheduler.kubeconfig'}",
+                "--leader-elect=false",
+                "--bind-address=127.0.0.1",
+                f"--secure-port={p.scheduler}",
+                f"--cert-dir={w / 'scheduler-certs'}",
+                "--v=1",
+            ],
+        )
+        self._spawn(
+            "kwok",
+            [
+                f"--kubeconfig={w / 'kwok.kubeconfig'}",
+                f"--config={STAGES_FILE}",
+                "--manage-nodes-with-label-selector=type=kwok",
+                "--node-ip=127.0.0.1",
+                f"--node-port={p.kwok}",
+                f"--server-address=127.0.0.1:{p.kwok}",
+                f"--cidr={self.config.pod_net}.255.0/24",
+                "--node-lease-duration-seconds=40",
+            ],
+        )
+        insecure = ssl.create_default_context()
+        insecure.check_hostname = False
+        insecure.verify_mode = ssl.CERT_NONE
+        for name, port in (
+            ("kube-controller-manager", p.controller_manager),
+            ("kube-scheduler", p.scheduler),
+        ):
+            url = f"https://127.0.0.1:{port}/healthz"
+            self._wait(f"{name} /healthz", lambda u=url: self._http_ok(u, insecure), name, timeout)
+        self._wait(
+            "the default ServiceAccount (controller-manager running)",
+            lambda: self._kubectl_ok("get", "serviceaccount", "default", "-n", "default"),
+            "kube-controller-manager",
+            timeout,
+        )
+
+    def node_manifests(self) -> list[dict]:
+        c = self.config
+        nodes = []
+        for i in range(c.nodes):
+            name = f"gpu-node-{i}"
+            resources = {
+                "cpu": c.node_cpu,
+                "memory": c.node_memory,
+                "ephemeral-storage": "3Ti",
+                "pods": "110",
+                "nvidia.com/gpu": str(c.gpus_per_node),
+            }
+            nodes.append(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Node",
+                    "metadata": {
+                        "name": name,
+                        "annotations": {"node.alpha.kubernetes.io/ttl": "0"},
+                        "labels": {
+                            "type": "kwok",
+                            "kubernetes.io/hostname": name,
+                            "kubernetes.io/os": "linux",
+                            "kubernetes.io/arch": "amd64",
+                            "node.kubernetes.io/instance-type": "fake-gpu",
+                            # GPU Feature Discovery's labels, as on real GPU nodes.
+                            "nvidia.com/gpu.present": "true",
+                            "nvidia.com/gpu.product": c.gpu_product,
+                            "nvidia.com/gpu.count": str(c.gpus_per_node),
+                            "nvidia.com/gpu.memory": str(c.gpu_memory_mib),
+                        },
+                    },
+                    "spec": {
+                        "podCIDR": f"{c.pod_net}.{i}.0/24",
+                        "podCIDRs": [f"{c.pod_net}.{i}.0/24"],
+                    },
+                    "status": {"capacity": resources, "allocatable": dict(resources)},
+                }
+            )
+        return nodes
+
+    def _create_nodes(self, timeout: float) -> None:
+        manifest = self.workdir / "nodes.yaml"
+        manifest.write_text(yaml.safe_dump_all(self.node_manifests()))
+        self.kubectl("apply", "--server-side", "--field-manager=spillway-harness", "-f", manifest)
+        names = [n["metadata"]["name"] for n in self.node_manifests()]
+
+        def all_ready() -> bool:
+            out = self.kubectl(
+                "get", "nodes", "-l", "type=kwok", "-o",
+                "jsonpath={range .items[*]}{.metadata.name}={.status.conditions"
+                "[?(@.type=='Ready')].status} {end}",
+                check=False,
+            )
+            ready = {kv.split("=")[0] for kv in out.split() if kv.endswith("=True")}
+            return ready >= set(names)
+
+        self._wait(f"{len(names)} fake GPU nodes Ready", all_ready, "kwok", timeout)
+
+    # ---------------------------------------------------------------- kubectl
+
+    def kubectl(self, *args: str | Path, check: bool = True, input: str | None = None) -> str:
+        binary = self.config.binaries.get("kubectl") or locate_binaries()["kubectl"]
+        proc = subprocess.run(
+            [str(binary), f"--kubeconfig={self.config.kubeconfig}", *map(str, args)],
+            capture_output=True,
+            text=True,
+            input=input,
+            timeout=60,
+        )
+        if check and proc.returncode != 0:
+            raise ClusterError(f"kubectl {' '.join(map(str, args))} failed: {proc.stderr.strip()}")
+        return proc.stdout
+
+    def _kubectl_ok(self, *args: str) -> bool:
+        try:
+            self.kubectl(*args)
+        except (ClusterError, subprocess.TimeoutExpired):
+            return False
+        return True
+
+    def stop(self, timeout: float = 15) -> None:
+        """Stop every component recorded in state.json (TERM, then KILL) and forget them."""
+        state = self._load_state() or {}
+        pids = {**{k: int(v) for k, v in state.get("pids", {}).items()}, **self.pids}
+        # Reverse start order: the controllers first, etcd last.
+        order = [c for c in reversed(COMPONENTS) if c in pids]
+        for name in order:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pids[name], signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for name in order:
+            while self._alive(pids[name]) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if self._alive(pids[name]):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pids[name], signal.SIGKILL)
+                while self._alive(pids[name]):
+                    time.sleep(0.05)
+        self.pids = {}
+        with contextlib.suppress(FileNotFoundError):
+            self.state_file.unlink()

@@ -1,0 +1,123 @@
+"""The controller loop: kopf watches, a keyed work queue, workers that reconcile.
+
+kopf's watch-event handlers only enqueue keys; they keep no state in the objects
+(no finalizers, no progress annotations), so a steady state makes no writes. The
+queue deduplicates keys, retries temporary failures with capped exponential
+back-off, and re-reconciles everything periodically to repair drift on children
+we do not watch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from spillway_operator import metrics
+from spillway_operator.kube import TemporaryError
+from spillway_operator.reconciler import Reconciler
+
+log = logging.getLogger("spillway.controller")
+
+Key = tuple[str, str]  # (namespace, name)
+
+
+@dataclass
+class Backoff:
+    base: float = 1.0
+    cap: float = 300.0
+    failures: dict[Key, int] = field(default_factory=dict)
+
+    def next(self, key: Key) -> float:
+        n = self.failures.get(key, 0)
+        self.failures[key] = n + 1
+        return min(self.cap, self.base * 2**n)
+
+    def reset(self, key: Key) -> None:
+        self.failures.pop(key, None)
+
+
+class Controller:
+    def __init__(self, reconciler: Reconciler, workers: int = 4, resync_seconds: float = 300,
+                 backoff: Backoff | None = None):
+        self.reconciler = reconciler
+        self.workers = workers
+        self.resync_seconds = resync_seconds
+        self.backoff = backoff or Backoff()
+        self.objects: dict[Key, dict[str, Any]] = {}  # latest body from the watch
+        self._queue: asyncio.Queue[Key] = asyncio.Queue()
+        self._queued: set[Key] = set()
+        self._active: set[Key] = set()
+        self._dirty: set[Key] = set()  # changed while being reconciled
+        self._tasks: list[asyncio.Task] = []
+
+    # ------------------------------------------------------------ inputs
+
+    def observe(self, body: dict[str, Any], event_type: str | None) -> None:
+        key = (body["metadata"]["namespace"], body["metadata"]["name"])
+        if event_type == "DELETED":
+            self.objects.pop(key, None)
+            self.backoff.reset(key)
+            return
+        self.objects[key] = body
+        self.enqueue(key)
+
+    def enqueue(self, key: Key, delay: float = 0.0) -> None:
+        if delay > 0:
+            asyncio.get_running_loop().call_later(delay, self.enqueue, key)
+            return
+        if key in self._active:
+            self._dirty.add(key)
+        elif key not in self._queued:
+            self._queued.add(key)
+            self._queue.put_nowait(key)
+        metrics.QUEUE_DEPTH.set(len(self._queued))
+
+    # ------------------------------------------------------------ workers
+
+    async def _work(self) -> None:
+        while True:
+            key = await self._queue.get()
+            self._queued.discard(key)
+            body = self.objects.get(key)
+            if body is None:
+                continue
+            self._active.add(key)
+            try:
+                result = await asyncio.to_thread(self.reconciler.reconcile, body)
+            except TemporaryError as exc:
+                delay = self.backoff.next(key)
+                log.warning("reconcile %s/%s: %s; retrying in %.0fs", *key, exc, delay)
+                metrics.RECONCILES.labels(outcome="retry").inc()
+                self.enqueue(key, delay)
+            except Exception:  # never let one object stop the loop
+                delay = self.backoff.next(key)
+                log.exception("reconcile %s/%s failed; retrying in %.0fs", *key, delay)
+                metrics.RECONCILES.labels(outcome="error").inc()
+                self.enqueue(key, delay)
+            else:
+                if result.requeue_after is not None:
+                    self.enqueue(key, max(result.requeue_after, self.backoff.next(key)))
+                else:
+                    self.backoff.reset(key)
+            finally:
+                self._active.discard(key)
+                if key in self._dirty:
+                    self._dirty.discard(key)
+                    self.enqueue(key)
+
+    async def _resync(self) -> None:
+        while True:
+            await asyncio.sleep(self.resync_seconds)
+            for key in list(self.objects):
+                self.enqueue(key)
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._work()) for _ in range(self.workers)]
+        self._tasks.append(asyncio.create_task(self._resync()))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -1,0 +1,92 @@
+"""kopf wiring: thin handlers that feed the controller's queue.
+
+Watched: InferenceDeployments, and the Deployments, Pods, Services and ConfigMaps
+Spillway manages (by label), whose changes re-reconcile their owner so drift is
+repaired and status follows the pods.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import kopf
+from kubernetes import client, config
+
+from spillway_operator.controller import Controller
+from spillway_operator.kube import Kube
+from spillway_operator.reconciler import Reconciler
+from spillway_operator.render import FIELD_MANAGER
+from spillway_operator.spec import GROUP, PLURAL, VERSION
+
+OWNER_LABEL = f"{GROUP}/inference-deployment"
+MANAGED = {"app.kubernetes.io/managed-by": FIELD_MANAGER, OWNER_LABEL: kopf.PRESENT}
+
+_state: dict[str, Any] = {}
+
+
+def _api_client() -> client.ApiClient:
+    if os.environ.get("KUBERNETES_SERVICE_HOST") and not os.environ.get("KUBECONFIG"):
+        config.load_incluster_config()
+        return client.ApiClient()
+    return config.new_client_from_config(config_file=os.environ.get("KUBECONFIG"))
+
+
+@kopf.on.startup()
+async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+    settings.posting.enabled = False  # Spillway posts its own, meaningful Events
+    settings.watching.server_timeout = int(os.environ.get("SPILLWAY_WATCH_TIMEOUT", "300"))
+    settings.watching.client_timeout = settings.watching.server_timeout + 30
+    settings.networking.error_backoffs = [1, 2, 5, 10]
+    settings.persistence.finalizer = f"{GROUP}/operator"
+    kube = Kube(_api_client())
+    controller = Controller(
+        Reconciler(kube),
+        workers=int(os.environ.get("SPILLWAY_WORKERS", "4")),
+        resync_seconds=float(os.environ.get("SPILLWAY_RESYNC_SECONDS", "300")),
+    )
+    controller.start()
+    _state["controller"] = controller
+    logging.getLogger("spillway").info("spillway operator started")
+
+
+@kopf.on.cleanup()
+async def cleanup(**_: Any) -> None:
+    controller = _state.pop("controller", None)
+    if controller:
+        await controller.stop()
+
+
+@kopf.on.event(GROUP, VERSION, PLURAL)
+async def on_inference_deployment(body: kopf.Body, type: str | None, **_: Any) -> None:
+    controller: Controller | None = _state.get("controller")
+    if controller is not None:
+        controller.observe(dict(body), type)
+
+
+def _owner_changed(namespace: str | None, labels: kopf.Labels) -> None:
+    controller: Controller | None = _state.get("controller")
+    name = labels.get(OWNER_LABEL)
+    if controller is not None and namespace and name and (namespace, name) in controller.objects:
+        controller.enqueue((namespace, name))
+
+
+@kopf.on.event("apps", "v1", "deployments", labels=MANAGED)
+async def on_deployment(namespace: str | None, labels: kopf.Labels, **_: Any) -> None:
+    _owner_changed(namespace, labels)
+
+
+@kopf.on.event("", "v1", "pods", labels=MANAGED)
+async def on_pod(namespace: str | None, labels: kopf.Labels, **_: Any) -> None:
+    _owner_changed(namespace, labels)
+
+
+@kopf.on.event("", "v1", "services", labels=MANAGED)
+async def on_service(namespace: str | None, labels: kopf.Labels, **_: Any) -> None:
+    _owner_changed(namespace, labels)
+
+
+@kopf.on.event("", "v1", "configmaps", labels=MANAGED)
+async def on_configmap(namespace: str | None, labels: kopf.Labels, **_: Any) -> None:
+    _owner_changed(namespace, labels)

@@ -1,0 +1,283 @@
+"""Pure functions: (InferenceDeployment, plan) -> the child manifests.
+
+No API calls here. Every child carries the same labels, an owner reference to the
+InferenceDeployment (so deletion cascades through the garbage collector), and only
+the fields Spillway owns (server-side apply merges the rest).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from spillway_engine.quantity import format_bytes, parse_bytes
+from spillway_operator.spec import (
+    GROUP,
+    KIND,
+    VERSION,
+    GPUProduct,
+    InferenceDeploymentSpec,
+    WeightsSource,
+)
+
+FIELD_MANAGER = "spillway"
+ENGINE_PORT = 8000
+PLAN_MOUNT = "/etc/spillway/plan"
+PLAN_FILE = "plan.json"
+MODEL_CACHE = "/models-cache"
+# Default host memory a pod may use per GPU when the spec gives no memory limit:
+# a GPU server has roughly 2 TiB for 8 GPUs; 192 GiB per GPU leaves room for the
+# node's own daemons.
+DEFAULT_MEMORY_PER_GPU = 192 * 2**30
+DEFAULT_CPU_PER_GPU = 4
+
+# GPU Feature Discovery's nvidia.com/gpu.product values for each product.
+GPU_PRODUCT_LABELS: dict[GPUProduct, list[str]] = {
+    GPUProduct.A100: ["NVIDIA-A100-SXM4-80GB", "NVIDIA-A100-80GB-PCIe", "NVIDIA-A100-SXM4-40GB",
+                      "NVIDIA-A100-PCIE-40GB"],
+    GPUProduct.H100: ["NVIDIA-H100-80GB-HBM3", "NVIDIA-H100-SXM5-80GB", "NVIDIA-H100-PCIe",
+                      "NVIDIA-H100-NVL"],
+    GPUProduct.H200: ["NVIDIA-H200", "NVIDIA-H200-141GB-HBM3e", "NVIDIA-H200-NVL"],
+    GPUProduct.L40S: ["NVIDIA-L40S"],
+}
+
+
+@dataclass(frozen=True)
+class Owner:
+    name: str
+    namespace: str
+    uid: str
+
+
+def labels(owner: Owner) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "spillway-engine",
+        "app.kubernetes.io/instance": owner.name,
+        "app.kubernetes.io/component": "engine",
+        "app.kubernetes.io/managed-by": FIELD_MANAGER,
+        f"{GROUP}/inference-deployment": owner.name,
+    }
+
+
+def selector_labels(owner: Owner) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "spillway-engine",
+        f"{GROUP}/inference-deployment": owner.name,
+    }
+
+
+def selector_string(owner: Owner) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(selector_labels(owner).items()))
+
+
+def _meta(owner: Owner, name: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": owner.namespace,
+        "labels": labels(owner),
+        "ownerReferences": [
+            {
+                "apiVersion": f"{GROUP}/{VERSION}",
+                "kind": KIND,
+                "name": owner.name,
+                "uid": owner.uid,
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ],
+    }
+
+
+def plan_json(plan: dict[str, Any]) -> str:
+    return json.dumps(plan, indent=2, sort_keys=True)
+
+
+def plan_hash(plan: dict[str, Any]) -> str:
+    return hashlib.sha256(plan_json(plan).encode()).hexdigest()[:16]
+
+
+def plan_configmap(owner: Owner, plan: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(owner, f"{owner.name}-plan"),
+        "data": {PLAN_FILE: plan_json(plan)},
+    }
+
+
+def service(owner: Owner) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(owner, owner.name),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(owner),
+            "ports": [
+                {"name": "http", "port": ENGINE_PORT, "targetPort": "http", "protocol": "TCP"}
+            ],
+        },
+    }
+
+
+def service_monitor(owner: Owner) -> dict[str, Any]:
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "ServiceMonitor",
+        "metadata": _meta(owner, owner.name),
+        "spec": {
+            "selector": {"matchLabels": selector_labels(owner)},
+            "endpoints": [{"port": "http", "path": "/metrics", "interval": "15s"}],
+        },
+    }
+
+
+def memory_limit_bytes(spec: InferenceDeploymentSpec) -> int:
+    """The pod memory limit the planner fits the pool into when hostMemory is auto."""
+    if spec.offload.memory_limit:
+        return parse_bytes(spec.offload.memory_limit, what="offload.memoryLimit")
+    return DEFAULT_MEMORY_PER_GPU * spec.gpus_per_pod
+
+
+def _node_affinity(spec: InferenceDeploymentSpec) -> dict[str, Any]:
+    term = {
+        "matchExpressions": [
+            {
+                "key": "nvidia.com/gpu.product",
+                "operator": "In",
+                "values": GPU_PRODUCT_LABELS[spec.resources.gpu_product],
+            }
+        ]
+    }
+    affinity = json.loads(json.dumps(spec.resources.affinity or {}))
+    required = affinity.setdefault("nodeAffinity", {}).setdefault(
+        "requiredDuringSchedulingIgnoredDuringExecution", {}
+    )
+    terms = required.setdefault("nodeSelectorTerms", [])
+    if not terms:
+        terms.append(term)
+    else:  # node selector terms are ORed: the GPU product must hold in each
+        for t in terms:
+            t.setdefault("matchExpressions", []).extend(term["matchExpressions"])
+    return affinity
+
+
+def _env(spec: InferenceDeploymentSpec) -> list[dict[str, Any]]:
+    env: list[dict[str, Any]] = [
+        {"name": "HF_HOME", "value": MODEL_CACHE},
+        {"name": "SPILLWAY_PLAN", "value": f"{PLAN_MOUNT}/{PLAN_FILE}"},
+    ]
+    token = spec.model.token_secret_ref
+    if token:  # referenced, never copied: the token stays in its Secret
+        env.append(
+            {
+                "name": "HF_TOKEN",
+                "valueFrom": {"secretKeyRef": {"name": token.name, "key": token.key}},
+            }
+        )
+    return env + list(spec.engine.env or [])
+
+
+def _volumes(owner: Owner, spec: InferenceDeploymentSpec, plan: dict[str, Any]):
+    shm = int(plan["pod"]["shm_bytes"])
+    volumes = [
+        {"name": "plan", "configMap": {"name": f"{owner.name}-plan"}},
+        # The host offload pool lives in /dev/shm, so it is memory-backed and sized
+        # by the plan (the default 64 MiB container /dev/shm would refuse it).
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": format_bytes(shm)}},
+    ]
+    mounts = [
+        {"name": "plan", "mountPath": PLAN_MOUNT, "readOnly": True},
+        {"name": "dshm", "mountPath": "/dev/shm"},
+    ]
+    if spec.weights.source == WeightsSource.PVC and spec.weights.pvc:
+        volumes.append(
+            {
+                "name": "weights",
+                "persistentVolumeClaim": {"claimName": spec.weights.pvc.claim_name,
+                                          "readOnly": True},
+            }
+        )
+        mounts.append({"name": "weights", "mountPath": spec.weights.pvc.path, "readOnly": True})
+    else:
+        volumes.append({"name": "model-cache", "emptyDir": {}})
+        mounts.append({"name": "model-cache", "mountPath": MODEL_CACHE})
+    return volumes, mounts
+
+
+def deployment(owner: Owner, spec: InferenceDeploymentSpec, plan: dict[str, Any]) -> dict[str, Any]:
+    gpus = spec.gpus_per_pod
+    pod = plan["pod"]
+    extra = parse_bytes(spec.resources.extra_memory, what="resources.extraMemory") if (
+        spec.resources.extra_memory) else 0
+    memory_request = format_bytes(int(pod["memory_request_bytes"]) + extra)
+    memory_limit = format_bytes(int(pod["memory_limit_bytes"]) + extra)
+    cpu = spec.resources.cpu or str(DEFAULT_CPU_PER_GPU * gpus)
+    gpu_name = spec.resources.gpu_resource_name
+    volumes, mounts = _volumes(owner, spec, plan)
+    probe = {"httpGet": {"path": "/health", "port": "http"}}
+    container = {
+        "name": "engine",
+        "image": spec.engine.image,
+        "command": ["spillway-engine", "serve"],
+        "args": ["--plan", f"{PLAN_MOUNT}/{PLAN_FILE}", "--port", str(ENGINE_PORT)],
+        "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
+        "env": _env(spec),
+        "resources": {
+            "requests": {gpu_name: str(gpus), "cpu": cpu, "memory": memory_request},
+            "limits": {gpu_name: str(gpus), "memory": memory_limit},
+        },
+        "volumeMounts": mounts,
+        # Model downloads and loads take minutes: up to an hour to start, then
+        # readiness gates traffic and liveness restarts a hung engine.
+        "startupProbe": {**probe, "periodSeconds": 10, "failureThreshold": 360},
+        "readinessProbe": {**probe, "periodSeconds": 5, "failureThreshold": 3},
+        "livenessProbe": {**probe, "periodSeconds": 15, "failureThreshold": 4,
+                          "timeoutSeconds": 5},
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": 1000,
+            "runAsGroup": 1000,
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+    }
+    tolerations = [{"key": gpu_name, "operator": "Exists", "effect": "NoSchedule"}]
+    tolerations += list(spec.resources.tolerations or [])
+    pod_spec: dict[str, Any] = {
+        "containers": [container],
+        "volumes": volumes,
+        "affinity": _node_affinity(spec),
+        "tolerations": tolerations,
+        "securityContext": {"runAsNonRoot": True, "fsGroup": 1000,
+                            "seccompProfile": {"type": "RuntimeDefault"}},
+        "terminationGracePeriodSeconds": 60,
+        "enableServiceLinks": False,
+        "automountServiceAccountToken": False,
+    }
+    if spec.resources.node_selector:
+        pod_spec["nodeSelector"] = dict(spec.resources.node_selector)
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(owner, owner.name),
+        "spec": {
+            "replicas": spec.replicas,
+            "selector": {"matchLabels": selector_labels(owner)},
+            # A new pod must be Ready before an old one goes; loads take minutes.
+            "strategy": {"type": "RollingUpdate",
+                         "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "progressDeadlineSeconds": 3600,
+            "template": {
+                "metadata": {
+                    "labels": labels(owner),
+                    # A changed plan rolls the pods: they were sized for the old one.
+                    "annotations": {f"{GROUP}/plan-hash": plan_hash(plan)},
+                },
+                "spec": pod_spec,
+            },
+        },
+    }

@@ -1,0 +1,118 @@
+"""The people's entry point, ``python -m e2e.cluster`` (wrapped by e2e/cluster/up and
+down): idempotent start, clean stop, and clear errors instead of hangs."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from e2e.cluster.controlplane import REPO_ROOT, free_port
+
+CLI = [sys.executable, "-m", "e2e.cluster"]
+
+
+def run(*args: str, timeout: float = 180, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*CLI, *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def consecutive_free_ports(n: int = 6) -> int:
+    for _ in range(50):
+        base = free_port()
+        if base + n < 65535 and all(_free(base + i) for i in range(n)):
+            return base
+    raise RuntimeError("no run of free ports")
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_missing_binary_fails_fast_with_a_clear_message(tmp_path):
+    start = time.monotonic()
+    proc = run("up", "--dir", str(tmp_path / "c"), "--bin-cache", str(tmp_path / "empty"),
+               timeout=60)
+    assert proc.returncode == 1
+    assert "missing binaries" in proc.stderr
+    assert "kube-apiserver" in proc.stderr and "tools/build.sh" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert time.monotonic() - start < 30
+
+
+def test_port_in_use_fails_fast_with_a_clear_message(tmp_path, cluster):
+    base = consecutive_free_ports()
+    with socket.socket() as blocker:
+        blocker.bind(("127.0.0.1", base + 2))  # the apiserver's port
+        blocker.listen()
+        proc = run("up", "--dir", str(tmp_path / "c"), "--port-base", str(base), timeout=60)
+    assert proc.returncode == 1
+    assert f"{base + 2} (apiserver)" in proc.stderr
+    assert "already in use" in proc.stderr
+    assert not (tmp_path / "c" / "state.json").exists()
+
+
+def test_bad_pod_network_is_a_usage_error(tmp_path):
+    proc = run("up", "--dir", str(tmp_path / "c"), "--pod-net", "10.1", timeout=60)
+    assert proc.returncode == 2
+    assert "127.0.0.0/8" in proc.stderr
+
+
+@pytest.mark.timeout(300)
+def test_up_is_idempotent_and_down_leaves_no_process(tmp_path, cluster):
+    import json
+
+    workdir = tmp_path / "people"
+    base = consecutive_free_ports()
+    common = ["--dir", str(workdir), "--port-base", str(base), "--nodes", "1", "--pod-net", "127.3"]
+    try:
+        first = run("up", *common)
+        assert first.returncode == 0, first.stderr
+        assert "control plane ready in" in first.stdout
+        assert "gpu-node-0" in first.stdout and "NVIDIA-H100-80GB-HBM3" in first.stdout
+        kubeconfig = workdir / "kubeconfig"
+        assert kubeconfig.exists()
+        pids = json.loads((workdir / "state.json").read_text())["pids"]
+        assert set(pids) == {"etcd", "kube-apiserver", "kube-controller-manager",
+                             "kube-scheduler", "kwok"}
+
+        second = run("up", *common)
+        assert second.returncode == 0, second.stderr
+        assert "already up" in second.stdout
+        assert json.loads((workdir / "state.json").read_text())["pids"] == pids
+
+        # The written kubeconfig works for a person's kubectl.
+        from e2e.cluster.controlplane import locate_binaries
+
+        nodes = subprocess.run(
+            [str(locate_binaries()["kubectl"]), f"--kubeconfig={kubeconfig}", "get", "nodes",
+             "-o", "jsonpath={.items[*].status.capacity.nvidia\\.com/gpu}"],
+            capture_output=True, text=True, timeout=30,
+        )
+        assert nodes.stdout.split() == ["8"]
+    finally:
+        down = run("down", "--dir", str(workdir), "--port-base", str(base))
+    assert down.returncode == 0, down.stderr
+    assert not any(_alive(int(pid)) for pid in pids.values())
+    assert all(_free(base + i) for i in range(6))
+    status = run("status", "--dir", str(workdir), "--port-base", str(base))
+    assert status.returncode == 1 and "down" in status.stdout

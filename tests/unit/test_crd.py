@@ -1,0 +1,88 @@
+"""The CRD is generated from the typed spec model and stays in sync with it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from spillway_operator import crd
+from spillway_operator.spec import InferenceDeploymentSpec
+
+ROOT = Path(__file__).resolve().parents[2]
+CRD_FILE = ROOT / "crds" / "inferencedeployments.spillway.dev.yaml"
+
+
+def walk(node, path="$"):
+    yield path, node
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from walk(v, f"{path}.{k}")
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from walk(v, f"{path}[{i}]")
+
+
+def test_committed_crd_is_generated_from_the_model():
+    assert CRD_FILE.read_text() == crd.render(), (
+        "crds/ is stale: run `python -m spillway_operator.crd > " + str(CRD_FILE.relative_to(ROOT))
+        + "`"
+    )
+
+
+def test_schema_is_structural():
+    schema = crd.build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    for path, node in walk(schema):
+        if not isinstance(node, dict):
+            continue
+        for banned in ("$ref", "$defs", "anyOf", "allOf", "title"):
+            assert banned not in node, f"{banned} at {path}"
+        if "properties" in node:
+            assert node.get("type") == "object", path
+            assert not isinstance(node.get("additionalProperties"), bool), path
+        if "default" in node:
+            assert node["default"] is not None, path
+        if "exclusiveMinimum" in node:
+            assert node["exclusiveMinimum"] is True and "minimum" in node, path
+
+
+def test_schema_defaults_match_the_model_defaults():
+    """What the API server fills in equals what the operator assumes when parsing."""
+    spec_schema = crd.spec_schema()
+    model_default = InferenceDeploymentSpec(model={"name": "x/y"}).model_dump(
+        by_alias=True, exclude_none=True, mode="json"
+    )
+    for section in ("engine", "offload", "autoscaling", "resources", "weights"):
+        props = spec_schema["properties"][section]["properties"]
+        for field, value in model_default[section].items():
+            assert props[field].get("default") == value, f"{section}.{field}"
+
+
+def test_scale_subresource_and_printer_columns():
+    version = crd.build_crd()["spec"]["versions"][0]
+    assert version["subresources"]["scale"] == {
+        "specReplicasPath": ".spec.replicas",
+        "statusReplicasPath": ".status.replicas",
+        "labelSelectorPath": ".status.selector",
+    }
+    names = [c["name"] for c in version["additionalPrinterColumns"]]
+    assert names == ["Model", "Desired", "Ready", "Host Pool", "Capacity", "Pressure", "Age"]
+    meta = yaml.safe_load(CRD_FILE.read_text())["spec"]["names"]
+    assert meta["shortNames"] == ["infdep"] and meta["categories"] == ["spillway"]
+
+
+def test_model_refuses_what_the_schema_refuses():
+    with pytest.raises(ValidationError):
+        InferenceDeploymentSpec.model_validate({"model": {"name": "a/b"}, "replicas": -1})
+    with pytest.raises(ValidationError):
+        InferenceDeploymentSpec.model_validate(
+            {"model": {"name": "a/b"}, "engine": {"tensorParallelSize": 0}}
+        )
+    with pytest.raises(ValidationError):
+        InferenceDeploymentSpec.model_validate({"model": {"name": "a/b"}, "bogus": 1})
+    spec = InferenceDeploymentSpec.model_validate(
+        {"model": {"name": "a/b"}, "engine": {"tensorParallelSize": 4, "dataParallelSize": 2}}
+    )
+    assert spec.gpus_per_pod == 8

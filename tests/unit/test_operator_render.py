@@ -1,0 +1,118 @@
+"""Children rendered from (spec, plan) and the comparator that keeps steady state write-free."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from spillway_engine.model_config import load_local
+from spillway_engine.plan import make_plan
+from spillway_engine.quantity import format_bytes, parse_bytes
+from spillway_operator import render
+from spillway_operator.kube import contains
+from spillway_operator.reconciler import engine_options, plan_request
+from spillway_operator.spec import InferenceDeploymentSpec
+
+MODELS = Path(__file__).resolve().parents[1] / "fixtures" / "models"
+OWNER = render.Owner("chat", "team-a", "uid-123")
+
+
+def plan_for(spec: InferenceDeploymentSpec, fixture="gemma-3-1b-it.json") -> dict:
+    return make_plan(load_local(MODELS / fixture), plan_request(spec)).model_dump(mode="json")
+
+
+def spec_of(**fields) -> InferenceDeploymentSpec:
+    return InferenceDeploymentSpec.model_validate({"model": {"name": "google/gemma-3-1b-it"},
+                                                   **fields})
+
+
+def test_deployment_is_sized_from_the_plan():
+    spec = spec_of(engine={"tensorParallelSize": 2}, offload={"hostMemory": "32Gi"})
+    plan = plan_for(spec)
+    dep = render.deployment(OWNER, spec, plan)
+    pod = dep["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    assert parse_bytes(c["resources"]["limits"]["memory"]) == plan["pod"]["memory_limit_bytes"]
+    assert parse_bytes(c["resources"]["requests"]["memory"]) == plan["pod"]["memory_request_bytes"]
+    shm = next(v for v in pod["volumes"] if v["name"] == "dshm")
+    assert parse_bytes(shm["emptyDir"]["sizeLimit"]) == plan["pod"]["shm_bytes"]
+    assert plan["pod"]["shm_bytes"] >= 32 * 2**30
+    assert dep["spec"]["template"]["metadata"]["annotations"]["spillway.dev/plan-hash"] == \
+        render.plan_hash(plan)
+    assert c["securityContext"]["runAsNonRoot"] is True
+    assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert "NVIDIA-H100-80GB-HBM3" in terms["nodeSelectorTerms"][0]["matchExpressions"][0]["values"]
+    assert dep["metadata"]["ownerReferences"][0]["uid"] == "uid-123"
+
+
+def test_token_is_referenced_never_copied():
+    spec = spec_of(model={"name": "meta-llama/Llama-3.2-1B",
+                          "tokenSecretRef": {"name": "hf", "key": "tok"}})
+    dep = render.deployment(OWNER, spec, plan_for(spec, "llama-3.2-1b.json"))
+    env = dep["spec"]["template"]["spec"]["containers"][0]["env"]
+    hf = next(e for e in env if e["name"] == "HF_TOKEN")
+    assert hf == {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "tok"}}}
+    assert "tok" not in str(engine_options(spec).values())
+
+
+def test_user_affinity_terms_all_require_the_gpu_product():
+    spec = spec_of(resources={"gpuProduct": "H200", "affinity": {"nodeAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]},
+            {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["b"]}]},
+        ]}}}})
+    dep = render.deployment(OWNER, spec, plan_for(spec))
+    terms = dep["spec"]["template"]["spec"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    for term in terms:
+        keys = [e["key"] for e in term["matchExpressions"]]
+        assert keys == ["zone", "nvidia.com/gpu.product"]
+        assert "NVIDIA-H200" in term["matchExpressions"][1]["values"]
+
+
+def test_auto_host_memory_fits_the_memory_limit():
+    spec = spec_of(engine={"tensorParallelSize": 2}, offload={"memoryLimit": "300Gi"})
+    plan = plan_for(spec)
+    assert plan["pod"]["memory_limit_bytes"] <= 300 * 2**30
+    assert plan["cpu_memory_bytes"] > 200 * 2**30
+
+
+def test_plan_request_carries_the_spec():
+    spec = spec_of(engine={"tensorParallelSize": 4, "dataParallelSize": 2, "maxModelLen": 8192,
+                           "kvCacheDtype": "fp8"},
+                   offload={"blocksPerChunk": 8, "offloader": "upstream", "hostMemory": "64Gi"},
+                   resources={"gpuProduct": "A100"})
+    req = plan_request(spec)
+    assert (req.tensor_parallel_size, req.data_parallel_size, req.max_model_len) == (4, 2, 8192)
+    assert req.kv_cache_dtype == "fp8" and req.blocks_per_chunk == 8
+    assert req.offloader == "upstream" and req.gpu == "a100"
+    assert req.cpu_memory_bytes == 64 * 2**30 and req.memory_limit_bytes is None
+
+
+@pytest.mark.parametrize(
+    ("live", "desired", "equal"),
+    [
+        ({"a": 1, "server": "added"}, {"a": 1}, True),
+        ({"a": 1}, {"a": 2}, False),
+        ({"a": 1}, {"b": 1}, False),
+        ({"l": [{"x": 1, "d": 0}]}, {"l": [{"x": 1}]}, True),
+        ({"l": [{"x": 1}, {"x": 2}]}, {"l": [{"x": 1}]}, False),
+        ({"limits": {"memory": "1Gi"}}, {"limits": {"memory": "1024Mi"}}, True),
+        ({"limits": {"memory": "1Gi"}}, {"limits": {"memory": "1025Mi"}}, False),
+        ({"requests": {"cpu": "500m"}}, {"requests": {"cpu": "0.5"}}, True),
+        ({"port": 8000}, {"port": "8000"}, True),
+        ({"image": "x:1"}, {"image": "x:2"}, False),
+    ],
+)
+def test_contains(live, desired, equal):
+    assert contains(live, desired) is equal
+
+
+@given(st.integers(min_value=1, max_value=2**50))
+def test_formatted_quantities_compare_equal_to_their_bytes(n):
+    assert contains({"limits": {"memory": str(n)}}, {"limits": {"memory": format_bytes(n)}})

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Create or refresh the project's virtual environment and print its python.
+# The venv lives under $HOME (cached across runs); it is reinstalled only when
+# pyproject.toml changes. EXTRAS picks the optional dependency groups.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+venv=${SPILLWAY_VENV:-$HOME/.cache/spillway/venv}
+extras=${EXTRAS:-test,engine}
+py=${PYTHON:-python3}
+if ! "$py" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+  echo "error: Python >= 3.11 is required (found: $("$py" --version 2>&1))" >&2; exit 1
+fi
+stamp="$venv/.spillway-stamp"
+want="$(sha256sum "$root/pyproject.toml" | cut -c1-16) $extras $root"
+if [ ! -x "$venv/bin/python" ]; then
+  echo "[venv] creating $venv" >&2
+  "$py" -m venv "$venv"
+  "$venv/bin/pip" install -q -U pip >&2
+fi
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  echo "[venv] installing spillway[$extras] (first time: several minutes, vLLM and torch are large)" >&2
+  "$venv/bin/pip" install -q -e "$root[$extras]" >&2
+  echo "$want" > "$stamp"
+fi
+echo "$venv/bin/python"
