@@ -90,24 +90,28 @@ class Kube:
 
     def request(self, verb: str, path: str, body: Any = None, *, query: dict | None = None,
                 content_type: str = "application/json") -> Any:
+        """One API request; JSON bodies as dicts, apply patches as YAML text."""
         metrics.API_REQUESTS.labels(verb=verb.lower()).inc()
+        method, url, headers, body, post = self.api.param_serialize(
+            verb.upper(),
+            path,
+            query_params=list((query or {}).items()),
+            header_params={"Content-Type": content_type, "Accept": "application/json"},
+            body=body,
+            auth_settings=["BearerToken"],
+        )
         try:
-            data = self.api.call_api(
-                path,
-                verb.upper(),
-                query_params=list((query or {}).items()),
-                header_params={"Content-Type": content_type, "Accept": "application/json"},
-                body=body,
-                auth_settings=["BearerToken"],
-                response_type="object",
-                _return_http_data_only=True,
-                _preload_content=True,
-            )
-        except ApiException as exc:
-            if exc.status in (409, 429, 500, 502, 503, 504) or exc.status == 0:
-                raise TemporaryError(f"{verb} {path}: HTTP {exc.status} {exc.reason}") from exc
-            raise
-        return data
+            resp = self.api.call_api(method, url, headers, body, post, _request_timeout=30)
+        except ApiException as exc:  # transport-level failure
+            raise TemporaryError(f"{verb} {path}: {exc}") from exc
+        data = resp.read()
+        if resp.status >= 400:
+            exc = ApiException(status=resp.status, reason=resp.reason,
+                               body=data.decode("utf-8", "replace") if data else None)
+            if resp.status in (409, 429, 500, 502, 503, 504):
+                raise TemporaryError(f"{verb} {path}: HTTP {resp.status} {resp.reason}") from exc
+            raise exc
+        return json.loads(data) if data else None
 
     def get(self, path: str) -> dict | None:
         try:
@@ -186,7 +190,7 @@ class Kube:
         self.request(
             "patch",
             self.resource_path(namespace, name, "status"),
-            body=json.dumps({"status": status}),
+            body={"status": status},
             content_type="application/merge-patch+json",
         )
 

@@ -32,7 +32,9 @@ def consecutive_free_ports(n: int = 6) -> int:
 
 
 def _free(port: int) -> bool:
+    # SO_REUSEADDR: connections left in TIME_WAIT are not a process holding the port.
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:

@@ -196,7 +196,9 @@ def test_editing_tensor_parallel_rolls_out_new_gpu_count_and_plan(env):
 
 
 def test_more_gpus_than_any_node_is_reported_unschedulable(env):
-    env.create(infdep("huge", tp=16))
+    # Llama-3.2-1B has 32 heads, so TP=16 is a valid plan; no node has 16 GPUs.
+    model_configmap(env.core, env.ns, "llama", "llama-3.2-1b.json")
+    env.create(infdep("huge", tp=16, config_map="llama"))
     c = env.wait_condition("huge", "Available", "False", "InsufficientGPUCapacity", timeout=90)
     assert "nvidia.com/gpu" in c["message"]
     assert env.condition("huge", "Degraded")["status"] == "True"
@@ -239,11 +241,11 @@ def test_missing_configmap_is_retried_until_it_appears(env):
 def test_drift_on_the_deployment_is_repaired(env):
     env.create(infdep("drift"))
     env.wait_condition("drift", "Available", "True")
-    want = env.deployment("drift").spec.template.spec.containers[0].resources.limits["memory"]
-    env.apps.patch_namespaced_deployment("drift", env.ns, {"spec": {"template": {"spec": {
-        "containers": [{"name": "engine", "resources": {"limits": {"memory": "1Gi"}}}]}}}})
-    wait_for(lambda: env.deployment("drift").spec.template.spec.containers[0].resources.limits[
-        "memory"] == want, 30, "the operator to restore the memory limit")
+    want = env.deployment("drift").spec.template.spec.containers[0].image
+    env.apps.patch_namespaced_deployment("drift", env.ns, {"spec": {"replicas": 3, "template": {
+        "spec": {"containers": [{"name": "engine", "image": "example.invalid/other:1"}]}}}})
+    wait_for(lambda: (d := env.deployment("drift")).spec.template.spec.containers[0].image == want
+             and d.spec.replicas == 1, 30, "the operator to restore image and replicas")
 
 
 def test_scale_subresource_drives_replicas(env):
