@@ -59,10 +59,14 @@ def rss_mib(pid: int) -> float:
 
 def body(name: str) -> dict:
     return {
-        "apiVersion": f"{GROUP}/{VERSION}", "kind": "InferenceDeployment",
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "InferenceDeployment",
         "metadata": {"name": name},
-        "spec": {"model": {"name": "meta-llama/Llama-3.2-1B", "configMapRef": {"name": "model"}},
-                 "replicas": 0, "offload": {"hostMemory": "8Gi"}},
+        "spec": {
+            "model": {"name": "meta-llama/Llama-3.2-1B", "configMapRef": {"name": "model"}},
+            "replicas": 0,
+            "offload": {"hostMemory": "8Gi"},
+        },
     }
 
 
@@ -110,25 +114,47 @@ def main() -> int:
     if args.kubeconfig:
         kubeconfig = args.kubeconfig
     else:
-        cluster = LocalCluster(ClusterConfig(workdir=Path(tmp.name), ports=Ports.free(),
-                                             nodes=2, pod_net="127.4",
-                                             binaries=locate_binaries()))
+        cluster = LocalCluster(
+            ClusterConfig(
+                workdir=Path(tmp.name),
+                ports=Ports.free(),
+                nodes=2,
+                pod_net="127.4",
+                binaries=locate_binaries(),
+            )
+        )
         print(f"control plane ready in {cluster.start():.1f}s", file=sys.stderr)
         kubeconfig = cluster.config.kubeconfig
     kubectl = [str(locate_binaries()["kubectl"]), f"--kubeconfig={kubeconfig}"]
-    subprocess.run([*kubectl, "apply", "--server-side", "-f", REPO_ROOT / "crds"], check=True,
-                   capture_output=True)
-    subprocess.run([*kubectl, "wait", "--for=condition=Established",
-                    "crd/inferencedeployments.spillway.dev"], check=True, capture_output=True)
+    subprocess.run(
+        [*kubectl, "apply", "--server-side", "-f", REPO_ROOT / "crds"],
+        check=True,
+        capture_output=True,
+    )
+    subprocess.run(
+        [*kubectl, "wait", "--for=condition=Established", "crd/inferencedeployments.spillway.dev"],
+        check=True,
+        capture_output=True,
+    )
     api = config.new_client_from_config(config_file=str(kubeconfig))
     core = client.CoreV1Api(api)
 
     port = free_port()
     log = open(Path(tmp.name) / "operator.log", "wb")  # noqa: SIM115
     op = subprocess.Popen(
-        [sys.executable, "-m", "spillway_operator", "-A", "--liveness", "",
-         "--metrics-port", str(port)],
-        env={**os.environ, "KUBECONFIG": str(kubeconfig)}, stdout=log, stderr=subprocess.STDOUT,
+        [
+            sys.executable,
+            "-m",
+            "spillway_operator",
+            "-A",
+            "--liveness",
+            "",
+            "--metrics-port",
+            str(port),
+        ],
+        env={**os.environ, "KUBECONFIG": str(kubeconfig)},
+        stdout=log,
+        stderr=subprocess.STDOUT,
         cwd=REPO_ROOT,
     )
     url = f"http://127.0.0.1:{port}/metrics"
@@ -145,17 +171,24 @@ def main() -> int:
         for count in (1, args.count):
             ns = f"bench-{count}-{int(time.time())}"
             core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=ns)))
-            core.create_namespaced_config_map(ns, client.V1ConfigMap(
-                metadata=client.V1ObjectMeta(name="model"),
-                data={"config.json": json.dumps(json.loads(CONFIG.read_text()))}))
+            core.create_namespaced_config_map(
+                ns,
+                client.V1ConfigMap(
+                    metadata=client.V1ObjectMeta(name="model"),
+                    data={"config.json": json.dumps(json.loads(CONFIG.read_text()))},
+                ),
+            )
             lat = run_batch(api, ns, count)
             rows.append((count, len(lat), statistics.median(lat), pct(lat, 0.99), rss_mib(op.pid)))
 
         # No-op reconciles: wait until quiet, then poke every object of the last batch.
         def counters():
-            return (metric(url, "spillway_operator_api_requests_total", verb="patch")
-                    + metric(url, "spillway_operator_api_requests_total", verb="post"),
-                    metric(url, "spillway_operator_reconciles_total"))
+            return (
+                metric(url, "spillway_operator_api_requests_total", verb="patch")
+                + metric(url, "spillway_operator_api_requests_total", verb="post"),
+                metric(url, "spillway_operator_reconciles_total"),
+            )
+
         prev = None
         while prev != (cur := counters()):
             prev = cur
@@ -163,8 +196,14 @@ def main() -> int:
         writes0, rec0 = prev
         custom = client.CustomObjectsApi(api)
         for i in range(args.count):
-            custom.patch_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, f"bench-{i}",
-                                                  {"metadata": {"annotations": {"poke": "1"}}})
+            custom.patch_namespaced_custom_object(
+                GROUP,
+                VERSION,
+                ns,
+                PLURAL,
+                f"bench-{i}",
+                {"metadata": {"annotations": {"poke": "1"}}},
+            )
         deadline = time.monotonic() + 120
         while counters()[1] < rec0 + args.count and time.monotonic() < deadline:
             time.sleep(1)
@@ -175,13 +214,17 @@ def main() -> int:
         if cluster:
             cluster.stop()
 
-    print(f"{'objects':>8} {'deployed':>9} {'p50 (s)':>9} {'p99 (s)':>9} {'operator RSS (MiB)':>19}")
+    print(
+        f"{'objects':>8} {'deployed':>9} {'p50 (s)':>9} {'p99 (s)':>9} {'operator RSS (MiB)':>19}"
+    )
     for count, n, p50, p99, rss in rows:
         print(f"{count:>8} {n:>9} {p50:>9.3f} {p99:>9.3f} {rss:>19.0f}")
     print(f"operator RSS at start: {rss_idle:.0f} MiB")
     noop = rec1 - rec0
-    print(f"no-op reconciles: {noop:.0f}, API writes during them: {writes1 - writes0:.0f} "
-          f"({(writes1 - writes0) / max(noop, 1):.3f} per reconcile)")
+    print(
+        f"no-op reconciles: {noop:.0f}, API writes during them: {writes1 - writes0:.0f} "
+        f"({(writes1 - writes0) / max(noop, 1):.3f} per reconcile)"
+    )
     return 0
 
 

@@ -1,0 +1,78 @@
+"""Planner latency: make_plan per model (target < 50 ms), and the CLI end to end (< 1 s).
+
+Run: python bench/planner.py [--repeat N]. Prints a table; asserts nothing. The planner
+must not import vLLM, and the last line checks that it did not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from spillway_engine.plan import PlanRequest, make_plan
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = ROOT / "tests" / "fixtures" / "models"
+
+CASES = [
+    ("llama-3.1-70b-instruct", 8),
+    ("gemma-3-27b-it", 1),
+    ("gpt-oss-120b", 1),
+    ("qwen3-next-80b-a3b-instruct", 4),
+    ("deepseek-v3", 8),
+    ("jamba-mini-1.5", 2),
+    ("nemotron-h-8b-base-8k", 1),
+    ("phi-3-mini-4k-instruct", 1),
+]
+
+
+def bench_plan(name: str, tp: int, repeat: int) -> tuple[float, float, int]:
+    config = json.loads((MODELS / f"{name}.json").read_text())["config"]
+    request = PlanRequest(tensor_parallel_size=tp, cpu_memory_bytes=64 * 2**30)
+    make_plan(config, request)  # warm caches (pydantic validators)
+    samples = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        plan = make_plan(config, request)
+        samples.append((time.perf_counter() - start) * 1000)
+    return statistics.median(samples), max(samples), len(plan.kv_groups)
+
+
+def bench_cli(repeat: int) -> float:
+    cmd = [
+        sys.executable,
+        "-m",
+        "spillway_engine.cli",
+        "plan",
+        "--model-config",
+        str(MODELS / "gemma-3-27b-it.json"),
+        "--cpu-memory",
+        "64Gi",
+    ]
+    samples = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        subprocess.run(cmd, check=True, capture_output=True)
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--repeat", type=int, default=200)
+    args = parser.parse_args()
+    print(f"{'model':32} {'TP':>3} {'groups':>6} {'median ms':>10} {'max ms':>8}")
+    for name, tp in CASES:
+        median, worst, groups = bench_plan(name, tp, args.repeat)
+        print(f"{name:32} {tp:>3} {groups:>6} {median:>10.3f} {worst:>8.3f}")
+    print(f"\nspillway plan (gemma-3-27b-it, table), median of 5 runs: {bench_cli(5):.2f} s")
+    print(f"vllm imported by the planner: {'vllm' in sys.modules}")
+
+
+if __name__ == "__main__":
+    main()

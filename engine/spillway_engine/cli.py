@@ -1,0 +1,282 @@
+"""The ``spillway`` command. Subcommands register themselves in ``_SUBCOMMANDS``.
+
+Exit status: 0 on success, 2 on a refusal or bad input (one line on stderr, or an
+``{"error": ...}`` object with ``--format json``), never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from spillway_engine.model_config import ModelConfigSourceError, load_hub, load_local
+from spillway_engine.plan import Plan, PlanRefused, PlanRequest, make_plan
+from spillway_engine.quantity import QuantityError, human_bytes, parse_bytes
+
+EXIT_REFUSED = 2
+
+
+class CliError(Exception):
+    """Bad input or a refusal: printed as one line, exit status 2."""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} must be at least 1")
+    return value
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+
+
+def _quantity(text: str) -> int:
+    try:
+        value = parse_bytes(text)
+    except QuantityError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} must be more than 0 bytes")
+    return value
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that exits with status 2 and one line, as every refusal does."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise CliError(f"{self.prog}: {message}")
+
+
+# ---------------------------------------------------------------------------- plan
+
+
+def _add_plan(sub: Any) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="KV groups, offload chunks, host pool and pod memory for a model",
+        description="Compute the KV-cache groups vLLM 0.33.0 builds for a model, the "
+        "offload chunk geometry, the host pool and the pod memory.",
+    )
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model-config", metavar="PATH", help="config.json or a model directory")
+    src.add_argument("--model", metavar="ID", help="Hugging Face model id (config.json only)")
+    p.add_argument("--revision", help="hub revision for --model")
+    p.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1)
+    p.add_argument("--pipeline-parallel-size", "-pp", type=_positive_int, default=1)
+    p.add_argument("--data-parallel-size", "-dp", type=_positive_int, default=1)
+    p.add_argument("--max-model-len", type=_positive_int)
+    p.add_argument("--block-size", type=_positive_int, help="vLLM --block-size, if forced")
+    p.add_argument("--dtype", choices=("auto", "bfloat16", "float16"), default="auto")
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto, bfloat16, float16, fp8")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--blocks-per-chunk", type=_int, help="GPU blocks per offload chunk")
+    p.add_argument("--cpu-memory", type=_quantity, help="host pool per engine (64Gi, bytes)")
+    p.add_argument("--memory-limit", type=_quantity, help="container memory limit to fit")
+    p.add_argument("--offloader", choices=("upstream", "spillway"), default="spillway")
+    p.add_argument("--gpu", default="h100", help="h100 (default), h200, a100, a100-40gb, l40s")
+    p.add_argument("--format", choices=("table", "json"), default="table")
+    p.set_defaults(handler=_run_plan)
+
+
+def _load_config(args: argparse.Namespace) -> dict[str, Any]:
+    try:
+        if args.model_config:
+            return load_local(args.model_config)
+        return load_hub(args.model, revision=args.revision, token=os.environ.get("HF_TOKEN"))
+    except ModelConfigSourceError as e:
+        raise CliError(str(e)) from None
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    if args.cpu_memory is None and args.memory_limit is None:
+        raise CliError("give --cpu-memory (the host pool) or --memory-limit")
+    config = _load_config(args)
+    request = PlanRequest(
+        model_name=args.model or args.model_config,
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        data_parallel_size=args.data_parallel_size,
+        dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
+        enable_prefix_caching=not args.no_prefix_caching,
+        blocks_per_chunk=args.blocks_per_chunk,
+        cpu_memory_bytes=args.cpu_memory,
+        memory_limit_bytes=args.memory_limit,
+        offloader=args.offloader,
+        gpu=args.gpu,
+    )
+    try:
+        plan = make_plan(config, request)
+    except PlanRefused as e:
+        raise CliError(e.reason) from None
+    if args.format == "json":
+        print(plan.model_dump_json(indent=2))
+    else:
+        print(render_table(plan))
+    return 0
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
+    cells = [[str(c) for c in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    line = "  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))
+    out = [line, "  ".join("-" * w for w in widths)]
+    out += [
+        "  ".join(
+            c.rjust(w) if c[:1].isdigit() else c.ljust(w) for c, w in zip(r, widths, strict=True)
+        )
+        for r in cells
+    ]
+    return out
+
+
+def render_table(plan: Plan) -> str:
+    """A plan for people: groups, chunk geometry, pool, capacity, pod memory."""
+    m, par = plan.model, plan.parallelism
+    lines = [
+        f"model      {m.name or '-'}  ({m.architecture}, {m.num_cache_layers} cache layers, "
+        f"{m.dtype})",
+        f"engine     vLLM {plan.vllm_version} on {plan.gpu.name} ({plan.gpu.generation}, "
+        f"{plan.gpu.attention_backend or 'no attention'}), TP {par.tensor_parallel_size} "
+        f"x PP {par.pipeline_parallel_size}, DP {par.data_parallel_size}",
+        f"kv cache   {plan.kv_cache_dtype}, block size {plan.block_size}, "
+        f"max_model_len {plan.max_model_len}, hash unit {plan.tokens_per_hash} tokens, "
+        f"{human_bytes(plan.worker_bytes_per_block)} per block per rank",
+        "",
+        "KV-cache groups (one rank)",
+    ]
+    lines += _table(
+        ("#", "kind", "layers", "tokens/block", "page bytes", "bytes/block", "window"),
+        [
+            (
+                i,
+                g.kind,
+                g.num_layers,
+                g.tokens_per_block,
+                g.page_bytes,
+                g.bytes_per_block,
+                g.sliding_window or "-",
+            )
+            for i, g in enumerate(plan.kv_groups)
+        ],
+    )
+    s = plan.spillway
+    lines += ["", f"Spillway offloader: one chunk = {s.chunk_tokens} tokens in every group"]
+    lines += _table(
+        ("#", "blocks/chunk", "chunk bytes", "row bytes", "window chunks"),
+        [
+            (
+                g.group_index,
+                g.blocks_per_chunk,
+                g.chunk_bytes,
+                g.row_bytes,
+                g.window_chunks if g.window_chunks is not None else "-",
+            )
+            for g in s.groups
+        ],
+    )
+    lines.append(
+        f"  {s.num_chunks} chunks x {human_bytes(s.chunk_set_bytes)} = "
+        f"{human_bytes(s.region_bytes)}, capacity {s.capacity_tokens} tokens"
+    )
+    if plan.upstream is not None:
+        u = plan.upstream
+        lines += [
+            "",
+            f"vLLM offloader: {u.blocks_per_chunk} block(s) per chunk, every group key takes "
+            f"a row of {human_bytes(u.row_bytes)}",
+            f"  {u.num_chunks} rows = {human_bytes(u.region_bytes)}, capacity "
+            f"{u.capacity_tokens} tokens (gauge at max_model_len: {u.gauge_tokens})",
+        ]
+    else:
+        lines += ["", f"vLLM offloader: refuses ({plan.upstream_refusal})"]
+    pod = plan.pod
+    lines += [
+        "",
+        f"Pool ({plan.offloader})  {human_bytes(plan.cpu_memory_bytes)} asked, "
+        f"{human_bytes(pod.pool_bytes_per_engine)} mapped per engine, "
+        f"{plan.num_chunks} chunks, {plan.capacity_tokens} tokens",
+        f"Pod        /dev/shm {human_bytes(pod.shm_bytes)}, memory request "
+        f"{human_bytes(pod.memory_request_bytes)}, limit {human_bytes(pod.memory_limit_bytes)}",
+        f"extra cfg  {json.dumps(plan.kv_connector_extra_config)}",
+    ]
+    lines += [f"note       {n}" for n in plan.notes]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- main
+
+# ---------------------------------------------------------------------------- others
+
+
+def _add_operator(sub: Any) -> None:
+    p = sub.add_parser("operator", help="run the Kubernetes operator")
+    ops = p.add_subparsers(dest="operator_command", metavar="COMMAND", parser_class=_Parser)
+    ops.required = True
+    run = ops.add_parser("run", help="reconcile InferenceDeployments (kopf)")
+    from spillway_operator.main import add_arguments
+    from spillway_operator.main import run as run_operator
+
+    add_arguments(run)
+    run.set_defaults(handler=run_operator)
+
+
+def _add_loadgen(sub: Any) -> None:
+    from spillway_engine import loadgen
+
+    loadgen.add_parser(sub).set_defaults(handler=loadgen.run)
+
+
+_SUBCOMMANDS: list[Callable[[Any], None]] = [_add_plan, _add_operator, _add_loadgen]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="spillway", description="Spillway: vLLM with sized KV offloading.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+    for add in _SUBCOMMANDS:
+        add(sub)
+    return parser
+
+
+def _wants_json(argv: Sequence[str]) -> bool:
+    args = list(argv)
+    return "--format=json" in args or any(
+        a == "--format" and i + 1 < len(args) and args[i + 1] == "json" for i, a in enumerate(args)
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = build_parser().parse_args(argv)
+        return int(args.handler(args))
+    except CliError as e:
+        if _wants_json(argv):
+            print(json.dumps({"error": str(e)}))
+        else:
+            print(f"spillway: {e}", file=sys.stderr)
+        return EXIT_REFUSED
+    except (ValueError, OSError) as e:  # last line of defence: one line, never a traceback
+        if _wants_json(argv):
+            print(json.dumps({"error": str(e)}))
+        else:
+            print(f"spillway: {e}", file=sys.stderr)
+        return EXIT_REFUSED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

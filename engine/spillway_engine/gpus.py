@@ -1,0 +1,177 @@
+"""GPU catalogue: which kernels vLLM 0.33.0 picks on each GPU, and their block-size rules.
+
+Tokens per block are not a model fact: vLLM asks the attention backends it selected
+for the GPU which kernel block sizes they run (``get_supported_kernel_block_sizes``)
+and, for Mamba/GDN hybrids, also aligns blocks to the GDN prefill kernel's checkpoint
+grid. This module records those choices for the GPUs Spillway models; every rule
+names the vLLM file it comes from so it can be re-checked when vLLM is bumped.
+
+Modelled (vLLM 0.33.0, CUDA, default settings):
+
+* Hopper (SM90: H100, H200)
+  - attention: ``FLASH_ATTN`` (FA3), kernel blocks ``MultipleOf(16)``; multimodal
+    prefix-LM models (Gemma 3 with a vision tower) get the ``TRITON_FLASH_ATTN``
+    composite, also ``MultipleOf(16)`` (platforms/cuda.py ``_get_backend_priorities``).
+  - MLA: ``FLASH_ATTN_MLA`` ``MultipleOf(16)`` for 16-bit KV; it has no FP8 KV, so an
+    FP8 KV cache falls through to ``FLASHMLA`` with fixed 64-token kernel blocks (or to
+    ``TRITON_MLA`` when a forced ``--block-size`` is not a multiple of 64).
+  - GDN prefill: FlashInfer (``_resolve_gdn_prefill_backend``: SM90 always), whose
+    align-mode checkpoints need blocks on a 64-token grid
+    (``FLASHINFER_GDN_CHECKPOINT_ALIGNMENT``).
+* Ampere / Ada (SM80 A100, SM89 L40S)
+  - attention: ``FLASH_ATTN`` (FA2) ``MultipleOf(16)``; models with attention sinks or an
+    FP8 KV cache fall back to FlashInfer/Triton, which also run 16-token blocks.
+  - MLA: ``FLASH_ATTN_MLA``/``FLASHMLA``/``FLASHINFER_MLA`` need SM90+, so ``TRITON_MLA``,
+    ``MultipleOf(16)``.
+  - GDN prefill: Triton/FLA, no checkpoint grid.
+
+Blackwell (SM100) is deliberately absent: its default attention backend is FlashInfer
+with large-page kernels, MLA goes to FlashInfer-MLA/CUTLASS-MLA and GDN depends on the
+CUDA runtime; a plan for it would be a guess, so it is refused by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+GdnKernel = Literal["flashinfer", "triton"]
+
+
+@dataclass(frozen=True)
+class KernelBlocks:
+    """A backend's kernel block sizes: ``MultipleOf(base)`` or a fixed ``base``.
+
+    Either way a manager block may be any multiple of the smallest kernel block
+    (``AttentionBackend.supports_block_size``: larger blocks split into kernel blocks);
+    ``fixed`` only changes which size the backend prefers.
+    """
+
+    base: int
+    fixed: bool = False
+
+    def accepts(self, block_size: int) -> bool:
+        return block_size % self.base == 0
+
+    def preferred(self, default: int = 16) -> int:
+        """``AttentionBackend.get_preferred_block_size``: the default if accepted, else base."""
+        return default if self.accepts(default) else self.base
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    blocks: KernelBlocks
+
+
+FLASH_ATTN = Backend("FLASH_ATTN", KernelBlocks(16))
+TRITON_FLASH_ATTN = Backend("TRITON_FLASH_ATTN", KernelBlocks(16))
+FLASHINFER = Backend("FLASHINFER", KernelBlocks(16))
+FLASH_ATTN_MLA = Backend("FLASH_ATTN_MLA", KernelBlocks(16))
+FLASHMLA = Backend("FLASHMLA", KernelBlocks(64, fixed=True))
+TRITON_MLA = Backend("TRITON_MLA", KernelBlocks(16))
+
+#: FlashInfer GDN prefill checkpoint grid (vllm/v1/attention/backends/gdn_attn.py).
+FLASHINFER_GDN_CHECKPOINT_ALIGNMENT = 64
+
+_FP8_KV = ("fp8", "fp8_e4m3", "fp8_e5m2")
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """One GPU model as vLLM 0.33.0 sees it."""
+
+    name: str
+    product: str
+    generation: Literal["ampere", "ada", "hopper"]
+    compute_capability: tuple[int, int]
+    memory_bytes: int
+
+    def attention_backend(self, *, mm_prefix: bool, kv_cache_dtype: str, sinks: bool) -> Backend:
+        """The non-MLA attention backend vLLM selects (first that accepts the model).
+
+        Every candidate runs 16-token kernel blocks, so a forced ``--block-size`` does
+        not change the choice as long as it is a multiple of 16.
+        """
+        if self.compute_capability[0] == 9:
+            return TRITON_FLASH_ATTN if mm_prefix else FLASH_ATTN
+        # FA2 has neither sinks nor an FP8 KV cache; FlashInfer takes those on SM8x.
+        if sinks or kv_cache_dtype in _FP8_KV:
+            return FLASHINFER
+        return FLASH_ATTN
+
+    def mla_backend(self, *, kv_cache_dtype: str, block_size: int | None = None) -> Backend:
+        """The MLA backend: the first in vLLM's SM90 order that takes the dtype and a
+        forced ``--block-size`` (the selector passes user block sizes)."""
+        if self.compute_capability[0] != 9:
+            return TRITON_MLA
+        if kv_cache_dtype not in _FP8_KV:
+            return FLASH_ATTN_MLA
+        if block_size is None or FLASHMLA.blocks.accepts(block_size):
+            return FLASHMLA
+        return TRITON_MLA
+
+    @property
+    def gdn_prefill_kernel(self) -> GdnKernel:
+        return "flashinfer" if self.compute_capability[0] == 9 else "triton"
+
+    @property
+    def gdn_checkpoint_alignment(self) -> int | None:
+        """Token grid align-mode GDN blocks must sit on, or None (no constraint)."""
+        if self.gdn_prefill_kernel == "flashinfer":
+            return FLASHINFER_GDN_CHECKPOINT_ALIGNMENT
+        return None
+
+
+_GIB = 2**30
+
+GPUS: dict[str, Gpu] = {
+    gpu.name: gpu
+    for gpu in (
+        Gpu("h100", "NVIDIA H100 80GB HBM3", "hopper", (9, 0), 80 * _GIB),
+        Gpu("h200", "NVIDIA H200 141GB HBM3e", "hopper", (9, 0), 141 * _GIB),
+        Gpu("a100", "NVIDIA A100 80GB", "ampere", (8, 0), 80 * _GIB),
+        Gpu("a100-40gb", "NVIDIA A100 40GB", "ampere", (8, 0), 40 * _GIB),
+        Gpu("l40s", "NVIDIA L40S 48GB", "ada", (8, 9), 48 * _GIB),
+    )
+}
+
+_ALIASES = {
+    "hopper": "h100",
+    "h100-80gb": "h100",
+    "h100-sxm": "h100",
+    "h100-pcie": "h100",
+    "h200-141gb": "h200",
+    "a100-80gb": "a100",
+    "ampere": "a100",
+}
+
+_NOT_MODELLED = {
+    "b200": "Blackwell (SM100)",
+    "b100": "Blackwell (SM100)",
+    "gb200": "Blackwell (SM100)",
+    "b300": "Blackwell Ultra (SM103)",
+    "blackwell": "Blackwell (SM100)",
+    "rtx-pro-6000": "Blackwell (SM120)",
+}
+
+DEFAULT_GPU = "h100"
+
+
+class UnknownGpu(ValueError):
+    pass
+
+
+def get_gpu(name: str) -> Gpu:
+    """The catalogue entry for ``name`` (case-insensitive; ``H100``, ``h200``, ``a100``...)."""
+    key = name.strip().lower().replace("_", "-").removeprefix("nvidia-")
+    key = _ALIASES.get(key, key)
+    if key in GPUS:
+        return GPUS[key]
+    if key in _NOT_MODELLED:
+        raise UnknownGpu(
+            f"GPU {name!r} ({_NOT_MODELLED[key]}) is not modelled: vLLM 0.33.0 picks "
+            "FlashInfer/CUTLASS-MLA kernels there whose block sizes Spillway does not "
+            f"reproduce yet; known GPUs: {', '.join(sorted(GPUS))}"
+        )
+    raise UnknownGpu(f"unknown GPU {name!r}; known GPUs: {', '.join(sorted(GPUS))}")

@@ -1,0 +1,97 @@
+"""Where a model's config.json comes from: a local file or directory, or the HF hub.
+
+Only ``config.json`` is ever fetched (never weights). Hub downloads go through
+``huggingface_hub`` and its cache, so repeated plans do not touch the network.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+class ModelConfigSourceError(ValueError):
+    """The config could not be read; the message says what to change."""
+
+
+def parse_config_text(text: str, where: str) -> dict[str, Any]:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ModelConfigSourceError(
+            f"{where} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})"
+        ) from None
+    if not isinstance(data, dict):
+        raise ModelConfigSourceError(f"{where} must hold a JSON object")
+    # Spillway's own fixtures wrap the real config with provenance fields.
+    if "config" in data and "architectures" not in data and isinstance(data["config"], dict):
+        return data["config"]
+    return data
+
+
+def load_local(path: str | Path) -> dict[str, Any]:
+    """A config.json file, or a model directory that contains one."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ModelConfigSourceError(f"{p} does not exist") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ModelConfigSourceError(f"cannot read {p}: {e}") from None
+    return parse_config_text(text, str(p))
+
+
+def load_hub(
+    model_id: str,
+    *,
+    revision: str | None = None,
+    token: str | None = None,
+    cache_dir: str | None = None,
+) -> dict[str, Any]:
+    """``config.json`` of a Hugging Face model id, through the hub cache."""
+    try:
+        from huggingface_hub import hf_hub_download
+        from huggingface_hub.errors import (
+            EntryNotFoundError,
+            GatedRepoError,
+            LocalEntryNotFoundError,
+            OfflineModeIsEnabled,
+            RepositoryNotFoundError,
+            RevisionNotFoundError,
+        )
+    except ImportError as e:  # pragma: no cover - a declared dependency
+        raise ModelConfigSourceError(f"huggingface_hub is not installed: {e}") from None
+    try:
+        path = hf_hub_download(
+            model_id,
+            "config.json",
+            revision=revision,
+            token=token,
+            cache_dir=cache_dir,
+        )
+    except (LocalEntryNotFoundError, OfflineModeIsEnabled):
+        # before EntryNotFoundError: the "not cached while offline" error subclasses it
+        raise ModelConfigSourceError(
+            f"cannot fetch config.json of {model_id}: the Hugging Face hub is unreachable "
+            "(or HF_HUB_OFFLINE is set) and it is not in the local cache; use "
+            "--model-config with a local file"
+        ) from None
+    except GatedRepoError:
+        raise ModelConfigSourceError(
+            f"{model_id} is gated: accept its licence on huggingface.co and pass a token (HF_TOKEN)"
+        ) from None
+    except RepositoryNotFoundError:
+        raise ModelConfigSourceError(
+            f"model {model_id!r} was not found on the Hugging Face hub (or it is private "
+            "and no token was given)"
+        ) from None
+    except RevisionNotFoundError:
+        raise ModelConfigSourceError(f"{model_id}: revision {revision!r} not found") from None
+    except EntryNotFoundError:
+        raise ModelConfigSourceError(f"{model_id} has no config.json") from None
+    except (OSError, ValueError) as e:
+        raise ModelConfigSourceError(f"cannot fetch config.json of {model_id}: {e}") from None
+    return load_local(path)

@@ -1,0 +1,310 @@
+"""Offload chunk geometry and host pool, for vLLM's CPU offloader and Spillway's.
+
+Upstream (vLLM 0.33.0 ``build_offloading_config`` + ``CPUOffloadingSpec``):
+one global ``blocks_per_chunk`` (bpc); every (chunk, group) key takes one row of
+``round_up(worker_bytes_per_block * copies * bpc, 4096)`` bytes, where
+``worker_bytes_per_block`` is the whole backing allocation's block (the largest group)
+and ``copies`` is the number of workers, or 1 for the replicated MLA layout.
+
+Spillway (the patched offloader, implemented by a later issue; the geometry is fixed
+here so both agree): one common chunk span ``T`` tokens for every offloaded group, a
+multiple of every group's tokens per block and of the hash unit; group g cuts
+``T / tokens_per_block_g`` blocks per chunk, and its rows hold only its own bytes
+(``round_up(bytes_g * bpc_g * copies, 4096)``). A chunk span across all groups costs
+the sum of those rows, so ``num_chunks = pool // sum(row_g)`` and the pool holds
+``num_chunks * T`` tokens of prefix for every group.
+
+Validation mirrors every offloading start-up error of vLLM 0.33.0 in plain words.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Literal
+
+from spillway_engine.kv_layout import KVGroup, KVLayout
+
+#: ``SharedOffloadRegion.BLOCK_SIZE_ALIGNMENT`` (``mmap.PAGESIZE`` on x86-64 Linux).
+ROW_ALIGNMENT = 4096
+#: Default chunk span when the user gives none: 256 tokens, the size vLLM's docs use.
+DEFAULT_CHUNK_TOKENS = 256
+
+Offloader = Literal["upstream", "spillway"]
+
+
+class OffloadRefused(ValueError):
+    """vLLM (or Spillway's offloader) would refuse this offloading configuration."""
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class OffloadRequest:
+    cpu_bytes: int
+    world_size: int
+    max_model_len: int
+    blocks_per_chunk: int | None = None
+    #: the legacy token-based ``block_size`` key, accepted only to mirror its checks
+    chunk_block_size_tokens: int | None = None
+    #: vLLM's replicated MLA layout needs the single-node ``mp`` executor
+    single_node: bool = True
+
+
+@dataclass(frozen=True)
+class GroupChunk:
+    group_index: int
+    tokens_per_block: int
+    blocks_per_chunk: int
+    tokens_per_chunk: int
+    chunk_bytes: int
+    row_bytes: int
+    window_chunks: int | None
+
+
+@dataclass(frozen=True)
+class UpstreamGeometry:
+    blocks_per_chunk: int
+    copies: int
+    replicated_layout: bool
+    kv_bytes_per_chunk: int
+    row_bytes: int
+    num_chunks: int
+    region_bytes: int
+    groups: tuple[GroupChunk, ...]
+    capacity_tokens: int
+    gauge_tokens: int
+    kv_connector_extra_config: dict[str, int]
+
+
+@dataclass(frozen=True)
+class SpillwayGeometry:
+    chunk_tokens: int
+    copies: int
+    groups: tuple[GroupChunk, ...]
+    chunk_set_bytes: int
+    num_chunks: int
+    region_bytes: int
+    capacity_tokens: int
+    gauge_tokens: int
+    kv_connector_extra_config: dict[str, object]
+
+
+def _window_chunks(group: KVGroup, tokens_per_chunk: int) -> int | None:
+    """``get_sliding_window_size_in_chunks`` (no extra retained tokens)."""
+    if group.kind == "sliding_window":
+        assert group.sliding_window
+        w = group.sliding_window
+        return max(_cdiv(w, tokens_per_chunk), _cdiv(w - 1, tokens_per_chunk))
+    if group.kind == "chunked_local":
+        assert group.attention_chunk_size
+        return _cdiv(group.attention_chunk_size, tokens_per_chunk)
+    if group.kind == "mamba":
+        return 1
+    return None
+
+
+def _chunks_per_request(groups: tuple[GroupChunk, ...], max_model_len: int) -> list[int]:
+    out = []
+    for g in groups:
+        c = _cdiv(max_model_len, g.tokens_per_chunk)
+        out.append(c if g.window_chunks is None else min(c, g.window_chunks))
+    return out
+
+
+def replicated_layout(layout: KVLayout, world_size: int, single_node: bool) -> bool:
+    """``build_offloading_config``: one copy per row for TP-replicated MLA (mp, one node)."""
+    tp = world_size  # PP is refused earlier, so the world is the TP group
+    return layout.shape.mla_latent > 0 and tp > 1 and layout.tp_replicas == tp and single_node
+
+
+def default_blocks_per_chunk(layout: KVLayout) -> int:
+    """A bpc vLLM accepts for any group mix: ~256-token chunks, 1 for Mamba hybrids.
+
+    Mamba hybrids keep 1: vLLM only serves sub-chunk (partial tail) hits when bpc == 1,
+    and their blocks are already hundreds of tokens.
+    """
+    if any(g.kind == "mamba" for g in layout.groups):
+        return 1
+    largest = max(g.tokens_per_block for g in layout.groups)
+    return max(1, DEFAULT_CHUNK_TOKENS // largest)
+
+
+def resolve_blocks_per_chunk(layout: KVLayout, request: OffloadRequest) -> int:
+    """vLLM's reading of ``blocks_per_chunk`` / ``block_size`` with its errors, reworded."""
+    bpc, tokens = request.blocks_per_chunk, request.chunk_block_size_tokens
+    if bpc is not None and tokens is not None:
+        raise OffloadRefused(
+            "give either blocks per chunk or the token-based block_size key, not both "
+            "(vLLM: \"Specify only one of 'block_size' or 'blocks_per_chunk'\")"
+        )
+    if bpc is not None:
+        if bpc <= 0:
+            raise OffloadRefused("blocks per chunk must be greater than 0")
+        return bpc
+    if tokens is not None:
+        sizes = {g.tokens_per_block for g in layout.groups}
+        if len(sizes) != 1:
+            raise OffloadRefused(
+                "the token-based block_size key needs every KV-cache group to have the "
+                f"same tokens per block, but this model's groups have {sorted(sizes)}; "
+                "use blocks per chunk instead"
+            )
+        tpb = sizes.pop()
+        if tokens <= 0 or tokens % tpb:
+            raise OffloadRefused(
+                f"block_size={tokens} must be a multiple of the GPU block size ({tpb} "
+                f"tokens); use {_round_up(max(tokens, 1), tpb)} or blocks per chunk"
+            )
+        return tokens // tpb
+    return default_blocks_per_chunk(layout)
+
+
+def _check_pool(cpu_bytes: int, row: int, what: str) -> None:
+    if cpu_bytes <= 0:
+        raise OffloadRefused(
+            "the CPU offload pool size must be positive (vLLM: cpu_bytes_to_use must be specified)"
+        )
+    if cpu_bytes < row:
+        raise OffloadRefused(
+            f"the CPU pool ({cpu_bytes} bytes) is smaller than one {what} ({row} bytes): "
+            "the offloader would start with 0 chunks and every store would fail"
+        )
+
+
+def upstream_geometry(layout: KVLayout, request: OffloadRequest) -> UpstreamGeometry:
+    """vLLM 0.33.0's ``CPUOffloadingSpec`` sizing, with its start-up checks."""
+    tph = layout.tokens_per_hash
+    for index, g in enumerate(layout.groups):
+        if g.tokens_per_block % tph:
+            raise OffloadRefused(
+                f"KV-cache group {index} ({g.kind}) has {g.tokens_per_block} tokens per "
+                f"block, not a multiple of the {tph}-token hash unit; vLLM's offloader "
+                "asserts at start-up (Mamba hybrids need prefix caching on)"
+            )
+    bpc = resolve_blocks_per_chunk(layout, request)
+    replicated = replicated_layout(layout, request.world_size, request.single_node)
+    copies = 1 if replicated else request.world_size
+    kv_bytes_per_chunk = layout.worker_bytes_per_block * copies * bpc
+    row = _round_up(kv_bytes_per_chunk, ROW_ALIGNMENT)
+    _check_pool(request.cpu_bytes, row, "row")
+    num_chunks = request.cpu_bytes // row
+    groups = tuple(
+        GroupChunk(
+            group_index=i,
+            tokens_per_block=g.tokens_per_block,
+            blocks_per_chunk=bpc,
+            tokens_per_chunk=g.tokens_per_block * bpc,
+            chunk_bytes=g.bytes_per_block * copies * bpc,
+            row_bytes=row,
+            window_chunks=_window_chunks(g, g.tokens_per_block * bpc),
+        )
+        for i, g in enumerate(layout.groups)
+    )
+    # Every prefix token costs 1/tpc_g rows in each group (dense retention).
+    rows_per_token = sum(Fraction(1, g.tokens_per_chunk) for g in groups)
+    capacity = math.floor(num_chunks / rows_per_token)
+    gauge = (
+        num_chunks
+        * request.max_model_len
+        // sum(_chunks_per_request(groups, request.max_model_len))
+    )
+    return UpstreamGeometry(
+        blocks_per_chunk=bpc,
+        copies=copies,
+        replicated_layout=replicated,
+        kv_bytes_per_chunk=kv_bytes_per_chunk,
+        row_bytes=row,
+        num_chunks=num_chunks,
+        region_bytes=num_chunks * row,
+        groups=groups,
+        capacity_tokens=capacity,
+        gauge_tokens=gauge,
+        kv_connector_extra_config={"cpu_bytes_to_use": request.cpu_bytes, "blocks_per_chunk": bpc},
+    )
+
+
+def spillway_chunk_tokens(layout: KVLayout, blocks_per_chunk: int | None) -> int:
+    """The common chunk span T: a multiple of every group's block and of the hash unit.
+
+    Given a bpc, T is that many blocks of the finest group, rounded up to the common
+    multiple; otherwise ~256 tokens (one common multiple for Mamba hybrids).
+    """
+    base = math.lcm(layout.tokens_per_hash, *(g.tokens_per_block for g in layout.groups))
+    if blocks_per_chunk is not None:
+        if blocks_per_chunk <= 0:
+            raise OffloadRefused("blocks per chunk must be greater than 0")
+        finest = min(g.tokens_per_block for g in layout.groups)
+        return _round_up(blocks_per_chunk * finest, base)
+    if any(g.kind == "mamba" for g in layout.groups):
+        return base
+    return _round_up(DEFAULT_CHUNK_TOKENS, base)
+
+
+def spillway_geometry(layout: KVLayout, request: OffloadRequest) -> SpillwayGeometry:
+    """Spillway's per-group chunking: one token span, rows sized by each group's bytes."""
+    if layout.mamba_cache_mode == "none":
+        raise OffloadRefused(
+            "Mamba states are only cached per block with prefix caching on (mamba cache "
+            "mode 'align'); without it there is nothing chunkable to offload"
+        )
+    if request.chunk_block_size_tokens is not None:
+        if request.blocks_per_chunk is not None:
+            raise OffloadRefused("give either blocks per chunk or a chunk size in tokens")
+        span = request.chunk_block_size_tokens
+        base = math.lcm(layout.tokens_per_hash, *(g.tokens_per_block for g in layout.groups))
+        if span <= 0 or span % base:
+            raise OffloadRefused(
+                f"a chunk of {span} tokens is not a multiple of {base} (every group's "
+                "tokens per block and the hash unit)"
+            )
+    else:
+        span = spillway_chunk_tokens(layout, request.blocks_per_chunk)
+    replicated = replicated_layout(layout, request.world_size, request.single_node)
+    copies = 1 if replicated else request.world_size
+    groups = []
+    for i, g in enumerate(layout.groups):
+        bpc = span // g.tokens_per_block
+        chunk_bytes = g.bytes_per_block * bpc * copies
+        groups.append(
+            GroupChunk(
+                group_index=i,
+                tokens_per_block=g.tokens_per_block,
+                blocks_per_chunk=bpc,
+                tokens_per_chunk=span,
+                chunk_bytes=chunk_bytes,
+                row_bytes=_round_up(chunk_bytes, ROW_ALIGNMENT),
+                window_chunks=_window_chunks(g, span),
+            )
+        )
+    chunk_set = sum(g.row_bytes for g in groups)
+    _check_pool(request.cpu_bytes, chunk_set, "chunk across all groups")
+    num_chunks = request.cpu_bytes // chunk_set
+    per_request = sum(
+        c * g.row_bytes
+        for c, g in zip(
+            _chunks_per_request(tuple(groups), request.max_model_len), groups, strict=True
+        )
+    )
+    return SpillwayGeometry(
+        chunk_tokens=span,
+        copies=copies,
+        groups=tuple(groups),
+        chunk_set_bytes=chunk_set,
+        num_chunks=num_chunks,
+        region_bytes=num_chunks * chunk_set,
+        capacity_tokens=num_chunks * span,
+        gauge_tokens=request.cpu_bytes * request.max_model_len // per_request,
+        kv_connector_extra_config={
+            "cpu_bytes_to_use": request.cpu_bytes,
+            "spillway_chunk_tokens": span,
+            "spillway_group_blocks_per_chunk": [g.blocks_per_chunk for g in groups],
+        },
+    )

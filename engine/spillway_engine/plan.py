@@ -1,0 +1,412 @@
+"""The plan: KV groups, chunk geometry, host pool and pod memory for one deployment.
+
+``make_plan(config, request)`` is the one entry point the CLI, the operator and the
+engine use. It is pure (no I/O, no vLLM import) and raises :class:`PlanRefused` with
+the reason vLLM would give, or the piece Spillway does not model.
+
+Assumptions (vLLM 0.33.0 defaults): OffloadingConnector on (layout LBHNC), hybrid KV
+cache manager on, no speculative decoding, no decode/prefill context parallelism,
+``mp`` executor on one node, ``--prefix-cache-retention-interval`` at its default.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from spillway_engine import VLLM_VERSION
+from spillway_engine.gpus import DEFAULT_GPU, UnknownGpu, get_gpu
+from spillway_engine.kv_layout import (
+    KVLayout,
+    LayoutRequest,
+    ModelConfigError,
+    UnsupportedModel,
+    compute_layout,
+    model_shape,
+)
+from spillway_engine.offload import (
+    OffloadRefused,
+    OffloadRequest,
+    SpillwayGeometry,
+    UpstreamGeometry,
+    spillway_geometry,
+    upstream_geometry,
+)
+from spillway_engine.pod_sizing import PodSizingError, max_pool_bytes, size_pod
+
+#: Connector names the engine passes to vLLM for each offloader.
+UPSTREAM_CONNECTOR = "OffloadingConnector"
+SPILLWAY_CONNECTOR = "SpillwayOffloadingConnector"
+SPILLWAY_CONNECTOR_MODULE = "spillway_engine.offloader"
+
+
+class PlanRefused(Exception):
+    """The deployment cannot run as asked; ``reason`` says why in one line."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class PlanRequest(_Model):
+    """Deployment inputs. Sizes are bytes; every count must be positive."""
+
+    model_name: str | None = Field(None, description="Model id or path, for the record.")
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs per engine sharing heads.")
+    pipeline_parallel_size: int = Field(1, ge=1, description="Pipeline stages (only 1).")
+    data_parallel_size: int = Field(1, ge=1, description="Engines per pod, each with a pool.")
+    dtype: Literal["auto", "bfloat16", "float16"] = Field("auto", description="vLLM --dtype.")
+    kv_cache_dtype: str = Field("auto", description="vLLM --kv-cache-dtype.")
+    max_model_len: int | None = Field(
+        None, ge=1, description="vLLM --max-model-len; default: the config's context length."
+    )
+    block_size: int | None = Field(None, ge=1, description="vLLM --block-size if forced.")
+    enable_prefix_caching: bool = Field(True, description="vLLM --enable-prefix-caching.")
+    blocks_per_chunk: int | None = Field(
+        None, description="GPU blocks per offload chunk; default: a size vLLM accepts."
+    )
+    chunk_block_size_tokens: int | None = Field(
+        None,
+        description="The legacy token-based 'block_size' offload key (validation only).",
+    )
+    cpu_memory_bytes: int | None = Field(
+        None, description="Host pool per engine; default: the largest that fits the limit."
+    )
+    memory_limit_bytes: int | None = Field(
+        None, ge=1, description="Container memory limit to fit (optional)."
+    )
+    offloader: Literal["upstream", "spillway"] = Field(
+        "spillway", description="Which offloader's geometry sizes the pool."
+    )
+    gpu: str = Field(DEFAULT_GPU, description="GPU model (see spillway_engine.gpus).")
+
+
+class GpuInfo(_Model):
+    name: str = Field(description="Catalogue name, e.g. h100.")
+    product: str = Field(description="Marketing name.")
+    generation: str = Field(description="ampere, ada or hopper.")
+    compute_capability: str = Field(description="SM version, e.g. 9.0.")
+    attention_backend: str | None = Field(description="vLLM attention backend picked.")
+    gdn_prefill_kernel: str = Field(description="GDN prefill kernel (hybrid GDN models).")
+
+
+class ModelInfo(_Model):
+    name: str | None = Field(description="Model id or path given.")
+    architecture: str = Field(description="config.json architectures[0].")
+    model_type: str = Field(description="config.json model_type.")
+    dtype: str = Field(
+        description="Activation dtype (--dtype; auto: the checkpoint's, fp32->bf16)."
+    )
+    num_cache_layers: int = Field(description="Layers holding KV cache or Mamba state.")
+
+
+class Parallelism(_Model):
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    data_parallel_size: int
+    world_size: int = Field(description="GPU workers per engine (TP x PP).")
+
+
+class KVGroupInfo(_Model):
+    kind: Literal["full_attention", "sliding_window", "chunked_local", "mla", "mamba"] = Field(
+        description="Cache type of the group's layers."
+    )
+    num_layers: int = Field(description="Real layers in the group (padding excluded).")
+    layer_indices: list[int] = Field(description="Indices among the cache-holding layers.")
+    tokens_per_block: int = Field(description="Tokens per GPU block of this group.")
+    page_bytes: int = Field(description="Bytes of one layer's block on one rank, unified.")
+    bytes_per_block: int = Field(description="page_bytes x num_layers.")
+    sliding_window: int | None = Field(description="Window in tokens, or null.")
+    attention_chunk_size: int | None = Field(None, description="Chunked-local span, or null.")
+    padded_layers: int = Field(0, description="Padding layers vLLM adds to this group.")
+
+
+class GroupChunkInfo(_Model):
+    group_index: int
+    tokens_per_block: int
+    blocks_per_chunk: int = Field(description="GPU blocks of this group per chunk.")
+    tokens_per_chunk: int
+    chunk_bytes: int = Field(description="True KV bytes of one chunk of this group, all ranks.")
+    row_bytes: int = Field(description="Host bytes one chunk of this group occupies.")
+    window_chunks: int | None = Field(description="Chunks a lookup needs (SWA/Mamba), or null.")
+
+
+class UpstreamInfo(_Model):
+    """vLLM 0.33.0's own CPUOffloadingSpec figures (every group key takes one row)."""
+
+    blocks_per_chunk: int
+    copies: int = Field(description="Copies per row: workers, or 1 for replicated MLA.")
+    replicated_layout: bool
+    row_bytes: int = Field(description="round_up(worker_bytes_per_block x copies x bpc, 4096).")
+    num_chunks: int = Field(description="cpu_bytes // row_bytes.")
+    region_bytes: int = Field(description="num_chunks x row_bytes (the /dev/shm file).")
+    capacity_tokens: int = Field(description="Prefix tokens held if every group keeps all.")
+    gauge_tokens: int = Field(description="vLLM's cpu_kv_cache_size_tokens at max_model_len.")
+    groups: list[GroupChunkInfo]
+    kv_connector_extra_config: dict[str, Any]
+
+
+class SpillwayInfo(_Model):
+    """Spillway's per-group chunking: one token span, rows sized per group."""
+
+    chunk_tokens: int = Field(description="Common chunk span T for every group.")
+    copies: int
+    groups: list[GroupChunkInfo]
+    row_layout: str = Field(description="How rows are laid out in the region.")
+    chunk_set_bytes: int = Field(description="Sum of the groups' rows: one span, all groups.")
+    num_chunks: int = Field(description="cpu_bytes // chunk_set_bytes (rows per group).")
+    region_bytes: int
+    capacity_tokens: int = Field(description="num_chunks x chunk_tokens.")
+    gauge_tokens: int = Field(description="Tokens at max_model_len, windows counted.")
+    kv_connector_extra_config: dict[str, Any]
+
+
+class PodInfo(_Model):
+    shm_bytes: int = Field(description="/dev/shm (emptyDir medium Memory) size limit.")
+    memory_request_bytes: int = Field(description="Container memory request.")
+    memory_limit_bytes: int = Field(description="Container memory limit (pool counted).")
+    pool_bytes_per_engine: int = Field(description="Offload region per engine.")
+    process_overhead_bytes: int = Field(description="Engine + worker process memory.")
+    headroom_bytes: int = Field(description="Limit minus request.")
+
+
+class Plan(_Model):
+    """Everything the operator and the engine need to agree on. Stable JSON."""
+
+    vllm_version: str = Field(description="vLLM release the geometry mirrors.")
+    gpu: GpuInfo
+    model: ModelInfo
+    parallelism: Parallelism
+    kv_cache_dtype: str = Field(description="Resolved KV dtype (bfloat16, float16, fp8...).")
+    max_model_len: int
+    block_size: int = Field(description="cache_config.block_size after alignment.")
+    enable_prefix_caching: bool
+    mamba_cache_mode: str | None = Field(description="align / none for Mamba hybrids.")
+    kv_groups: list[KVGroupInfo]
+    tokens_per_hash: int = Field(description="Hash unit (Request.block_hashes granularity).")
+    worker_bytes_per_block: int = Field(description="One block of the backing allocation.")
+    offloader: Literal["upstream", "spillway"]
+    blocks_per_chunk: int = Field(
+        description="Upstream: the global bpc. Spillway: the finest group's bpc."
+    )
+    cpu_memory_bytes: int = Field(description="Host pool budget per engine.")
+    row_bytes: int = Field(description="Upstream: one row. Spillway: one chunk set.")
+    num_chunks: int
+    capacity_tokens: int
+    upstream: UpstreamInfo | None = Field(description="vLLM's figures, null if refused.")
+    upstream_refusal: str | None = Field(None, description="Why vLLM's offloader refuses.")
+    spillway: SpillwayInfo
+    kv_connector_extra_config: dict[str, Any] = Field(
+        description="Exactly the kv_connector_extra_config the engine passes."
+    )
+    kv_transfer_config: dict[str, Any] = Field(description="The whole --kv-transfer-config.")
+    pod: PodInfo
+    notes: list[str]
+
+
+def _chunks(geometry: UpstreamGeometry | SpillwayGeometry) -> list[GroupChunkInfo]:
+    return [
+        GroupChunkInfo(
+            group_index=g.group_index,
+            tokens_per_block=g.tokens_per_block,
+            blocks_per_chunk=g.blocks_per_chunk,
+            tokens_per_chunk=g.tokens_per_chunk,
+            chunk_bytes=g.chunk_bytes,
+            row_bytes=g.row_bytes,
+            window_chunks=g.window_chunks,
+        )
+        for g in geometry.groups
+    ]
+
+
+def _layout(config: dict[str, Any], request: PlanRequest) -> tuple[KVLayout, int]:
+    shape = model_shape(config)
+    max_len = request.max_model_len or shape.derived_max_model_len
+    if max_len > shape.derived_max_model_len:
+        raise PlanRefused(
+            f"max_model_len {max_len} exceeds the model's context length "
+            f"{shape.derived_max_model_len} (vLLM refuses it unless "
+            "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1)"
+        )
+    layout = compute_layout(
+        shape,
+        get_gpu(request.gpu),
+        LayoutRequest(
+            tensor_parallel_size=request.tensor_parallel_size,
+            pipeline_parallel_size=request.pipeline_parallel_size,
+            kv_cache_dtype=request.kv_cache_dtype,
+            dtype=request.dtype,
+            max_model_len=max_len,
+            block_size=request.block_size,
+            enable_prefix_caching=request.enable_prefix_caching,
+        ),
+    )
+    return layout, max_len
+
+
+def make_plan(config: dict[str, Any], request: PlanRequest) -> Plan:
+    """The plan for ``config`` (a parsed config.json) and ``request``, or PlanRefused."""
+    try:
+        return _make_plan(config, request)
+    except (ModelConfigError, UnsupportedModel, UnknownGpu, OffloadRefused, PodSizingError) as e:
+        raise PlanRefused(str(e)) from e
+
+
+def _make_plan(config: dict[str, Any], request: PlanRequest) -> Plan:
+    layout, max_len = _layout(config, request)
+    workers = request.tensor_parallel_size * request.pipeline_parallel_size
+    dp = request.data_parallel_size
+
+    cpu_bytes = request.cpu_memory_bytes
+    if cpu_bytes is None:
+        if request.memory_limit_bytes is None:
+            raise PlanRefused("give a CPU pool size (--cpu-memory) or a memory limit")
+        cpu_bytes = max_pool_bytes(request.memory_limit_bytes, workers, dp)
+    if cpu_bytes <= 0:
+        raise PlanRefused("the CPU pool size must be positive")
+
+    def offload_request(bytes_: int) -> OffloadRequest:
+        return OffloadRequest(
+            cpu_bytes=bytes_,
+            world_size=workers,
+            max_model_len=max_len,
+            blocks_per_chunk=request.blocks_per_chunk,
+            chunk_block_size_tokens=request.chunk_block_size_tokens,
+        )
+
+    upstream: UpstreamGeometry | None = None
+    upstream_refusal = None
+    try:
+        upstream = upstream_geometry(layout, offload_request(cpu_bytes))
+    except OffloadRefused as e:
+        if request.offloader == "upstream":
+            raise
+        upstream_refusal = str(e)
+    spillway = spillway_geometry(layout, offload_request(cpu_bytes))
+
+    if request.offloader == "upstream":
+        assert upstream is not None
+        chosen_bpc, row = upstream.blocks_per_chunk, upstream.row_bytes
+        num_chunks, capacity = upstream.num_chunks, upstream.capacity_tokens
+        region, extra = upstream.region_bytes, dict(upstream.kv_connector_extra_config)
+        transfer: dict[str, Any] = {"kv_connector": UPSTREAM_CONNECTOR}
+    else:
+        chosen_bpc = max(g.blocks_per_chunk for g in spillway.groups)
+        row, num_chunks = spillway.chunk_set_bytes, spillway.num_chunks
+        capacity, region = spillway.capacity_tokens, spillway.region_bytes
+        extra = dict(spillway.kv_connector_extra_config)
+        transfer = {
+            "kv_connector": SPILLWAY_CONNECTOR,
+            "kv_connector_module_path": SPILLWAY_CONNECTOR_MODULE,
+        }
+    transfer.update(kv_role="kv_both", kv_connector_extra_config=extra)
+
+    pod = size_pod(region, workers, dp)
+    if (
+        request.memory_limit_bytes is not None
+        and pod.memory_limit_bytes > request.memory_limit_bytes
+    ):
+        raise PlanRefused(
+            f"the pod needs a memory limit of {pod.memory_limit_bytes} bytes (pool "
+            f"{region} + processes {pod.process_overhead_bytes} + headroom), above the "
+            f"given limit of {request.memory_limit_bytes}"
+        )
+
+    gpu = layout.gpu
+    return Plan(
+        vllm_version=VLLM_VERSION,
+        gpu=GpuInfo(
+            name=gpu.name,
+            product=gpu.product,
+            generation=gpu.generation,
+            compute_capability=f"{gpu.compute_capability[0]}.{gpu.compute_capability[1]}",
+            attention_backend=layout.attention_backend,
+            gdn_prefill_kernel=gpu.gdn_prefill_kernel,
+        ),
+        model=ModelInfo(
+            name=request.model_name,
+            architecture=layout.shape.architecture,
+            model_type=layout.shape.model_type,
+            dtype=layout.shape.dtype,
+            num_cache_layers=len(layout.shape.layers),
+        ),
+        parallelism=Parallelism(
+            tensor_parallel_size=request.tensor_parallel_size,
+            pipeline_parallel_size=request.pipeline_parallel_size,
+            data_parallel_size=dp,
+            world_size=workers,
+        ),
+        kv_cache_dtype=layout.kv_cache_dtype,
+        max_model_len=max_len,
+        block_size=layout.block_size,
+        enable_prefix_caching=request.enable_prefix_caching,
+        mamba_cache_mode=layout.mamba_cache_mode,
+        kv_groups=[
+            KVGroupInfo(
+                kind=g.kind,
+                num_layers=g.num_layers,
+                layer_indices=list(g.layer_indices),
+                tokens_per_block=g.tokens_per_block,
+                page_bytes=g.page_bytes,
+                bytes_per_block=g.bytes_per_block,
+                sliding_window=g.sliding_window,
+                attention_chunk_size=g.attention_chunk_size,
+                padded_layers=g.padded_layers,
+            )
+            for g in layout.groups
+        ],
+        tokens_per_hash=layout.tokens_per_hash,
+        worker_bytes_per_block=layout.worker_bytes_per_block,
+        offloader=request.offloader,
+        blocks_per_chunk=chosen_bpc,
+        cpu_memory_bytes=cpu_bytes,
+        row_bytes=row,
+        num_chunks=num_chunks,
+        capacity_tokens=capacity,
+        upstream=None
+        if upstream is None
+        else UpstreamInfo(
+            blocks_per_chunk=upstream.blocks_per_chunk,
+            copies=upstream.copies,
+            replicated_layout=upstream.replicated_layout,
+            row_bytes=upstream.row_bytes,
+            num_chunks=upstream.num_chunks,
+            region_bytes=upstream.region_bytes,
+            capacity_tokens=upstream.capacity_tokens,
+            gauge_tokens=upstream.gauge_tokens,
+            groups=_chunks(upstream),
+            kv_connector_extra_config=dict(upstream.kv_connector_extra_config),
+        ),
+        upstream_refusal=upstream_refusal,
+        spillway=SpillwayInfo(
+            chunk_tokens=spillway.chunk_tokens,
+            copies=spillway.copies,
+            groups=_chunks(spillway),
+            row_layout=(
+                "per-group row arrays: group g holds num_chunks rows of row_bytes(g), "
+                "placed one after another in group order"
+            ),
+            chunk_set_bytes=spillway.chunk_set_bytes,
+            num_chunks=spillway.num_chunks,
+            region_bytes=spillway.region_bytes,
+            capacity_tokens=spillway.capacity_tokens,
+            gauge_tokens=spillway.gauge_tokens,
+            kv_connector_extra_config=dict(spillway.kv_connector_extra_config),
+        ),
+        kv_connector_extra_config=extra,
+        kv_transfer_config=transfer,
+        pod=PodInfo(
+            shm_bytes=pod.shm_bytes,
+            memory_request_bytes=pod.memory_request_bytes,
+            memory_limit_bytes=pod.memory_limit_bytes,
+            pool_bytes_per_engine=pod.pool_bytes_per_engine,
+            process_overhead_bytes=pod.process_overhead_bytes,
+            headroom_bytes=pod.headroom_bytes,
+        ),
+        notes=list(layout.notes),
+    )

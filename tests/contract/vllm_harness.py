@@ -1,0 +1,319 @@
+"""Run vLLM 0.33.0's own KV planning for a config.json on the CPU (no GPU, no weights).
+
+Route (reference/vllm-cpu.md, "gpu" route): build the real model class on the meta
+device, tell each attention layer it runs the backend the planner says vLLM picks on
+the GPU (the kernels decide block sizes), run the base ``Platform`` block-size hook
+(``CudaPlatform`` does not override it), collect the layers' specs as the GPU worker
+does, then call ``get_global_kv_cache_groups``, ``get_kv_cache_configs``,
+``build_offloading_config`` and ``CPUOffloadingSpec``.
+
+Two CPU-only differences are undone, both documented in the contract README:
+* TP > 1 without N processes: the TP group reports N ranks while the model is built,
+  so every layer sizes its shards as rank 0 of N would (shapes only, no collectives).
+* The CUDA-only bits: the FlashInfer GDN kernel's 64-token checkpoint grid on Hopper,
+  the GDN SSM dtype CpuPlatform resets to float32, the forced --block-size CpuPlatform
+  overrides for its MLA kernel, and the shared /dev/shm region that makes replicated
+  MLA store one copy (``_uses_shared_region`` is CUDA-only).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+
+import torch
+import vllm
+from vllm.config import (
+    KVTransferConfig,
+    ModelConfig,
+    get_layers_from_vllm_config,
+    set_current_vllm_config,
+)
+from vllm.distributed import (
+    init_distributed_environment,
+    initialize_model_parallel,
+    parallel_state,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
+    build_offloading_config,
+)
+from vllm.engine.arg_utils import EngineArgs
+from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+from vllm.model_executor.layers.mamba.abstract import MambaBase
+from vllm.model_executor.model_loader.utils import get_model_architecture
+from vllm.platforms import current_platform
+from vllm.platforms.interface import Platform
+from vllm.utils.import_utils import resolve_obj_by_qualname
+from vllm.utils.network_utils import get_open_port
+from vllm.v1.attention.backends.mla.triton_mla import TritonMLABackend
+from vllm.v1.attention.backends.registry import AttentionBackendEnum
+from vllm.v1.attention.backends.utils import (
+    _DEFAULT_LAYOUT_PREFERENCE,
+    resolve_kv_cache_layout,
+)
+from vllm.v1.core.kv_cache_planning import (
+    get_global_kv_cache_groups,
+    get_kv_cache_configs,
+)
+from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
+from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+    UniformTypeKVCacheSpecs,
+)
+from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+from vllm.v1.worker.utils import customize_attention_spec
+
+VLLM_VERSION = vllm.__version__
+
+
+class FlashMLAStandIn(TritonMLABackend):
+    """FlashMLA's kernel block rule (exactly 64 tokens) on a class that imports on a CPU.
+
+    The real FlashMLA backend asserts its CUDA extension at construction; only its
+    block sizes matter to the KV plan (it has no ``customize_spec``).
+    """
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec: Any = None) -> list[Any]:
+        return [64]
+
+    @classmethod
+    def supports_block_size(cls, block_size: int | None) -> bool:
+        # the base AttentionBackend rule: any multiple of a kernel block size
+        return block_size is None or block_size % 64 == 0
+
+    @staticmethod
+    def get_name() -> str:
+        return "FLASHMLA"
+
+
+# The planner's backend names -> the vLLM class whose kernel block rule stands in for it
+# on the CPU (FlashAttention and FlashAttention-MLA need CUDA to import; Triton and
+# Triton-MLA share their MultipleOf(16) rule).
+_BACKENDS = {
+    "FLASH_ATTN": AttentionBackendEnum.FLASH_ATTN,
+    "TRITON_FLASH_ATTN": AttentionBackendEnum.FLASH_ATTN,
+    "FLASH_ATTN_MLA": AttentionBackendEnum.TRITON_MLA,
+    "TRITON_MLA": AttentionBackendEnum.TRITON_MLA,
+}
+_BACKEND_PATHS = {name: backend.get_path() for name, backend in _BACKENDS.items()}
+_BACKEND_PATHS["FLASHMLA"] = f"{__name__}.FlashMLAStandIn"
+
+
+@dataclass(frozen=True)
+class Case:
+    """One engine configuration to plan with vLLM."""
+
+    model: str
+    tensor_parallel_size: int = 1
+    gpu: str = "h100"
+    kv_cache_dtype: str = "auto"
+    enable_prefix_caching: bool = True
+    max_model_len: int = 8192
+    block_size: int | None = None
+    dtype: str = "auto"
+
+    def __str__(self) -> str:
+        extra = "" if self.kv_cache_dtype == "auto" else f"-{self.kv_cache_dtype}"
+        extra += "" if self.enable_prefix_caching else "-nopc"
+        extra += "" if self.block_size is None else f"-bs{self.block_size}"
+        extra += "" if self.dtype == "auto" else f"-{self.dtype}"
+        return f"{self.model}-tp{self.tensor_parallel_size}-{self.gpu}{extra}"
+
+
+@dataclass
+class VllmLayout:
+    """What vLLM built for one case; ``offload`` plans a bpc on top of it."""
+
+    vllm_config: Any
+    kv_cache_config: Any
+    layer_names: list[str]
+    groups: list[dict[str, Any]]
+    block_size: int
+
+    def offload(self, extra: dict[str, Any]) -> dict[str, Any]:
+        """build_offloading_config + CPUOffloadingSpec for one kv_connector_extra_config."""
+        transfer = self.vllm_config.kv_transfer_config
+        transfer.kv_connector_extra_config = dict(extra)
+        off = build_offloading_config(self.vllm_config, self.kv_cache_config)
+        spec = OffloadingSpecFactory.create_spec(off)
+        return {
+            "tokens_per_hash": off.cache.tokens_per_hash,
+            "blocks_per_chunk": off.cache.blocks_per_chunk,
+            "worker_bytes_per_block": off.worker_kv_bytes_per_block,
+            "replicated_layout": off.replicated_layout,
+            "row_bytes": spec.kv_bytes_per_chunk,
+            "num_chunks": spec.num_chunks,
+            "gauge_tokens": spec.cpu_info.cpu_kv_cache_size_tokens,
+            "group_tokens_per_block": [g.tokens_per_block for g in off.groups],
+            "window_chunks": [g.sliding_window_size_in_chunks for g in off.groups],
+        }
+
+
+def _kind(spec: Any) -> str:
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        return "uniform:" + _kind(next(iter(spec.kv_cache_specs.values())))
+    if isinstance(spec, MambaSpec):
+        return "mamba"
+    if isinstance(spec, MLAAttentionSpec):
+        return "mla"
+    if isinstance(spec, SlidingWindowSpec):
+        return "sliding_window"
+    if isinstance(spec, ChunkedLocalAttentionSpec):
+        return "chunked_local"
+    if isinstance(spec, FullAttentionSpec):
+        return "full_attention"
+    return type(spec).__name__
+
+
+def _uses_shared_region_on_cuda(self: CPUOffloadingSpec) -> bool:
+    return True
+
+
+CPUOffloadingSpec._uses_shared_region = _uses_shared_region_on_cuda  # type: ignore[method-assign]
+
+_distributed_ready = False
+_construct_backend_path: str | None = None
+_cpu_attn_backend_cls = type(current_platform).get_attn_backend_cls
+
+
+def _attn_backend_cls(
+    cls: Any, selected_backend: Any, attn_selector_config: Any, num_heads: Any = None
+) -> str:
+    # CPU backends refuse an FP8 KV cache at construction; the GPU ones take it.
+    if _construct_backend_path is not None:
+        return _construct_backend_path
+    return _cpu_attn_backend_cls(selected_backend, attn_selector_config, num_heads)
+
+
+type(current_platform).get_attn_backend_cls = classmethod(_attn_backend_cls)  # type: ignore
+
+
+def _init_distributed() -> None:
+    global _distributed_ready
+    if not _distributed_ready:
+        init_distributed_environment(
+            world_size=1,
+            rank=0,
+            local_rank=0,
+            backend="gloo",
+            distributed_init_method=f"tcp://127.0.0.1:{get_open_port()}",
+        )
+        _distributed_ready = True
+
+
+def _write_config(config: dict[str, Any]) -> str:
+    config = dict(config)
+    # Weight quantisation does not touch the KV cache, and its kernels need CUDA.
+    config.pop("quantization_config", None)
+    if config.get("model_type") == "gpt_oss":
+        # The MLP width is KV-irrelevant; the CPU MoE kernels reject 2880 / TP shards.
+        config["intermediate_size"] = 3072
+    model_dir = tempfile.mkdtemp(prefix="spillway-contract-")
+    with open(os.path.join(model_dir, "config.json"), "w") as f:
+        json.dump(config, f)
+    return model_dir
+
+
+def vllm_default_max_model_len(config: dict[str, Any]) -> int:
+    """The max_model_len vLLM derives when none is given."""
+    return ModelConfig(model=_write_config(config), skip_tokenizer_init=True).max_model_len
+
+
+def build_layout(config: dict[str, Any], case: Case, attention_backend: str | None) -> VllmLayout:
+    """Plan ``config`` with vLLM for ``case``; raises whatever vLLM raises."""
+    model_dir = _write_config(config)
+    # EngineArgs, as `vllm serve` builds the config (it sets CacheConfig.sliding_window
+    # for all-sliding models, prefix caching defaults, mamba cache mode...).
+    vc = EngineArgs(
+        model=model_dir,
+        skip_tokenizer_init=True,
+        max_model_len=case.max_model_len,
+        enforce_eager=True,
+        tensor_parallel_size=case.tensor_parallel_size,
+        dtype=case.dtype,
+        kv_cache_dtype=case.kv_cache_dtype,
+        enable_prefix_caching=case.enable_prefix_caching,
+        block_size=case.block_size,
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="OffloadingConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"cpu_bytes_to_use": 1 << 30},
+        ),
+    ).create_engine_config()
+    if case.block_size is not None:
+        vc.cache_config.block_size = case.block_size  # CpuPlatform forces 16 for CPU MLA
+    if vc.model_config.hf_text_config.model_type == "qwen3_next":
+        vc.cache_config.mamba_ssm_cache_dtype = "auto"  # undo CpuPlatform's float32 reset
+
+    global _construct_backend_path
+    _construct_backend_path = None
+    if attention_backend in ("FLASH_ATTN_MLA", "TRITON_MLA", "FLASHMLA"):
+        _construct_backend_path = _BACKEND_PATHS[attention_backend]
+    elif case.kv_cache_dtype != "auto":
+        # FlashAttention's impl needs CUDA for FP8; Triton has the same 16-token rule.
+        _construct_backend_path = AttentionBackendEnum.TRITON_ATTN.get_path()
+    with set_current_vllm_config(vc):
+        _init_distributed()
+        parallel_state.destroy_model_parallel()
+        initialize_model_parallel(1, 1)  # inside the config: MoE models need the EP group
+        tp_group = parallel_state.get_tp_group()
+        tp_group.world_size = case.tensor_parallel_size
+        tp_group.rank_in_group = 0
+        model_cls, _ = get_model_architecture(vc.model_config)
+        with torch.device("meta"):
+            model_cls(vllm_config=vc, prefix="")
+        layers = get_layers_from_vllm_config(vc, AttentionLayerBase)
+        for layer in layers.values():
+            backend = layer.get_attn_backend()
+            if backend.is_ssm():
+                hopper = case.gpu in ("h100", "h200")
+                if (
+                    hopper
+                    and case.enable_prefix_caching
+                    and hasattr(layer, "_checkpoint_alignment")
+                ):
+                    layer._checkpoint_alignment = 64  # FlashInfer GDN prefill on SM90
+                continue
+            assert attention_backend is not None
+            layer.attn_backend = resolve_obj_by_qualname(_BACKEND_PATHS[attention_backend])
+        Platform.update_block_size_for_backend(vc)
+        specs = {}
+        for name, layer in layers.items():
+            spec = layer.get_kv_cache_spec(vc)
+            if spec is None:
+                continue
+            if not isinstance(layer, MambaBase):
+                spec = customize_attention_spec(layer.get_attn_backend(), spec)
+            specs[name] = spec
+
+    register_all_kvcache_specs(vc)
+    resolve_kv_cache_layout(vc, [[p.name for p in _DEFAULT_LAYOUT_PREFERENCE]], specs.values())
+    groups = get_global_kv_cache_groups(vc, [specs])
+    kv_cfg = get_kv_cache_configs(vc, [specs], [1 << 40], groups)[0]
+    names = list(specs)
+    described = []
+    for g in kv_cfg.kv_cache_groups:
+        spec = g.kv_cache_spec
+        described.append(
+            {
+                "kind": _kind(spec),
+                "layer_indices": [names.index(n) for n in g.layer_names],
+                "tokens_per_block": spec.block_size,
+                "page_bytes": spec.page_size_bytes,
+                "sliding_window": getattr(spec, "sliding_window", None),
+            }
+        )
+    return VllmLayout(vc, kv_cfg, names, described, vc.cache_config.block_size)

@@ -1,0 +1,66 @@
+"""The simulator runs on plans the planner makes now, for every model fixture."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from spillway_engine import plan as plan_module
+from spillway_engine.loadgen import TraceSpec, generate_trace, to_replay_items
+from spillway_engine.simulator.core import EngineCore, replay
+from spillway_engine.simulator.plan_input import gpu_blocks_for_tokens, merge_groups, parse_plan
+
+MODELS = Path(__file__).parents[1] / "fixtures" / "models"
+# Architectures the planner refuses by design (no KV-layout rule): checked below.
+REFUSED = {"granite-4.0-h-small.json", "kimi-linear-48b-a3b.json"}
+MODEL_FILES = sorted(p.name for p in MODELS.glob("*.json") if p.name not in REFUSED)
+
+
+def _plan(model_file: str, offloader: str) -> dict:
+    data = json.loads((MODELS / model_file).read_text())
+    config = data.get("config", data)
+    request = plan_module.PlanRequest(
+        model_name=model_file.removesuffix(".json"),
+        cpu_memory_bytes=8 * 2**30,
+        max_model_len=4096,
+        offloader=offloader,
+    )
+    plan = plan_module.make_plan(config, request)
+    return json.loads(plan.model_dump_json())
+
+
+@pytest.mark.parametrize("model_file", sorted(REFUSED))
+def test_unsupported_architectures_are_refused_with_a_reason(model_file):
+    with pytest.raises(plan_module.PlanRefused, match="not supported"):
+        _plan(model_file, "spillway")
+
+
+@pytest.mark.parametrize("offloader", ["upstream", "spillway"])
+@pytest.mark.parametrize("model_file", MODEL_FILES)
+def test_simulator_runs_on_planner_output(model_file, offloader):
+    raw = _plan(model_file, offloader)
+    plan = parse_plan(raw)
+    assert plan.num_chunks == raw["num_chunks"]
+    assert [g.kind for g in plan.groups] == [g["kind"] for g in raw["kv_groups"]]
+    assert sum(g.weight for g in merge_groups(plan.groups)) == len(plan.groups)
+    core = EngineCore(plan, gpu_blocks=gpu_blocks_for_tokens(plan, 8192), seed=1)
+    spec = TraceSpec(
+        kind="shared-prefix",
+        rate=4,
+        num_requests=40,
+        duration=None,
+        prefixes=6,
+        prefix_tokens=1500,
+        question_tokens=40,
+        max_tokens=4,
+    )
+    reqs = replay(core, to_replay_items(generate_trace(spec)))
+    c = core.counters
+    assert all(r.num_output == 4 for r in reqs)
+    assert c.prompt_tokens == sum(r.prompt_len for r in reqs)
+    assert c.cached_device + c.cached_host > 0  # shared prefixes are reused somewhere
+    assert c.store_bytes > 0
+    assert 0 < core.host_used_chunks() <= core.host_slots
+    assert core.kv_cache_usage() == 0.0
