@@ -1,0 +1,610 @@
+"""The ``spillway-engine`` command run inside the GPU pod.
+
+``spillway-engine serve --plan /etc/spillway/plan/plan.json [--port 8000]`` reads the
+plan and the serving options beside it (``engine.json``), builds the exact vLLM
+0.33.0 ``vllm serve`` command the plan was made for, refuses extra arguments that
+would change the planned geometry, and execs vLLM with ``SPILLWAY_PLAN`` set so the
+Spillway plugin (:mod:`spillway_engine.vllm_plugin`) checks vLLM's real KV-cache
+config against the plan at start-up and publishes the plan metrics. ``--dry-run``
+prints the command instead.
+
+``spillway-engine simulate ...`` runs the engine simulator
+(:mod:`spillway_engine.simulator`).
+
+Exit status: 0 on success, 2 on any usage problem, bad plan or refusal (one line on
+stderr, never a traceback). Once vLLM is exec'd its status is the pod's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+import json
+import os
+import shlex
+import shutil
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from spillway_engine import VLLM_VERSION
+from spillway_engine.vllm_plugin import (
+    ENTRY_POINT_GROUP,
+    ENTRY_POINT_NAME,
+    ENTRY_POINT_VALUE,
+    ENV_PLAN,
+)
+
+PROG = "spillway-engine"
+EXIT_USAGE = 2
+ENGINE_OPTIONS_FILE = "engine.json"
+UPSTREAM_CONNECTOR = "OffloadingConnector"
+ENV_ENGINE_OPTIONS = "SPILLWAY_ENGINE_OPTIONS"
+
+
+class EngineCliError(Exception):
+    """One line for stderr; exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise EngineCliError(message)
+
+
+# ------------------------------------------------------------------------ the plan
+
+#: Plan fields the launcher reads (dotted: nested keys).
+_REQUIRED_PLAN_FIELDS = (
+    "vllm_version",
+    "gpu.attention_backend",
+    "model.dtype",
+    "parallelism.tensor_parallel_size",
+    "parallelism.pipeline_parallel_size",
+    "parallelism.data_parallel_size",
+    "kv_cache_dtype",
+    "max_model_len",
+    "block_size",
+    "enable_prefix_caching",
+    "kv_groups",
+    "offloader",
+    "cpu_memory_bytes",
+    "kv_connector_extra_config",
+    "kv_transfer_config",
+)
+
+
+def _lookup(data: Mapping[str, Any], dotted: str) -> Any:
+    value: Any = data
+    for key in dotted.split("."):
+        if not isinstance(value, Mapping) or key not in value:
+            raise KeyError(dotted)
+        value = value[key]
+    return value
+
+
+def _read_json(path: Path, what: str) -> Any:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise EngineCliError(f"{what} {path} does not exist") from None
+    except OSError as e:
+        raise EngineCliError(f"cannot read {what} {path}: {e.strerror or e}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise EngineCliError(f"{what} {path} is not valid JSON: {e}") from None
+
+
+def load_plan(path: str | Path) -> dict[str, Any]:
+    """The plan dict, checked for the fields the launcher needs and the vLLM release."""
+    path = Path(path)
+    plan = _read_json(path, "plan")
+    if not isinstance(plan, dict):
+        raise EngineCliError(f"plan {path} is not a JSON object")
+    missing = []
+    for name in _REQUIRED_PLAN_FIELDS:
+        try:
+            _lookup(plan, name)
+        except KeyError:
+            missing.append(name)
+    if missing:
+        raise EngineCliError(
+            f"plan {path} is missing {', '.join(missing)} (make it with `spillway plan "
+            "--format json`)"
+        )
+    if plan["vllm_version"] != VLLM_VERSION:
+        raise EngineCliError(
+            f"plan {path} was made for vLLM {plan['vllm_version']}; this engine runs "
+            f"vLLM {VLLM_VERSION} only (re-plan with this release)"
+        )
+    groups = plan["kv_groups"]
+    if not isinstance(groups, list) or not groups or not all(
+        isinstance(g, Mapping) and isinstance(g.get("tokens_per_block"), int) for g in groups
+    ):
+        raise EngineCliError(f"plan {path} has no usable kv_groups")
+    if not isinstance(plan["kv_transfer_config"], Mapping):
+        raise EngineCliError(f"plan {path}: kv_transfer_config is not an object")
+    return plan
+
+
+# ------------------------------------------------------------------ engine options
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """``engine.json``: serving options the operator writes beside the plan."""
+
+    model: str | None = None
+    revision: str | None = None
+    served_model_name: str | None = None
+    weights_path: str | None = None
+    gpu_memory_utilization: float | None = None
+    dtype: str | None = None
+    eviction_policy: str | None = None
+    offload_enabled: bool = True
+    extra_args: tuple[str, ...] = field(default_factory=tuple)
+
+
+def _opt(data: Mapping[str, Any], key: str, kind: type | tuple[type, ...], path: Path) -> Any:
+    value = data.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) and kind is not bool:
+        raise EngineCliError(f"engine options {path}: {key} must be {_kind_name(kind)}")
+    if not isinstance(value, kind):
+        raise EngineCliError(f"engine options {path}: {key} must be {_kind_name(kind)}")
+    return value
+
+
+def _kind_name(kind: type | tuple[type, ...]) -> str:
+    names = {str: "a string", bool: "true or false", float: "a number", int: "a number"}
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return names.get(kinds[0], kinds[0].__name__)
+
+
+def parse_engine_options(data: Any, path: Path) -> EngineOptions:
+    if not isinstance(data, Mapping):
+        raise EngineCliError(f"engine options {path} is not a JSON object")
+    extra = data.get("extra_args") or []
+    if not isinstance(extra, list) or not all(isinstance(a, str) for a in extra):
+        raise EngineCliError(f"engine options {path}: extra_args must be a list of strings")
+    util = _opt(data, "gpu_memory_utilization", (int, float), path)
+    if util is not None and not 0 < util <= 1:
+        raise EngineCliError(
+            f"engine options {path}: gpu_memory_utilization must be in (0, 1], got {util}"
+        )
+    enabled = _opt(data, "offload_enabled", bool, path)
+    options = EngineOptions(
+        model=_opt(data, "model", str, path),
+        revision=_opt(data, "revision", str, path),
+        served_model_name=_opt(data, "served_model_name", str, path),
+        weights_path=_opt(data, "weights_path", str, path),
+        gpu_memory_utilization=None if util is None else float(util),
+        dtype=_opt(data, "dtype", str, path),
+        eviction_policy=_opt(data, "eviction_policy", str, path),
+        offload_enabled=True if enabled is None else enabled,
+        extra_args=tuple(extra),
+    )
+    if not (options.model or options.weights_path):
+        raise EngineCliError(f"engine options {path}: give model or weights_path")
+    return options
+
+
+def load_engine_options(path: str | Path) -> EngineOptions:
+    path = Path(path)
+    return parse_engine_options(_read_json(path, "engine options"), path)
+
+
+# ------------------------------------------------------------ refused extra args
+
+_PARALLEL = "the plan's parallelism (re-plan with another size)"
+_GEOMETRY = "the planned KV geometry (re-plan instead)"
+_OFFLOAD = "the plan's offload connector config (set offload options in the spec)"
+_LAUNCHER = "spillway-engine serve (set it in engine.json / the spec)"
+
+#: Long flags (dashes, no ``--no-`` prefix) that only the plan or the launcher may set.
+PROTECTED_FLAGS: dict[str, str] = {
+    "--tensor-parallel-size": _PARALLEL,
+    "--pipeline-parallel-size": _PARALLEL,
+    "--data-parallel-size": _PARALLEL,
+    "--data-parallel-size-local": _PARALLEL,
+    "--decode-context-parallel-size": _PARALLEL,
+    "--prefill-context-parallel-size": _PARALLEL,
+    "--dcp-kv-cache-interleave-size": _PARALLEL,
+    "--cp-kv-cache-interleave-size": _PARALLEL,
+    "--distributed-executor-backend": _PARALLEL,
+    "--nnodes": _PARALLEL,
+    "--max-model-len": _GEOMETRY,
+    "--kv-cache-dtype": _GEOMETRY,
+    "--kv-cache-dtype-skip-layers": _GEOMETRY,
+    "--block-size": _GEOMETRY,
+    "--enable-prefix-caching": _GEOMETRY,
+    "--disable-prefix-caching": _GEOMETRY,
+    "--prefix-match-unit": _GEOMETRY,
+    "--prefix-cache-retention-interval": _GEOMETRY,
+    "--enable-hybrid-kv-cache-manager": _GEOMETRY,
+    "--disable-hybrid-kv-cache-manager": _GEOMETRY,
+    "--mamba-cache-dtype": _GEOMETRY,
+    "--mamba-ssm-cache-dtype": _GEOMETRY,
+    "--mamba-cache-mode": _GEOMETRY,
+    "--mamba-block-size": _GEOMETRY,
+    "--attention-backend": _GEOMETRY,
+    "--speculative-config": _GEOMETRY,
+    "--spec-model": _GEOMETRY,
+    "--hf-overrides": _GEOMETRY,
+    "--hf-config-path": _GEOMETRY,
+    "--config": "every flag at once (a config file could set plan-owned flags)",
+    "--kv-transfer-config": _OFFLOAD,
+    "--kv-offloading-size": _OFFLOAD,
+    "--kv-offloading-backend": _OFFLOAD,
+    "--model": _LAUNCHER,
+    "--revision": _LAUNCHER,
+    "--served-model-name": _LAUNCHER,
+    "--gpu-memory-utilization": _LAUNCHER,
+    "--dtype": _LAUNCHER,
+    "--host": _LAUNCHER,
+    "--port": _LAUNCHER,
+    "--uds": _LAUNCHER,
+    "--headless": _LAUNCHER,
+}
+
+#: vLLM's short aliases of protected flags.
+PROTECTED_SHORT_FLAGS: dict[str, str] = {
+    "-tp": "--tensor-parallel-size",
+    "-pp": "--pipeline-parallel-size",
+    "-dp": "--data-parallel-size",
+    "-dpl": "--data-parallel-size-local",
+    "-dcp": "--decode-context-parallel-size",
+    "-pcp": "--prefill-context-parallel-size",
+}
+
+
+def _canonical_long(token: str) -> str:
+    """``--Foo_bar.key=1`` -> ``--foo-bar``; ``--no-enable-x`` -> ``--enable-x``."""
+    name = token.split("=", 1)[0]
+    name = "--" + name[2:].replace("_", "-").lower()
+    name = name.split(".", 1)[0]  # vLLM's dotted JSON args: --kv-transfer-config.x
+    if name.startswith("--no-"):
+        name = "--" + name[5:]
+    return name
+
+
+def refused_flag(token: str) -> tuple[str, str] | None:
+    """``(flag, owner)`` when ``token`` sets a flag the plan or launcher owns."""
+    if token.startswith("--") and len(token) > 2:
+        name = _canonical_long(token)
+        if name in PROTECTED_FLAGS:
+            return name, PROTECTED_FLAGS[name]
+        # argparse accepts unambiguous prefixes (--max-model -> --max-model-len)
+        if len(name) >= 4:
+            for flag, owner in PROTECTED_FLAGS.items():
+                if flag.startswith(name):
+                    return flag, owner
+        return None
+    if token.startswith("-") and len(token) > 1 and not _is_number(token):
+        short = token.split("=", 1)[0]
+        for alias in sorted(PROTECTED_SHORT_FLAGS, key=len, reverse=True):
+            if short.startswith(alias):
+                flag = PROTECTED_SHORT_FLAGS[alias]
+                return f"{alias} ({flag})", PROTECTED_FLAGS[flag]
+    return None
+
+
+def _is_number(token: str) -> bool:
+    try:
+        float(token)
+    except ValueError:
+        return False
+    return True
+
+
+def check_extra_args(extra_args: Sequence[str]) -> None:
+    for token in extra_args:
+        hit = refused_flag(token)
+        if hit is not None:
+            flag, owner = hit
+            raise EngineCliError(
+                f"extra argument {token!r} is refused: {flag} is set by {owner}"
+            )
+
+
+# ------------------------------------------------------------------ the command
+
+#: ``AttentionBackend.get_preferred_block_size`` of the backends the planner picks:
+#: 16 unless the kernel takes one fixed size (spillway_engine.gpus).
+_FIXED_BLOCK_BACKENDS = {"FLASHMLA": 64}
+
+
+def forced_block_size(plan: Mapping[str, Any]) -> int | None:
+    """The ``--block-size`` to pass, or None when vLLM picks the plan's size itself.
+
+    The plan records the block size after alignment, not whether it was asked for.
+    Without Mamba layers vLLM's own choice is the backend's preferred size, so any
+    other size was forced. Mamba hybrids raise the size themselves; a forced size is
+    passed only when the plan says so (``requested_block_size``), and otherwise the
+    start-up check catches a difference.
+    """
+    requested = plan.get("requested_block_size")
+    if isinstance(requested, int):
+        return requested
+    if plan.get("mamba_cache_mode") is not None:
+        return None
+    backend = (plan.get("gpu") or {}).get("attention_backend")
+    default = _FIXED_BLOCK_BACKENDS.get(str(backend), 16)
+    block = int(plan["block_size"])
+    return None if block == default else block
+
+
+def kv_cache_dtype_flag(plan: Mapping[str, Any]) -> str:
+    """``auto`` when the KV cache is in the activation dtype, else the plan's dtype.
+
+    ``auto`` is the input the plan resolved from; passing vLLM the same input keeps
+    its backend selection (which looks at the requested KV dtype) on the planner's.
+    """
+    kv = str(plan["kv_cache_dtype"])
+    return "auto" if kv == plan["model"]["dtype"] else kv
+
+
+def spillway_offloader_available(plan: Mapping[str, Any]) -> bool:
+    """Whether Spillway's patched offloader module is part of this build."""
+    module = plan["kv_transfer_config"].get("kv_connector_module_path")
+    if not module:
+        return False
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def transfer_config(
+    plan: Mapping[str, Any],
+    options: EngineOptions,
+    spillway_available: bool | None = None,
+) -> tuple[dict[str, Any] | None, list[str]]:
+    """The ``--kv-transfer-config`` dict (None: offloading off) and notes for the log."""
+    notes: list[str] = []
+    if not options.offload_enabled:
+        return None, ["offloading disabled in engine.json: no --kv-transfer-config"]
+    if plan["offloader"] == "spillway":
+        if spillway_available is None:
+            spillway_available = spillway_offloader_available(plan)
+        if spillway_available:
+            config = json.loads(json.dumps(plan["kv_transfer_config"]))
+        else:
+            upstream = plan.get("upstream")
+            if not isinstance(upstream, Mapping):
+                reason = plan.get("upstream_refusal") or "the plan has no upstream geometry"
+                raise EngineCliError(
+                    "the plan needs Spillway's offloader, which this build does not "
+                    f"include yet, and vLLM's own offloader refuses it: {reason}"
+                )
+            notes.append(
+                "Spillway's offloader is not in this build yet: serving with vLLM's "
+                f"{UPSTREAM_CONNECTOR} and the plan's upstream geometry (blocks per chunk "
+                f"{upstream['blocks_per_chunk']}, {upstream['num_chunks']} host chunks)"
+            )
+            config = {
+                "kv_connector": UPSTREAM_CONNECTOR,
+                "kv_role": "kv_both",
+                "kv_connector_extra_config": dict(upstream["kv_connector_extra_config"]),
+            }
+    else:
+        config = json.loads(json.dumps(plan["kv_transfer_config"]))
+        config["kv_connector"] = UPSTREAM_CONNECTOR
+        config.pop("kv_connector_module_path", None)
+    extra = config.setdefault("kv_connector_extra_config", {})
+    if "block_size" in extra:
+        # The token-based chunk key fails in vLLM as soon as groups differ in tokens
+        # per block; blocks per chunk says the same thing for every model.
+        del extra["block_size"]
+        if config["kv_connector"] == UPSTREAM_CONNECTOR:
+            upstream = plan.get("upstream") or {}
+            extra["blocks_per_chunk"] = upstream.get("blocks_per_chunk", plan["blocks_per_chunk"])
+    if options.eviction_policy:
+        extra["eviction_policy"] = options.eviction_policy
+    config.setdefault("kv_role", "kv_both")
+    return config, notes
+
+
+def _dtype_flag(plan: Mapping[str, Any], options: EngineOptions) -> str:
+    planned = str(plan["model"]["dtype"])
+    asked = options.dtype
+    if asked not in (None, "", "auto") and asked != planned:
+        raise EngineCliError(
+            f"engine.json dtype {asked} disagrees with the plan's model dtype {planned} "
+            "(the KV page sizes were planned for the latter; re-plan)"
+        )
+    return planned
+
+
+def build_command(
+    plan: Mapping[str, Any],
+    options: EngineOptions,
+    *,
+    host: str = "0.0.0.0",
+    port: int = 8000,
+    extra_args: Sequence[str] = (),
+    spillway_available: bool | None = None,
+) -> tuple[list[str], list[str]]:
+    """``vllm serve ...`` for the plan, and notes for the log. Raises EngineCliError."""
+    user_args = [*options.extra_args, *extra_args]
+    check_extra_args(user_args)
+    model = options.weights_path or options.model
+    assert model is not None  # parse_engine_options insists
+    par = plan["parallelism"]
+    cmd = ["vllm", "serve", model]
+    served = options.served_model_name or options.model
+    if served:
+        cmd += ["--served-model-name", served]
+    if options.revision and not options.weights_path:
+        cmd += ["--revision", options.revision]
+    cmd += [
+        "--tensor-parallel-size",
+        str(par["tensor_parallel_size"]),
+        "--pipeline-parallel-size",
+        str(par["pipeline_parallel_size"]),
+        "--data-parallel-size",
+        str(par["data_parallel_size"]),
+        "--max-model-len",
+        str(plan["max_model_len"]),
+    ]
+    if options.gpu_memory_utilization is not None:
+        cmd += ["--gpu-memory-utilization", repr(options.gpu_memory_utilization)]
+    cmd += ["--dtype", _dtype_flag(plan, options), "--kv-cache-dtype", kv_cache_dtype_flag(plan)]
+    block = forced_block_size(plan)
+    if block is not None:
+        cmd += ["--block-size", str(block)]
+    cmd.append("--enable-prefix-caching" if plan["enable_prefix_caching"] else
+               "--disable-prefix-caching")
+    transfer, notes = transfer_config(plan, options, spillway_available)
+    if transfer is not None:
+        cmd += ["--kv-transfer-config", json.dumps(transfer, separators=(",", ":"))]
+    cmd += ["--host", host, "--port", str(port), *user_args]
+    return cmd, notes
+
+
+# -------------------------------------------------------------------- serving
+
+
+def installed_vllm_version() -> str | None:
+    try:
+        return importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def plugin_registered() -> bool:
+    """Whether vLLM will find the Spillway plugin (entry point in vllm.general_plugins)."""
+    return any(
+        ep.name == ENTRY_POINT_NAME and ep.value.replace(" ", "") == ENTRY_POINT_VALUE
+        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
+    )
+
+
+def serving_env(plan_path: Path, options_path: Path, base: Mapping[str, str]) -> dict[str, str]:
+    env = dict(base)
+    env[ENV_PLAN] = str(plan_path.resolve())
+    env[ENV_ENGINE_OPTIONS] = str(options_path.resolve())
+    allowed = env.get("VLLM_PLUGINS")
+    if allowed is not None:
+        names = [n.strip() for n in allowed.split(",") if n.strip()]
+        if ENTRY_POINT_NAME not in names:
+            env["VLLM_PLUGINS"] = ",".join([*names, ENTRY_POINT_NAME])
+    return env
+
+
+def _exec(cmd: list[str], env: dict[str, str]) -> int:
+    # The vllm of this interpreter's environment (whose version was checked), else
+    # PATH's, else the same CLI through this interpreter.
+    beside = Path(sys.executable).with_name(cmd[0])
+    exe = str(beside) if os.access(beside, os.X_OK) else shutil.which(cmd[0], path=env.get("PATH"))
+    program = [exe] if exe else [sys.executable, "-m", "vllm.entrypoints.cli.main"]
+    argv = [*program, *cmd[1:]]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execve(argv[0], argv, env)
+    except OSError as e:
+        raise EngineCliError(f"cannot start vLLM ({argv[0]}): {e.strerror or e}") from None
+    return 0  # not reached
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 < value < 65536:
+        raise argparse.ArgumentTypeError(f"{value} is not between 1 and 65535")
+    return value
+
+
+def _serve_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog=f"{PROG} serve",
+        description="Start vLLM 0.33.0 exactly as the Spillway plan says, with the "
+        "start-up plan check.",
+    )
+    p.add_argument("--plan", required=True, metavar="PATH", help="plan.json")
+    p.add_argument(
+        "--engine-options",
+        metavar="PATH",
+        help=f"serving options (default: {ENGINE_OPTIONS_FILE} beside the plan)",
+    )
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=_port, default=8000)
+    p.add_argument("--dry-run", action="store_true", help="print the vLLM command and exit")
+    p.add_argument("extra", nargs="*", metavar="-- VLLM_ARG", help="more vLLM arguments")
+    return p
+
+
+def serve_main(argv: Sequence[str]) -> int:
+    args = _serve_parser().parse_args(list(argv))
+    plan_path = Path(args.plan)
+    options_path = (
+        Path(args.engine_options) if args.engine_options else plan_path.parent / ENGINE_OPTIONS_FILE
+    )
+    plan = load_plan(plan_path)
+    options = load_engine_options(options_path)
+    cmd, notes = build_command(
+        plan, options, host=args.host, port=args.port, extra_args=args.extra
+    )
+    if args.dry_run:
+        for note in notes:
+            print(f"{PROG}: note: {note}", file=sys.stderr)
+        print(shlex.join(cmd))
+        return 0
+    found = installed_vllm_version()
+    if found != plan["vllm_version"]:
+        raise EngineCliError(
+            f"the plan needs vLLM {plan['vllm_version']}, but "
+            + (f"vLLM {found} is installed" if found else "vLLM is not installed")
+        )
+    if not plugin_registered():
+        raise EngineCliError(
+            f"the Spillway vLLM plugin is not registered (entry point {ENTRY_POINT_NAME} = "
+            f"{ENTRY_POINT_VALUE} in group {ENTRY_POINT_GROUP}); without it the start-up "
+            "plan check cannot run -- reinstall the spillway package"
+        )
+    for note in notes:
+        print(f"{PROG}: note: {note}", file=sys.stderr)
+    print(f"{PROG}: exec {shlex.join(cmd)}", file=sys.stderr)
+    return _exec(cmd, serving_env(plan_path, options_path, os.environ))
+
+
+def simulate_main(argv: Sequence[str]) -> int:
+    try:
+        from spillway_engine.simulator.__main__ import simulate_main as run
+    except ImportError as e:
+        raise EngineCliError(f"the engine simulator is not available in this build: {e}") from None
+    return run(list(argv))
+
+
+_SUBCOMMANDS = {"serve": serve_main, "simulate": simulate_main}
+_USAGE = f"usage: {PROG} {{serve,simulate}} ... (see {PROG} <command> --help)"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(_USAGE, file=sys.stderr if not args else sys.stdout)
+        return EXIT_USAGE if not args else 0
+    command, rest = args[0], args[1:]
+    handler = _SUBCOMMANDS.get(command)
+    if handler is None:
+        print(f"{PROG}: error: unknown command {command!r}; {_USAGE}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        return handler(rest)
+    except SystemExit as e:  # --help
+        return e.code if isinstance(e.code, int) else 0
+    except EngineCliError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

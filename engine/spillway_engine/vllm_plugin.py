@@ -1,0 +1,219 @@
+"""Spillway's vLLM general plugin: the start-up plan check and the plan metrics.
+
+Registered in the ``vllm.general_plugins`` entry-point group (name ``spillway``, value
+``spillway_engine.vllm_plugin:register``). vLLM calls :func:`register` once in every
+process it starts -- the API server, each engine core, each GPU worker -- so it is
+idempotent, and it does nothing unless ``SPILLWAY_PLAN`` names a plan file
+(``spillway-engine serve`` sets it before it execs ``vllm serve``).
+
+Why a plugin, and why this hook
+-------------------------------
+The engine core builds the KV-cache configuration in ``EngineCore._initialize_kv_caches``
+(``vllm/v1/engine/core.py``), in its own process: worker specs, layout, grouping,
+``get_kv_cache_configs``, the hybrid ``block_size`` rewrite, then the hash unit
+(``hash_block_size``) written into every config, and only then
+``self.model_executor.initialize_from_config(kv_cache_configs)``, which makes the
+workers allocate the GPU cache, build the connector's worker side and map the host
+pool in ``/dev/shm``; warm-up and CUDA-graph capture follow. So
+``Executor.initialize_from_config`` (defined once on the base class
+``vllm.v1.executor.abstract.Executor``; the mp, uni-process and Ray executors inherit
+it) is the first moment the *final* per-worker ``KVCacheConfig`` exists and the last
+one before memory is committed. The plugin wraps it: the wrapper runs
+:func:`spillway_engine.plan_check.check` on the executor's ``vllm_config`` and the
+first worker's config, and on a mismatch logs the side-by-side table and raises
+:class:`~spillway_engine.plan_check.PlanMismatch`. vLLM's engine-core start-up then
+fails the normal way ("EngineCore failed to start", "Engine core initialization
+failed"), the workers are torn down, and ``vllm serve`` -- hence the pod -- exits
+non-zero. A wrapper around ``vllm serve`` itself could not do this: the engine core
+is another process (spawned or forked), and only entry-point plugins run there.
+
+Metrics
+-------
+vLLM serves ``/metrics`` from the API-server process: prometheus_client's default
+registry, or with several API servers a ``MultiProcessCollector`` over
+``PROMETHEUS_MULTIPROC_DIR`` that vLLM sets before it starts them. Its own engine
+metrics are created in ``PrometheusStatLogger.__init__`` in that process, labelled
+``model_name`` (the served name) and ``engine`` (DP index). The plugin wraps that
+constructor and creates Spillway's families (``spillway_engine.metrics``) beside
+them, with the same labels, and sets the static ones from the plan:
+``spillway_plan_info`` and ``spillway_host_pool_capacity_{chunks,tokens}``. Created
+there, they land in whichever registry mode vLLM uses (gauges are ``mostrecent``).
+The dynamic series (used chunks, pool tokens, evictions, thrash, lookup/hit tokens)
+are exported at zero: they belong to the offloader's scheduler side, which runs in
+the engine core, and must reach the API server through the connector's
+``build_kv_connector_stats``/``build_prom_metrics`` path -- the patched offloader's
+issue.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from spillway_engine.plan_check import (
+    PlanMismatch,
+    check,
+    effective_plan,
+    format_table,
+)
+
+#: Environment variable naming the plan file; the plugin is inert without it.
+ENV_PLAN = "SPILLWAY_PLAN"
+#: The entry point (group ``vllm.general_plugins``) pyproject.toml must declare.
+ENTRY_POINT_GROUP = "vllm.general_plugins"
+ENTRY_POINT_NAME = "spillway"
+ENTRY_POINT_VALUE = "spillway_engine.vllm_plugin:register"
+
+# A child of vLLM's logger, so it shares vLLM's handlers and format.
+logger = logging.getLogger("vllm.spillway")
+
+_state: dict[str, Any] = {"plan": None, "metrics": {}}
+
+
+class PluginError(RuntimeError):
+    """The plugin cannot do its job (plan unreadable); stops the vLLM process."""
+
+
+def load_plan_file(path: str) -> dict[str, Any]:
+    try:
+        with open(path) as f:
+            plan = json.load(f)
+    except OSError as e:
+        raise PluginError(f"{ENV_PLAN}={path}: cannot read the plan: {e.strerror or e}") from e
+    except json.JSONDecodeError as e:
+        raise PluginError(f"{ENV_PLAN}={path}: the plan is not JSON: {e}") from e
+    if not isinstance(plan, dict) or not isinstance(plan.get("kv_groups"), list):
+        raise PluginError(f"{ENV_PLAN}={path}: not a Spillway plan (no kv_groups list)")
+    return plan
+
+
+def register() -> None:
+    """vLLM general-plugin entry: install the plan check and the plan metrics."""
+    path = os.environ.get(ENV_PLAN)
+    if not path:
+        return
+    if _state["plan"] is not None:
+        return
+    _state["plan"] = load_plan_file(path)
+    install_plan_check()
+    install_metrics()
+    logger.debug("Spillway plugin active with plan %s", path)
+
+
+# ----------------------------------------------------------------------- plan check
+
+
+def run_plan_check(plan: Mapping[str, Any], vllm_config: Any, kv_cache_config: Any) -> None:
+    """Check one built config; log and raise :class:`PlanMismatch` on a difference."""
+    try:
+        observed = check(plan, vllm_config, kv_cache_config)
+    except PlanMismatch as e:
+        logger.error(
+            "Spillway plan check FAILED: vLLM's KV-cache geometry differs from the plan "
+            "(the pod's memory and host pool were sized for the plan):\n%s",
+            format_table(e.mismatches),
+        )
+        raise
+    logger.info(
+        "Spillway plan check passed: %d KV-cache group(s), %d tokens per hash, "
+        "%d bytes per block%s",
+        len(observed.groups),
+        observed.tokens_per_hash,
+        observed.worker_bytes_per_block,
+        ""
+        if observed.num_chunks is None
+        else f", {observed.num_chunks} host chunks of {observed.row_bytes} bytes",
+    )
+
+
+def install_plan_check() -> None:
+    """Wrap ``Executor.initialize_from_config`` (once) so the check sees the real result."""
+    from vllm.v1.executor.abstract import Executor
+
+    original = Executor.initialize_from_config
+    if getattr(original, "_spillway_checked", False):
+        return
+
+    @functools.wraps(original)
+    def initialize_from_config(self: Any, kv_cache_configs: list[Any]) -> None:
+        plan = _state["plan"]
+        if plan is not None and kv_cache_configs:
+            run_plan_check(plan, self.vllm_config, kv_cache_configs[0])
+        return original(self, kv_cache_configs)
+
+    initialize_from_config._spillway_checked = True  # type: ignore[attr-defined]
+    Executor.initialize_from_config = initialize_from_config  # type: ignore[method-assign]
+
+
+# -------------------------------------------------------------------------- metrics
+
+
+def publish_plan_metrics(
+    plan: Mapping[str, Any],
+    model_name: str,
+    engine_indexes: Iterable[int],
+    registry: Any = None,
+) -> list[Any]:
+    """Spillway's metric families on ``registry`` (default: prometheus_client's), with
+    the plan's static values set for every engine. Safe to call again (vLLM rebuilds
+    its stat logger): families are created once per registry."""
+    from prometheus_client import REGISTRY
+
+    from spillway_engine.metrics import build_spillway_metrics
+
+    registry = REGISTRY if registry is None else registry
+    cache: dict[int, Any] = _state["metrics"]
+    engines = [str(i) for i in engine_indexes] or ["0"]
+    base = cache.get(id(registry))
+    if base is None:
+        base = build_spillway_metrics(registry, model_name, engines[0])
+        cache[id(registry)] = base
+    bound = []
+    for engine in engines:
+        metrics = dataclasses.replace(base, model_name=model_name, engine=engine)
+        for family in (
+            metrics.used_chunks,
+            metrics.pool_tokens,
+            metrics.evictions,
+            metrics.thrash,
+            metrics.lookup_tokens,
+            metrics.hit_tokens,
+        ):
+            family.labels(model_name, engine)  # export the series from the start
+        metrics.set_plan(plan)
+        bound.append(metrics)
+    return bound
+
+
+def install_metrics() -> None:
+    """Wrap ``PrometheusStatLogger.__init__`` (once): publish the plan beside vLLM's."""
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+    original = PrometheusStatLogger.__init__
+    if getattr(original, "_spillway_metrics", False):
+        return
+
+    @functools.wraps(original)
+    def __init__(self: Any, vllm_config: Any, engine_indexes: list[int] | None = None) -> None:
+        original(self, vllm_config, engine_indexes)
+        plan = _state["plan"]
+        if plan is None:
+            return
+        transfer = vllm_config.kv_transfer_config
+        connector = getattr(transfer, "kv_connector", None)
+        try:
+            publish_plan_metrics(
+                effective_plan(plan, connector),
+                str(vllm_config.model_config.served_model_name),
+                self.engine_indexes,
+            )
+        except Exception:  # metrics must never take the server down
+            logger.exception("Spillway: could not publish the plan metrics")
+
+    __init__._spillway_metrics = True  # type: ignore[attr-defined]
+    PrometheusStatLogger.__init__ = __init__  # type: ignore[method-assign]

@@ -1,0 +1,614 @@
+"""`spillway-engine serve`: the vLLM command built from a plan, refusals, exit codes;
+the pure half of the start-up plan check; the plugin's plan metrics."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from spillway_engine import engine_cli, vllm_plugin
+from spillway_engine.engine_cli import EngineCliError, EngineOptions, build_command, main
+from spillway_engine.plan import PlanRequest, make_plan
+from spillway_engine.plan_check import (
+    Mismatch,
+    ObservedGeometry,
+    ObservedGroup,
+    PlanMismatch,
+    compare,
+    effective_plan,
+    format_table,
+)
+
+from .planner_fixtures import load_model
+
+GIB = 2**30
+
+GEMMA = "gemma-3-1b-it"  # 6 sliding-window groups + 1 full-attention group
+LLAMA = "llama-3.2-1b"  # one full-attention group
+QWEN_NEXT = "qwen3-next-80b-a3b-instruct"  # GDN (Mamba) hybrid: 3 Mamba + 1 attention
+NEMOTRON = "nemotron-h-8b-base-8k"  # Mamba2 hybrid
+
+
+def plan_for(model: str, **kw: Any) -> dict[str, Any]:
+    kw.setdefault("cpu_memory_bytes", 8 * GIB)
+    kw.setdefault("max_model_len", 8192)
+    return make_plan(load_model(model), PlanRequest(model_name=model, **kw)).model_dump(
+        mode="json"
+    )
+
+
+OPTIONS = EngineOptions(
+    model="org/model",
+    revision="abc123",
+    served_model_name="served",
+    gpu_memory_utilization=0.9,
+    dtype="auto",
+    eviction_policy="lru",
+    extra_args=("--max-num-seqs", "64"),
+)
+
+
+def flag(cmd: list[str], name: str) -> str:
+    assert cmd.count(name) == 1, f"{name} appears {cmd.count(name)} times in {cmd}"
+    return cmd[cmd.index(name) + 1]
+
+
+def transfer(cmd: list[str]) -> dict[str, Any]:
+    return json.loads(flag(cmd, "--kv-transfer-config"))
+
+
+# ---------------------------------------------------------------- command building
+
+
+@pytest.mark.parametrize("model", [GEMMA, LLAMA, QWEN_NEXT, NEMOTRON])
+@pytest.mark.parametrize("offloader", ["upstream", "spillway"])
+def test_command_carries_the_plan(model: str, offloader: str):
+    plan = plan_for(model, offloader=offloader, tensor_parallel_size=2)
+    cmd, _ = build_command(plan, OPTIONS, spillway_available=False)
+    assert cmd[:3] == ["vllm", "serve", "org/model"]
+    assert flag(cmd, "--served-model-name") == "served"
+    assert flag(cmd, "--revision") == "abc123"
+    assert flag(cmd, "--tensor-parallel-size") == "2"
+    assert flag(cmd, "--pipeline-parallel-size") == "1"
+    assert flag(cmd, "--data-parallel-size") == "1"
+    assert flag(cmd, "--max-model-len") == "8192"
+    assert flag(cmd, "--gpu-memory-utilization") == "0.9"
+    assert flag(cmd, "--dtype") == plan["model"]["dtype"] == "bfloat16"
+    assert flag(cmd, "--kv-cache-dtype") == "auto"
+    assert "--enable-prefix-caching" in cmd and "--disable-prefix-caching" not in cmd
+    assert "--block-size" not in cmd  # nobody forced one: vLLM picks the plan's size
+    assert cmd[-6:] == ["--host", "0.0.0.0", "--port", "8000", "--max-num-seqs", "64"]
+    kv = transfer(cmd)
+    # until Spillway's offloader ships, both offloaders run vLLM's with upstream figures
+    assert kv["kv_connector"] == "OffloadingConnector"
+    assert kv["kv_role"] == "kv_both"
+    assert "kv_connector_module_path" not in kv
+    assert kv["kv_connector_extra_config"] == {
+        **plan["upstream"]["kv_connector_extra_config"],
+        "eviction_policy": "lru",
+    }
+    assert kv["kv_connector_extra_config"]["blocks_per_chunk"] == plan["upstream"][
+        "blocks_per_chunk"
+    ]
+    assert "block_size" not in kv["kv_connector_extra_config"]
+
+
+def test_spillway_offloader_used_when_built():
+    plan = plan_for(GEMMA)
+    cmd, notes = build_command(plan, OPTIONS, spillway_available=True)
+    kv = transfer(cmd)
+    assert kv["kv_connector"] == "SpillwayOffloadingConnector"
+    assert kv["kv_connector_module_path"] == "spillway_engine.offloader"
+    extra = kv["kv_connector_extra_config"]
+    assert extra["spillway_chunk_tokens"] == plan["spillway"]["chunk_tokens"]
+    assert extra["spillway_group_blocks_per_chunk"] == [16] * 7
+    assert extra["cpu_bytes_to_use"] == 8 * GIB
+    assert notes == []
+
+
+def test_fallback_is_announced():
+    plan = plan_for(GEMMA)
+    _, notes = build_command(plan, OPTIONS, spillway_available=False)
+    assert len(notes) == 1 and "OffloadingConnector" in notes[0]
+
+
+def test_spillway_plan_that_upstream_refuses_cannot_fall_back():
+    plan = plan_for(GEMMA)
+    plan["upstream"] = None
+    plan["upstream_refusal"] = "group 2 has 8 tokens per block, not a multiple of 16"
+    with pytest.raises(EngineCliError, match="not a multiple of 16"):
+        build_command(plan, OPTIONS, spillway_available=False)
+
+
+def test_token_based_chunk_key_is_never_passed():
+    plan = plan_for(LLAMA, offloader="upstream", blocks_per_chunk=4)
+    plan["kv_transfer_config"]["kv_connector_extra_config"] = {
+        "cpu_bytes_to_use": 8 * GIB,
+        "block_size": 64,
+    }
+    cmd, _ = build_command(plan, OPTIONS)
+    extra = transfer(cmd)["kv_connector_extra_config"]
+    assert "block_size" not in extra
+    assert extra["blocks_per_chunk"] == 4
+
+
+def test_forced_block_size_is_passed():
+    assert flag(build_command(plan_for(LLAMA, block_size=32), OPTIONS)[0], "--block-size") == "32"
+    # FlashMLA's fixed 64-token kernel blocks are its own choice, not a forced size
+    fp8 = plan_for("deepseek-v2-lite", kv_cache_dtype="fp8")
+    assert fp8["block_size"] == 64 and fp8["gpu"]["attention_backend"] == "FLASHMLA"
+    cmd, _ = build_command(fp8, OPTIONS)
+    assert "--block-size" not in cmd
+    assert flag(cmd, "--kv-cache-dtype") == "fp8"
+    # a hybrid's raised size is vLLM's own alignment
+    hybrid = plan_for(QWEN_NEXT)
+    assert hybrid["block_size"] > 16
+    assert "--block-size" not in build_command(hybrid, OPTIONS)[0]
+    explicit = {**hybrid, "requested_block_size": hybrid["block_size"]}
+    assert flag(build_command(explicit, OPTIONS)[0], "--block-size") == str(hybrid["block_size"])
+
+
+def test_prefix_caching_off_is_spelled_out():
+    cmd, _ = build_command(plan_for(LLAMA, enable_prefix_caching=False), OPTIONS)
+    assert "--disable-prefix-caching" in cmd and "--enable-prefix-caching" not in cmd
+
+
+def test_weights_path_replaces_model_and_revision():
+    options = EngineOptions(model="org/model", revision="abc", weights_path="/weights/m")
+    cmd, _ = build_command(plan_for(LLAMA), options)
+    assert cmd[2] == "/weights/m"
+    assert "--revision" not in cmd
+    assert flag(cmd, "--served-model-name") == "org/model"
+    assert "--gpu-memory-utilization" not in cmd
+
+
+def test_offload_disabled_drops_the_connector():
+    options = EngineOptions(model="m", offload_enabled=False)
+    cmd, notes = build_command(plan_for(GEMMA), options)
+    assert "--kv-transfer-config" not in cmd
+    assert "disabled" in notes[0]
+
+
+def test_dtype_conflict_is_refused():
+    with pytest.raises(EngineCliError, match="float16 disagrees"):
+        build_command(plan_for(LLAMA), EngineOptions(model="m", dtype="float16"))
+    cmd, _ = build_command(plan_for(LLAMA, dtype="float16"), EngineOptions(model="m"))
+    assert flag(cmd, "--dtype") == "float16"
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["--tensor-parallel-size", "2"], "--tensor-parallel-size"),
+        (["--tensor_parallel_size=2"], "--tensor-parallel-size"),
+        (["-tp", "2"], "-tp (--tensor-parallel-size)"),
+        (["-tp2"], "-tp (--tensor-parallel-size)"),
+        (["-pp", "2"], "-pp (--pipeline-parallel-size)"),
+        (["--data-parallel-size", "2"], "--data-parallel-size"),
+        (["-dpl", "2"], "-dpl (--data-parallel-size-local)"),
+        (["--max-model-len=4096"], "--max-model-len"),
+        (["--max-model", "4096"], "--max-model-len"),  # argparse would expand the prefix
+        (["--kv-transfer-config", "{}"], "--kv-transfer-config"),
+        (["--kv-transfer-config.kv_connector", "X"], "--kv-transfer-config"),
+        (["--kv-offloading-size", "8"], "--kv-offloading-size"),
+        (["--kv-offloading-backend", "native"], "--kv-offloading-backend"),
+        (["--block-size", "32"], "--block-size"),
+        (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype"),
+        (["--enable-prefix-caching"], "--enable-prefix-caching"),
+        (["--no-enable-prefix-caching"], "--enable-prefix-caching"),
+        (["--disable-prefix-caching"], "--disable-prefix-caching"),
+        (["--disable-hybrid-kv-cache-manager"], "--disable-hybrid-kv-cache-manager"),
+        (["--mamba-ssm-cache-dtype", "float32"], "--mamba-ssm-cache-dtype"),
+        (["--speculative-config", "{}"], "--speculative-config"),
+        (["--port", "9000"], "--port"),
+        (["--host", "::"], "--host"),
+        (["--config", "x.yaml"], "--config"),
+        (["--served-model-name", "x"], "--served-model-name"),
+    ],
+)
+def test_plan_owned_extra_args_are_refused(args: list[str], named: str):
+    with pytest.raises(EngineCliError) as e:
+        build_command(plan_for(LLAMA), EngineOptions(model="m", extra_args=tuple(args)))
+    assert f"is refused: {named} is set by" in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--max-num-seqs", "64"],
+        ["--max-num-batched-tokens=8192"],
+        ["--enable-chunked-prefill"],
+        ["--kv-cache-metrics"],
+        ["--kv-events-config", '{"enable_kv_cache_events": true}'],
+        ["--model-impl", "vllm"],
+        ["--data-parallel-rank", "0"],
+        ["-O3"],
+        ["--seed", "-1"],
+    ],
+)
+def test_other_extra_args_pass_through(args: list[str]):
+    cmd, _ = build_command(plan_for(LLAMA), EngineOptions(model="m", extra_args=tuple(args)))
+    assert cmd[-len(args) :] == args
+
+
+# --------------------------------------------------------------------- main(argv)
+
+
+def write(tmp_path: Path, plan: Any, options: Any = None, name: str = "plan.json") -> Path:
+    path = tmp_path / name
+    path.write_text(plan if isinstance(plan, str) else json.dumps(plan))
+    if options is not None:
+        (tmp_path / "engine.json").write_text(
+            options if isinstance(options, str) else json.dumps(options)
+        )
+    return path
+
+
+ENGINE_JSON = {
+    "model": "google/gemma-3-1b-it",
+    "revision": None,
+    "served_model_name": "gemma",
+    "weights_path": None,
+    "gpu_memory_utilization": 0.85,
+    "dtype": "auto",
+    "eviction_policy": "arc",
+    "offload_enabled": True,
+    "extra_args": ["--max-num-seqs", "32"],
+}
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_dry_run_prints_the_exact_command(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(engine_cli, "spillway_offloader_available", lambda plan: False)
+    plan = plan_for(GEMMA)
+    path = write(tmp_path, plan, ENGINE_JSON)
+    code, out, err = run(capsys, "serve", "--plan", str(path), "--port", "9000", "--dry-run")
+    assert code == 0
+    expected, _ = build_command(
+        plan,
+        engine_cli.load_engine_options(tmp_path / "engine.json"),
+        port=9000,
+        spillway_available=False,
+    )
+    assert shlex.split(out) == expected
+    assert out.count("\n") == 1
+    assert transfer(expected)["kv_connector_extra_config"]["eviction_policy"] == "arc"
+    assert flag(expected, "--gpu-memory-utilization") == "0.85"
+    assert "note:" in err  # the fallback to vLLM's offloader is said once
+
+
+def test_engine_options_flag_overrides_the_neighbour(tmp_path, capsys):
+    path = write(tmp_path, plan_for(LLAMA, offloader="upstream"))
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"model": "x/y", "offload_enabled": False}))
+    code, out, _ = run(
+        capsys, "serve", "--plan", str(path), "--engine-options", str(other), "--dry-run"
+    )
+    assert code == 0
+    assert shlex.split(out)[2] == "x/y" and "--kv-transfer-config" not in out
+
+
+def test_trailing_args_after_double_dash(tmp_path, capsys):
+    path = write(tmp_path, plan_for(LLAMA, offloader="upstream"), {"model": "m"})
+    code, out, _ = run(capsys, "serve", "--plan", str(path), "--dry-run", "--", "--seed", "3")
+    assert code == 0 and shlex.split(out)[-2:] == ["--seed", "3"]
+    code, _, err = run(capsys, "serve", "--plan", str(path), "--dry-run", "--", "-tp", "4")
+    assert code == 2 and "-tp" in err
+
+
+def one_error_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    assert lines[0].startswith("spillway-engine: error: ")
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("plan", "match"),
+    [
+        (None, "does not exist"),
+        ("{not json", "is not valid JSON"),
+        ("[1, 2]", "not a JSON object"),
+        ({"vllm_version": "0.33.0"}, "is missing gpu.attention_backend, model.dtype"),
+        ("mutate:vllm_version=0.32.0", "made for vLLM 0.32.0"),
+        ("mutate:kv_groups=[]", "no usable kv_groups"),
+        ("drop:kv_transfer_config", "is missing kv_transfer_config"),
+    ],
+)
+def test_bad_plans_exit_2_with_one_line(tmp_path, capsys, plan, match):
+    if isinstance(plan, str) and plan.startswith(("mutate:", "drop:")):
+        good = plan_for(LLAMA, offloader="upstream")
+        action, _, rest = plan.partition(":")
+        if action == "drop":
+            del good[rest]
+        else:
+            key, _, value = rest.partition("=")
+            good[key] = json.loads(value) if value.startswith("[") else value
+        plan = good
+    path = tmp_path / "plan.json" if plan is None else write(tmp_path, plan)
+    (tmp_path / "engine.json").write_text(json.dumps({"model": "m"}))
+    code, out, err = run(capsys, "serve", "--plan", str(path), "--dry-run")
+    assert code == 2 and out == ""
+    assert match in one_error_line(err)
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        (None, "engine options"),
+        ("nope", "is not valid JSON"),
+        ({"revision": "x"}, "give model or weights_path"),
+        ({"model": "m", "extra_args": "--seed 1"}, "extra_args must be a list of strings"),
+        ({"model": "m", "gpu_memory_utilization": 1.5}, "must be in (0, 1]"),
+        ({"model": "m", "gpu_memory_utilization": True}, "must be a number"),
+        ({"model": 3}, "model must be a string"),
+        ({"model": "m", "offload_enabled": "yes"}, "offload_enabled must be true or false"),
+        ({"model": "m", "extra_args": ["--block-size", "32"]}, "--block-size is set by"),
+        ({"model": "m", "dtype": "float16"}, "disagrees with the plan"),
+    ],
+)
+def test_bad_engine_options_exit_2(tmp_path, capsys, options, match):
+    path = write(tmp_path, plan_for(LLAMA, offloader="upstream"), options)
+    code, _, err = run(capsys, "serve", "--plan", str(path), "--dry-run")
+    assert code == 2
+    assert match in one_error_line(err)
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        ([], "usage: spillway-engine"),
+        (["bogus"], "unknown command 'bogus'"),
+        (["serve"], "the following arguments are required: --plan"),
+        (["serve", "--plan", "p.json", "--port", "70000"], "not between 1 and 65535"),
+        (["serve", "--plan", "p.json", "--tensor-parallel-size", "2"], "unrecognized arguments"),
+    ],
+)
+def test_usage_errors_exit_2(capsys, argv, match):
+    code, _, err = run(capsys, *argv)
+    assert code == 2
+    assert match in err and "Traceback" not in err
+
+
+def test_help_exits_0(capsys):
+    assert main(["serve", "--help"]) == 0
+    assert "--dry-run" in capsys.readouterr().out
+
+
+class Exec:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, list[str], dict[str, str]]] = []
+
+    def __call__(self, path: str, argv: list[str], env: dict[str, str]) -> None:
+        self.calls.append((path, argv, env))
+
+
+def test_serve_execs_vllm_with_the_plugin_env(tmp_path, capsys, monkeypatch):
+    plan = plan_for(LLAMA, offloader="upstream")
+    path = write(tmp_path, plan, {"model": "m"})
+    fake = Exec()
+    monkeypatch.setattr(engine_cli.os, "execve", fake)
+    monkeypatch.setattr(engine_cli, "installed_vllm_version", lambda: "0.33.0")
+    monkeypatch.setattr(engine_cli, "plugin_registered", lambda: True)
+    monkeypatch.setenv("VLLM_PLUGINS", "other")
+    code, out, err = run(capsys, "serve", "--plan", str(path))
+    assert code == 0 and out == ""
+    [(exe, argv, env)] = fake.calls
+    expected, _ = build_command(plan, EngineOptions(model="m"))
+    assert exe == argv[0]
+    assert argv[argv.index("serve") :] == expected[1:]
+    assert exe.endswith("/vllm") or argv[1:3] == ["-m", "vllm.entrypoints.cli.main"]
+    assert env["SPILLWAY_PLAN"] == str(path.resolve())
+    assert env["SPILLWAY_ENGINE_OPTIONS"] == str((tmp_path / "engine.json").resolve())
+    assert env["VLLM_PLUGINS"] == "other,spillway"
+    assert "exec vllm serve m" in err
+
+
+@pytest.mark.parametrize(
+    ("found", "match"),
+    [("0.32.0", "needs vLLM 0.33.0, but vLLM 0.32.0 is installed"), (None, "not installed")],
+)
+def test_serve_refuses_another_vllm(tmp_path, capsys, monkeypatch, found, match):
+    path = write(tmp_path, plan_for(LLAMA, offloader="upstream"), {"model": "m"})
+    monkeypatch.setattr(engine_cli, "installed_vllm_version", lambda: found)
+    monkeypatch.setattr(engine_cli.os, "execve", Exec())
+    code, _, err = run(capsys, "serve", "--plan", str(path))
+    assert code == 2 and match in one_error_line(err)
+
+
+def test_serve_refuses_without_the_plugin(tmp_path, capsys, monkeypatch):
+    path = write(tmp_path, plan_for(LLAMA, offloader="upstream"), {"model": "m"})
+    monkeypatch.setattr(engine_cli, "installed_vllm_version", lambda: "0.33.0")
+    monkeypatch.setattr(engine_cli, "plugin_registered", lambda: False)
+    fake = Exec()
+    monkeypatch.setattr(engine_cli.os, "execve", fake)
+    code, _, err = run(capsys, "serve", "--plan", str(path))
+    assert code == 2 and "plugin is not registered" in one_error_line(err)
+    assert fake.calls == []
+
+
+def test_simulate_delegates_to_the_simulator(capsys, tmp_path):
+    code, _, err = run(capsys, "simulate", "--plan", str(tmp_path / "missing.json"))
+    assert code == 2
+    assert err.startswith("spillway-engine simulate: error:")
+
+
+# ------------------------------------------------------------- plan check (pure)
+
+
+def observed_from(plan: dict[str, Any], **changes: Any) -> ObservedGeometry:
+    """What vLLM would report if it built exactly the plan (upstream connector)."""
+    up = plan["upstream"]
+    fields = {
+        "tensor_parallel_size": plan["parallelism"]["tensor_parallel_size"],
+        "pipeline_parallel_size": plan["parallelism"]["pipeline_parallel_size"],
+        "max_model_len": plan["max_model_len"],
+        "groups": tuple(
+            ObservedGroup(
+                g["kind"], g["num_layers"], g["tokens_per_block"], g["page_bytes"],
+                g["sliding_window"],
+            )
+            for g in plan["kv_groups"]
+        ),
+        "tokens_per_hash": plan["tokens_per_hash"],
+        "worker_bytes_per_block": plan["worker_bytes_per_block"],
+        "kv_connector": "OffloadingConnector",
+        "cpu_bytes_to_use": plan["cpu_memory_bytes"],
+        "blocks_per_chunk": up["blocks_per_chunk"],
+        "row_bytes": up["row_bytes"],
+        "num_chunks": up["num_chunks"],
+    }
+    fields.update(changes)
+    return ObservedGeometry(**fields)
+
+
+@pytest.mark.parametrize("model", [GEMMA, LLAMA, QWEN_NEXT])
+@pytest.mark.parametrize("offloader", ["upstream", "spillway"])
+def test_compare_accepts_the_planned_geometry(model, offloader):
+    plan = plan_for(model, offloader=offloader)
+    assert compare(plan, observed_from(plan)) == []
+
+
+def test_compare_names_every_differing_field():
+    plan = plan_for(GEMMA, offloader="upstream")
+    groups = list(observed_from(plan).groups)
+    groups[2] = ObservedGroup("sliding_window", 4, 16, 32768, 512)
+    observed = observed_from(
+        plan,
+        groups=tuple(groups),
+        tokens_per_hash=32,
+        blocks_per_chunk=8,
+        max_model_len=4096,
+    )
+    found = {m.field: (m.plan, m.vllm) for m in compare(plan, observed)}
+    assert found == {
+        "max_model_len": (8192, 4096),
+        "kv_groups[2].page_bytes": (16384, 32768),
+        "kv_groups[2].bytes_per_block": (65536, 131072),
+        "tokens_per_hash": (16, 32),
+        "blocks_per_chunk": (16, 8),
+    }
+
+
+def test_compare_group_count_and_kinds():
+    plan = plan_for(QWEN_NEXT, offloader="upstream")
+    observed = observed_from(plan)
+    fewer = observed_from(plan, groups=observed.groups[1:])
+    fields = [m.field for m in compare(plan, fewer)]
+    assert fields[0] == "kv_groups (count)" and "kv_groups[0].kind" not in fields
+    assert "kv_groups[2].kind" in fields  # the attention group sits one place earlier
+
+
+def test_compare_offload_variants():
+    plan = plan_for(LLAMA, offloader="upstream")
+    off = observed_from(plan, kv_connector=None, blocks_per_chunk=None, row_bytes=None,
+                        num_chunks=None, cpu_bytes_to_use=None)
+    assert compare(plan, off) == []  # offloading off: nothing chunked to compare
+    refused = observed_from(plan, blocks_per_chunk=None, offload_error="'blocks_per_chunk' must")
+    [m] = compare(plan, refused)
+    assert m.field == "offloading config" and "refused" in m.vllm
+    pool = observed_from(plan, cpu_bytes_to_use=GIB)
+    assert [m.field for m in compare(plan, pool)] == ["cpu_bytes_to_use"]
+    other = observed_from(plan, kv_connector="LMCacheConnectorV1")
+    assert [(m.field, m.vllm) for m in compare(plan, other)] == [
+        ("kv_connector", "LMCacheConnectorV1")
+    ]
+    spill = plan_for(GEMMA)
+    spill["upstream"] = None
+    spill["upstream_refusal"] = "vLLM says no"
+    got = compare(spill, observed_from(plan_for(GEMMA)))
+    assert [m.field for m in got] == ["offloader"] and "vLLM says no" in got[0].plan
+
+
+def test_effective_plan_for_the_fallback():
+    plan = plan_for(GEMMA)
+    assert plan["offloader"] == "spillway"
+    eff = effective_plan(plan, "OffloadingConnector")
+    assert eff["offloader"] == "upstream"
+    assert (eff["num_chunks"], eff["row_bytes"], eff["capacity_tokens"]) == (
+        plan["upstream"]["num_chunks"],
+        plan["upstream"]["row_bytes"],
+        plan["upstream"]["capacity_tokens"],
+    )
+    assert effective_plan(plan, "SpillwayOffloadingConnector") == plan
+    assert plan["num_chunks"] != eff["num_chunks"]  # the input is left alone
+
+
+def test_mismatch_table_is_side_by_side():
+    table = format_table(
+        [Mismatch("kv_groups[0].page_bytes", 16384, 32768), Mismatch("num_chunks", 10, None)]
+    )
+    lines = table.splitlines()
+    assert lines[0].split(" | ") == ["field                  ", "plan ", "vLLM"]
+    assert set(lines[1]) <= {"-", "+"}
+    assert lines[2].split("|")[1].strip() == "16384" and lines[2].endswith("32768")
+    assert lines[3].endswith("-")
+    err = PlanMismatch([Mismatch("tokens_per_hash", 16, 32)])
+    assert "refusing to serve" in str(err) and "tokens_per_hash" in str(err)
+
+
+# ------------------------------------------------------------------ plugin metrics
+
+
+def test_plugin_is_inert_without_a_plan(monkeypatch):
+    monkeypatch.delenv("SPILLWAY_PLAN", raising=False)
+    monkeypatch.setitem(vllm_plugin._state, "plan", None)
+    vllm_plugin.register()
+    assert vllm_plugin._state["plan"] is None
+
+
+def test_plugin_refuses_an_unreadable_plan(monkeypatch, tmp_path):
+    monkeypatch.setitem(vllm_plugin._state, "plan", None)
+    monkeypatch.setenv("SPILLWAY_PLAN", str(tmp_path / "missing.json"))
+    with pytest.raises(vllm_plugin.PluginError, match="cannot read the plan"):
+        vllm_plugin.register()
+
+
+def test_plan_metrics_published(monkeypatch):
+    monkeypatch.setitem(vllm_plugin._state, "metrics", {})
+    registry = CollectorRegistry()
+    plan = effective_plan(plan_for(GEMMA), "OffloadingConnector")
+    for _ in range(2):  # vLLM may build its stat logger more than once
+        vllm_plugin.publish_plan_metrics(copy.deepcopy(plan), "gemma", [0, 1], registry)
+    value = registry.get_sample_value
+    for engine in ("0", "1"):
+        labels = {"model_name": "gemma", "engine": engine}
+        assert value("spillway_host_pool_capacity_chunks", labels) == plan["num_chunks"]
+        assert value("spillway_host_pool_capacity_tokens", labels) == plan["capacity_tokens"]
+        assert value("spillway_host_pool_used_chunks", labels) == 0
+        assert value("spillway_host_pool_evictions_total", labels) == 0
+    text = generate_latest(registry).decode()
+    info = [line for line in text.splitlines() if line.startswith("spillway_plan_info{")]
+    assert len(info) == 2
+    assert 'offloader="upstream"' in info[0]
+    assert f'num_chunks="{plan["num_chunks"]}"' in info[0]
+    assert 'group_kinds="' + ",".join(["sliding_window"] * 6 + ["full_attention"]) in info[0]
+
+
+def test_dry_run_never_imports_vllm(tmp_path):
+    """The launcher's planning half stays light: no vLLM or torch import for --dry-run."""
+    path = write(tmp_path, plan_for(LLAMA, offloader="upstream"), {"model": "m"})
+    code = (
+        "import sys\n"
+        "from spillway_engine.engine_cli import main\n"
+        f"assert main(['serve', '--plan', {str(path)!r}, '--dry-run']) == 0\n"
+        "assert 'vllm' not in sys.modules and 'torch' not in sys.modules\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("vllm serve m ")
