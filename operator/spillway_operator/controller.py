@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from spillway_operator import metrics
+from spillway_operator.autoscaler import Autoscaler
 from spillway_operator.kube import TemporaryError
 from spillway_operator.reconciler import Reconciler
 
@@ -40,8 +41,9 @@ class Backoff:
 
 class Controller:
     def __init__(self, reconciler: Reconciler, workers: int = 4, resync_seconds: float = 300,
-                 backoff: Backoff | None = None):
+                 backoff: Backoff | None = None, autoscaler: Autoscaler | None = None):
         self.reconciler = reconciler
+        self.autoscaler = autoscaler
         self.workers = workers
         self.resync_seconds = resync_seconds
         self.backoff = backoff or Backoff()
@@ -59,8 +61,12 @@ class Controller:
         if event_type == "DELETED":
             self.objects.pop(key, None)
             self.backoff.reset(key)
+            if self.autoscaler:
+                self.autoscaler.observe(key, None)
             return
         self.objects[key] = body
+        if self.autoscaler:
+            self.autoscaler.observe(key, body)
         self.enqueue(key)
 
     def enqueue(self, key: Key, delay: float = 0.0) -> None:
@@ -118,6 +124,8 @@ class Controller:
         self._tasks.append(asyncio.create_task(self._resync()))
 
     async def stop(self) -> None:
+        if self.autoscaler:
+            await self.autoscaler.stop()
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -14,6 +14,7 @@ from typing import Any
 import kopf
 from kubernetes import client, config
 
+from spillway_operator.autoscaler import Autoscaler
 from spillway_operator.controller import Controller
 from spillway_operator.kube import Kube
 from spillway_operator.reconciler import Reconciler
@@ -43,6 +44,7 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     kube = Kube(_api_client())
     controller = Controller(
         Reconciler(kube),
+        autoscaler=Autoscaler(kube),
         workers=int(os.environ.get("SPILLWAY_WORKERS", "4")),
         resync_seconds=float(os.environ.get("SPILLWAY_RESYNC_SECONDS", "300")),
     )

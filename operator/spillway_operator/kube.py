@@ -194,6 +194,15 @@ class Kube:
             content_type="application/merge-patch+json",
         )
 
+    def patch_scale(self, namespace: str, name: str, replicas: int) -> None:
+        """Write spec.replicas through the scale subresource (the autoscaler's only write)."""
+        self.request(
+            "patch",
+            self.resource_path(namespace, name, "scale"),
+            body={"spec": {"replicas": replicas}},
+            content_type="application/merge-patch+json",
+        )
+
     def post_event(self, owner: dict, type_: str, reason: str, message: str) -> None:
         """A core/v1 Event on the InferenceDeployment (what `kubectl describe` shows)."""
         meta = owner["metadata"]

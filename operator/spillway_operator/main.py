@@ -10,9 +10,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-import kopf
-from prometheus_client import start_http_server
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     scope = parser.add_mutually_exclusive_group(required=True)
@@ -29,6 +26,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Imported here so that `spillway plan` never pays for kopf.
+    import kopf
+    from prometheus_client import start_http_server
+
     import spillway_operator.handlers  # noqa: F401 - registers the handlers
 
     if args.metrics_port:

@@ -24,4 +24,9 @@ CHILD_WRITES = Counter(
     "Server-side applies of children, by kind and action (created, updated).",
     ["kind", "action"],
 )
+OFFLOAD_PRESSURE = Gauge(
+    "spillway_offload_pressure",
+    "Offload pressure of an InferenceDeployment (1.0 = at target), for HPA/KEDA or dashboards.",
+    ["namespace", "name"],
+)
 QUEUE_DEPTH = Gauge("spillway_operator_queue_depth", "InferenceDeployments waiting to reconcile.")

@@ -179,8 +179,10 @@ class Reconciler:
         obs.deployment = self.kube.get(dep_path)
         if obs.deployment is not None:
             obs.pods = self.kube.list_pods(owner.namespace, render.selector_string(owner))
-        status = build_status(obs, old_status)
-        if status != {k: old_status.get(k) for k in status} or set(old_status) - set(status):
+        status = build_status(obs, old_status, autoscaling_enabled=bool(
+            (obj.get("spec") or {}).get("autoscaling", {}).get("enabled")))
+        # Merge patch: keys we leave out (status.autoscaling, the autoscaler's) stay.
+        if any(status.get(k) != old_status.get(k) for k in status):
             self.kube.patch_status(owner.namespace, owner.name, status)
             writes += 1
             for ctype, cstatus, reason, message in transitions(old_status.get("conditions", []),

@@ -179,14 +179,28 @@ def plan_summary(plan: dict[str, Any], gpus_per_pod: int, digest: str) -> dict[s
     }
 
 
+def scaling_condition(autoscaling: dict[str, Any] | None) -> Cond:
+    """ScalingActive, from the autoscaler's last decision (it owns status.autoscaling)."""
+    reason = (autoscaling or {}).get("lastDecisionReason") or ""
+    if not autoscaling:
+        return Cond("ScalingActive", None, "NoDecisionYet", "waiting for the first metrics")
+    if reason.startswith("MetricsUnavailable"):
+        return Cond("ScalingActive", False, "MetricsUnavailable", reason)
+    return Cond("ScalingActive", True, "ValidMetrics",
+                f"pressure {autoscaling.get('pressure')}: {reason}")
+
+
 def build_status(obs: Observed, old_status: dict[str, Any], now: str | None = None,
-                 ) -> dict[str, Any]:
+                 autoscaling_enabled: bool = False) -> dict[str, Any]:
     dep_status = (obs.deployment or {}).get("status", {}) or {}
+    conds = conditions_for(obs)
+    if autoscaling_enabled:
+        conds.append(scaling_condition(old_status.get("autoscaling")))
     status: dict[str, Any] = {
         "observedGeneration": obs.generation,
         "replicas": int(dep_status.get("replicas") or 0),
         "readyReplicas": int(dep_status.get("readyReplicas") or 0),
-        "conditions": merge_conditions(old_status.get("conditions", []), conditions_for(obs),
+        "conditions": merge_conditions(old_status.get("conditions", []), conds,
                                        obs.generation, now),
     }
     if obs.selector:
@@ -194,8 +208,6 @@ def build_status(obs: Observed, old_status: dict[str, Any], now: str | None = No
     plan = obs.plan_summary if obs.plan_summary is not None else old_status.get("plan")
     if plan is not None:
         status["plan"] = plan
-    if "autoscaling" in old_status:  # owned by the autoscaler; carried unchanged
-        status["autoscaling"] = old_status["autoscaling"]
     return status
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import subprocess
 import sys
@@ -27,9 +28,9 @@ from e2e.cluster import ClusterConfig, LocalCluster
 from e2e.cluster.controlplane import REPO_ROOT, Ports, free_port, locate_binaries
 from tests.helpers import wait_for
 
-# Pod IPs of the test session's cluster; the people's cluster (e2e/cluster/up) uses
-# 127.1.x, so both can run side by side.
-TEST_POD_NET = "127.2"
+# Pod IPs of the test session's cluster: a random 127.N range (the people's cluster,
+# e2e/cluster/up, uses 127.1), so sessions and the demo can run side by side.
+TEST_POD_NET = f"127.{random.randint(10, 250)}"
 
 # Lines for the end of the pytest report, so CI logs show what the tier ran against.
 _CLUSTER_SUMMARY: list[str] = []

@@ -69,9 +69,14 @@ def test_transition_time_kept_while_status_holds():
     assert [t[0] for t in changed] == ["Available", "Progressing"]
 
 
-def test_autoscaling_status_is_carried():
-    old = {"autoscaling": {"pressure": 1.2}}
-    assert build_status(Observed(1, 1), old)["autoscaling"] == {"pressure": 1.2}
+def test_scaling_condition_follows_the_autoscaler():
+    old = {"autoscaling": {"pressure": 1.2, "lastDecisionReason": "MetricsUnavailable: x"}}
+    new = build_status(Observed(1, 1), old, autoscaling_enabled=True)
+    assert "autoscaling" not in new  # owned by the autoscaler; the merge patch keeps it
+    cond = next(c for c in new["conditions"] if c["type"] == "ScalingActive")
+    assert (cond["status"], cond["reason"]) == ("False", "MetricsUnavailable")
+    assert all(c["type"] != "ScalingActive" for c in build_status(Observed(1, 1), old)[
+        "conditions"])
 
 
 def test_backoff_grows_and_caps_and_resets():

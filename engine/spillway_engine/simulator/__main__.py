@@ -117,6 +117,9 @@ def bind_loopback(host: str, port: int) -> socket.socket:
     if not 0 < port < 65536:
         raise UsageError(f"--port must be between 1 and 65535, got {port}")
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # A pod IP is reused for the next pod; connections of the last one may still be in
+    # TIME_WAIT, which is no reason to refuse (a live listener still makes bind fail).
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
     except OSError as e:

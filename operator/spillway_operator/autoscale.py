@@ -1,0 +1,260 @@
+"""Offload pressure and the scaling decision: pure functions, no I/O.
+
+Offload pressure (1.0 = at target) is computed per pod from two consecutive
+scrapes of its /metrics and averaged over the ready pods:
+
+    load     = vllm:kv_cache_usage_perc / 0.80
+               (GPU KV held by running requests; cached-but-idle blocks count
+               as free in vLLM, so this is live demand, not cache fill)
+    thrash   = recomputed_share / 0.05, where recomputed_share =
+               d(spillway_host_pool_thrash) * tokens_per_chunk / d(vllm:prompt_tokens)
+               (prompt tokens recomputed because the host tier evicted a chunk that
+               was asked for again: the KV working set outgrew GPU + host)
+    queue    = vllm:num_requests_waiting / max(1, vllm:num_requests_running) / 0.5
+    preempt  = d(vllm:num_preemptions) / dt / 0.1   (preemptions per second)
+
+    pressure = max(load, thrash, queue, preempt)
+
+Each term is 1.0 at its own target, so "the worst constraint sets the replica
+count", as Kubernetes' HPA does with several metrics. Host pool fill alone is not
+pressure (an LRU pool is always full once warm); the host-hit share of prompt
+tokens is reported and guards scale-down: a scale-down that would drop more warm,
+actually-hit host cache than the remaining replicas have free is delayed.
+
+Samples that are missing, NaN or negative, counters that went backwards (a pod
+restart) and time deltas that are not positive or are implausibly long (a clock
+jump) make that pod's pressure unknown; an unknown pod never lets the autoscaler
+scale down.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from prometheus_client.parser import text_string_to_metric_families
+
+TARGET_GPU_KV = 0.80
+TARGET_RECOMPUTED_SHARE = 0.05
+TARGET_QUEUE_RATIO = 0.5
+TARGET_PREEMPTIONS_PER_S = 0.1
+
+GAUGES = {
+    "vllm:kv_cache_usage_perc": "gpu_kv",
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:num_requests_running": "running",
+    "spillway_host_pool_used_chunks": "host_used_chunks",
+    "spillway_host_pool_capacity_chunks": "host_capacity_chunks",
+    "spillway_host_pool_capacity_tokens": "host_capacity_tokens",
+    "spillway_host_pool_tokens": "host_tokens",
+}
+COUNTERS = {
+    "vllm:prompt_tokens": "prompt_tokens",
+    "vllm:num_preemptions": "preemptions",
+    "spillway_host_pool_thrash": "thrash_chunks",
+    "spillway_host_pool_evictions": "evictions",
+}
+HOST_HITS = "vllm:prompt_tokens_cached_by_source"
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One scrape of one pod: gauges and counters summed over engines."""
+
+    time: float
+    values: dict[str, float]
+
+
+def parse_metrics(text: str, now: float) -> Sample:
+    """Parse Prometheus text; raises ValueError on garbage."""
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            name = s.name.removesuffix("_total")
+            key = GAUGES.get(name) or COUNTERS.get(name)
+            if name == HOST_HITS and s.labels.get("source") == "host":
+                key = "host_hit_tokens"
+            if key is None or s.name.endswith("_created"):
+                continue
+            values[key] = values.get(key, 0.0) + float(s.value)
+    return Sample(now, values)
+
+
+@dataclass(frozen=True)
+class PodPressure:
+    pressure: float
+    components: dict[str, float]
+    warm_tokens: float  # host-pool tokens weighted by how much of them is being hit
+    free_host_tokens: float
+
+
+def _finite(v: float | None) -> bool:
+    return v is not None and math.isfinite(v) and v >= 0
+
+
+def pod_pressure(prev: Sample | None, cur: Sample, max_dt: float) -> PodPressure | None:
+    """Pressure of one pod between two scrapes, or None when it cannot be trusted."""
+    if prev is None:
+        return None
+    dt = cur.time - prev.time
+    if not (0 < dt <= max_dt):
+        return None  # clock jump or a stale previous sample
+    v, p = cur.values, prev.values
+    needed = ("gpu_kv", "waiting", "running", "prompt_tokens", "preemptions")
+    if not all(_finite(v.get(k)) for k in needed):
+        return None
+    deltas = {}
+    for key in ("prompt_tokens", "preemptions", "thrash_chunks", "host_hit_tokens"):
+        a, b = p.get(key, 0.0), v.get(key, 0.0)
+        if not (_finite(a) and _finite(b)) or b < a:
+            return None  # counter reset: the pod restarted; wait for a clean pair
+        deltas[key] = b - a
+    cap_chunks = v.get("host_capacity_chunks", 0.0)
+    cap_tokens = v.get("host_capacity_tokens", 0.0)
+    tokens_per_chunk = cap_tokens / cap_chunks if cap_chunks > 0 else 0.0
+    prompt = deltas["prompt_tokens"]
+    recomputed = deltas["thrash_chunks"] * tokens_per_chunk / prompt if prompt > 0 else 0.0
+    host_share = deltas["host_hit_tokens"] / prompt if prompt > 0 else 0.0
+    components = {
+        "load": v["gpu_kv"] / TARGET_GPU_KV,
+        "thrash": min(recomputed, 1.0) / TARGET_RECOMPUTED_SHARE,
+        "queue": v["waiting"] / max(1.0, v["running"]) / TARGET_QUEUE_RATIO,
+        "preempt": deltas["preemptions"] / dt / TARGET_PREEMPTIONS_PER_S,
+    }
+    host_tokens = v.get("host_tokens", 0.0) if _finite(v.get("host_tokens")) else 0.0
+    fill = v.get("host_used_chunks", 0.0) / cap_chunks if cap_chunks > 0 else 0.0
+    info = {"hostHitShare": min(host_share, 1.0), "hostFill": min(max(fill, 0.0), 1.0)}
+    return PodPressure(
+        pressure=max(components.values()),
+        components={**components, **info},
+        warm_tokens=host_tokens * min(host_share, 1.0),
+        free_host_tokens=max(0.0, cap_tokens - host_tokens),
+    )
+
+
+@dataclass(frozen=True)
+class Aggregate:
+    pressure: float | None  # None: no pod could be measured
+    components: dict[str, float]
+    measured: int
+    unknown: int
+    warm_tokens: list[float] = field(default_factory=list)
+    free_host_tokens: list[float] = field(default_factory=list)
+
+
+def aggregate(pods: list[PodPressure | None]) -> Aggregate:
+    known = [p for p in pods if p is not None]
+    if not known:
+        return Aggregate(None, {}, 0, len(pods))
+    keys = known[0].components.keys()
+    comps = {k: sum(p.components[k] for p in known) / len(known) for k in keys}
+    return Aggregate(
+        pressure=sum(p.pressure for p in known) / len(known),
+        components={k: round(v, 3) for k, v in comps.items()},
+        measured=len(known),
+        unknown=len(pods) - len(known),
+        warm_tokens=[p.warm_tokens for p in known],
+        free_host_tokens=[p.free_host_tokens for p in known],
+    )
+
+
+# ---------------------------------------------------------------- decision
+
+
+@dataclass(frozen=True)
+class Policy:
+    min_replicas: int = 1
+    max_replicas: int = 4
+    target: float = 1.0
+    tolerance: float = 0.1
+    scale_up_window: float = 0.0
+    scale_down_window: float = 300.0
+    max_scale_up_pods: int = 4
+    max_scale_up_percent: float = 100.0
+    max_scale_down_pods: int = 1
+    # A warm-cache delay never holds a scale-down longer than this many windows.
+    warm_cache_max_delay_windows: float = 3.0
+
+
+@dataclass(frozen=True)
+class State:
+    recommendations: tuple[tuple[float, int], ...] = ()
+    warm_hold_since: float | None = None
+    # When this autoscaler first saw pressure: a scale-down needs a whole window of
+    # low recommendations, also right after the operator (re)starts.
+    observing_since: float | None = None
+
+
+@dataclass(frozen=True)
+class Decision:
+    replicas: int
+    action: str  # "scale-up", "scale-down", "hold"
+    reason: str
+    state: State
+
+
+def decide(policy: Policy, now: float, current: int, ready: int, starting: int,
+           agg: Aggregate, state: State) -> Decision:
+    """The replica count for this interval; ``current`` is spec.replicas."""
+    bounded = min(max(current, policy.min_replicas), policy.max_replicas)
+    if bounded != current:
+        return Decision(bounded, "scale-up" if bounded > current else "scale-down",
+                        f"replicas {current} outside [{policy.min_replicas}, "
+                        f"{policy.max_replicas}]", state)
+    if agg.pressure is None:
+        return Decision(current, "hold", "MetricsUnavailable: no ready pod has fresh, valid "
+                        "metrics; never scaling down without them", state)
+
+    ratio = agg.pressure / policy.target
+    if abs(ratio - 1.0) <= policy.tolerance:
+        raw = current
+    else:
+        raw = math.ceil(max(ready, 1) * ratio - 1e-9)
+    raw = min(max(raw, policy.min_replicas), policy.max_replicas)
+
+    history = tuple((t, r) for t, r in state.recommendations
+                    if now - t <= max(policy.scale_down_window, policy.scale_up_window))
+    history += ((now, raw),)
+    in_down = [r for t, r in history if now - t <= policy.scale_down_window]
+    in_up = [r for t, r in history if now - t <= policy.scale_up_window]
+    since = state.observing_since if state.observing_since is not None else now
+    state = replace(state, recommendations=history, observing_since=since)
+
+    if raw > current:
+        target = min(in_up) if in_up else raw
+        if target <= current:
+            return Decision(current, "hold", "scale-up stabilizing", state)
+        if starting > 0:
+            return Decision(current, "hold", f"waiting for {starting} starting pod(s) before "
+                            "scaling up again", state)
+        if agg.unknown and agg.measured == 0:
+            return Decision(current, "hold", "MetricsUnavailable", state)
+        step = max(policy.max_scale_up_pods,
+                   math.ceil(current * policy.max_scale_up_percent / 100))
+        target = min(target, current + step)
+        return Decision(target, "scale-up", f"pressure {agg.pressure:.2f} above target "
+                        f"{policy.target:.2f}", replace(state, warm_hold_since=None))
+
+    if raw < current:
+        if agg.unknown:
+            return Decision(current, "hold", f"MetricsUnavailable: {agg.unknown} pod(s) without "
+                            "fresh metrics; not scaling down", state)
+        target = max(in_down)
+        if target >= current or now - since < policy.scale_down_window:
+            return Decision(current, "hold", "scale-down stabilizing "
+                            f"({policy.scale_down_window:.0f}s window)", state)
+        target = max(target, current - policy.max_scale_down_pods)
+        removed = current - target
+        dropped = sum(sorted(agg.warm_tokens, reverse=True)[:removed])
+        absorbable = sum(sorted(agg.free_host_tokens)[: max(0, len(agg.free_host_tokens)
+                                                             - removed)])
+        if dropped > absorbable:
+            since = state.warm_hold_since if state.warm_hold_since is not None else now
+            if now - since < policy.warm_cache_max_delay_windows * policy.scale_down_window:
+                return Decision(current, "hold", f"WarmCacheGuard: scaling down would drop "
+                                f"{dropped:.0f} hot host-cache tokens, the rest can absorb "
+                                f"{absorbable:.0f}", replace(state, warm_hold_since=since))
+        return Decision(target, "scale-down", f"pressure {agg.pressure:.2f} below target "
+                        f"{policy.target:.2f}", replace(state, warm_hold_since=None))
+    return Decision(current, "hold", f"pressure {agg.pressure:.2f} within tolerance",
+                    replace(state, warm_hold_since=None))

@@ -1,0 +1,200 @@
+"""The autoscaler loop: one task per InferenceDeployment.
+
+Every ``intervalSeconds`` it scrapes the ready pods' /metrics concurrently
+(bounded, with timeouts), computes offload pressure (``autoscale``), exports it as
+``spillway_offload_pressure`` on the operator's /metrics, and - only when
+``spec.autoscaling.enabled`` - decides and writes the replica count through the
+InferenceDeployment's scale subresource (the one writer of spec.replicas; the
+reconciler carries it to the Deployment). Status and Events record each decision.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import aiohttp
+from pydantic import ValidationError
+
+from spillway_operator import metrics, render
+from spillway_operator.autoscale import (
+    Aggregate,
+    Policy,
+    Sample,
+    State,
+    aggregate,
+    decide,
+    parse_metrics,
+    pod_pressure,
+)
+from spillway_operator.kube import Kube
+from spillway_operator.spec import InferenceDeploymentSpec
+from spillway_operator.status import now_rfc3339
+
+log = logging.getLogger("spillway.autoscaler")
+
+SCRAPE_TIMEOUT = 3.0
+SCRAPE_CONCURRENCY = 16
+
+
+def policy_of(spec: InferenceDeploymentSpec) -> Policy:
+    a = spec.autoscaling
+    return Policy(
+        min_replicas=a.min_replicas,
+        max_replicas=a.max_replicas,
+        target=a.target_pressure,
+        tolerance=a.tolerance,
+        scale_up_window=a.scale_up_stabilization_seconds,
+        scale_down_window=a.scale_down_stabilization_seconds,
+    )
+
+
+def _ready(pod: dict[str, Any]) -> bool:
+    if pod.get("metadata", {}).get("deletionTimestamp"):
+        return False
+    conds = pod.get("status", {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds)
+
+
+class Autoscaler:
+    def __init__(self, kube: Kube, port: int = render.ENGINE_PORT):
+        self.kube = kube
+        self.port = port
+        self.objects: dict[tuple[str, str], dict[str, Any]] = {}
+        self._tasks: dict[tuple[str, str], asyncio.Task] = {}
+        self._samples: dict[tuple[str, str], dict[str, Sample]] = {}
+        self._states: dict[tuple[str, str], State] = {}
+        self._session: aiohttp.ClientSession | None = None
+        self._exported: set[tuple[str, str]] = set()
+
+    def observe(self, key: tuple[str, str], body: dict[str, Any] | None) -> None:
+        if body is None:
+            task = self._tasks.pop(key, None)
+            if task:
+                task.cancel()
+            self.objects.pop(key, None)
+            self._samples.pop(key, None)
+            self._states.pop(key, None)
+            if key in self._exported:
+                metrics.OFFLOAD_PRESSURE.remove(*key)
+                self._exported.discard(key)
+            return
+        self.objects[key] = body
+        if key not in self._tasks:
+            self._tasks[key] = asyncio.create_task(self._loop(key))
+
+    async def stop(self) -> None:
+        for t in self._tasks.values():
+            t.cancel()
+        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        if self._session:
+            await self._session.close()
+
+    async def _loop(self, key: tuple[str, str]) -> None:
+        while True:
+            interval = 15.0
+            try:
+                body = self.objects.get(key)
+                if body is None:
+                    return
+                spec = InferenceDeploymentSpec.model_validate(body.get("spec") or {})
+                interval = float(spec.autoscaling.interval_seconds)
+                await self.tick(key, body, spec, time.monotonic())
+            except asyncio.CancelledError:
+                raise
+            except ValidationError:
+                pass  # the reconciler reports a bad spec
+            except Exception:
+                log.exception("autoscaler %s/%s: tick failed", *key)
+            await asyncio.sleep(interval)
+
+    async def _scrape(self, ip: str) -> str | None:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT))
+        try:
+            async with self._session.get(f"http://{ip}:{self.port}/metrics") as resp:
+                if resp.status != 200:
+                    return None
+                return await resp.text()
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            return None
+
+    async def tick(self, key: tuple[str, str], body: dict[str, Any],
+                   spec: InferenceDeploymentSpec, now: float) -> None:
+        ns, name = key
+        owner = render.Owner(name, ns, body["metadata"]["uid"])
+        pods = await asyncio.to_thread(self.kube.list_pods, ns, render.selector_string(owner))
+        live = [p for p in pods if not p.get("metadata", {}).get("deletionTimestamp")]
+        ready = [p for p in live if _ready(p) and p.get("status", {}).get("podIP")]
+        starting = len(live) - len(ready)
+
+        sem = asyncio.Semaphore(SCRAPE_CONCURRENCY)
+
+        async def one(pod: dict[str, Any]) -> tuple[str, str | None]:
+            async with sem:
+                return pod["metadata"]["name"], await self._scrape(pod["status"]["podIP"])
+
+        texts = await asyncio.gather(*(one(p) for p in ready))
+        prev = self._samples.get(key, {})
+        cur: dict[str, Sample] = {}
+        per_pod = []
+        max_dt = 3 * float(spec.autoscaling.interval_seconds) + SCRAPE_TIMEOUT
+        for pod_name, text in texts:
+            sample = None
+            if text is not None:
+                try:
+                    sample = parse_metrics(text, now)
+                except ValueError:
+                    sample = None  # garbage: this pod counts as unmeasured
+            if sample is None:
+                per_pod.append(None)
+                continue
+            cur[pod_name] = sample
+            per_pod.append(pod_pressure(prev.get(pod_name), sample, max_dt))
+        self._samples[key] = cur
+        agg = aggregate(per_pod)
+        if agg.pressure is not None:
+            metrics.OFFLOAD_PRESSURE.labels(ns, name).set(agg.pressure)
+            self._exported.add(key)
+
+        current = int(body.get("spec", {}).get("replicas", spec.replicas))
+        old = (body.get("status") or {}).get("autoscaling") or {}
+        if spec.autoscaling.enabled:
+            state = self._states.get(key, State())
+            d = decide(policy_of(spec), now, current, len(ready), starting, agg, state)
+            self._states[key] = d.state
+            if d.replicas != current:
+                await asyncio.to_thread(self.kube.patch_scale, ns, name, d.replicas)
+                await asyncio.to_thread(
+                    self.kube.post_event, body, "Normal",
+                    "ScaledUp" if d.replicas > current else "ScaledDown",
+                    f"replicas {current} -> {d.replicas}: {d.reason}")
+                log.info("%s/%s: replicas %d -> %d (%s)", ns, name, current, d.replicas, d.reason)
+            desired, decision, reason = d.replicas, d.action, d.reason
+        else:
+            desired, decision, reason = current, "disabled", "autoscaling is off"
+        await self._write_status(key, body, old, agg, desired, decision, reason)
+
+    async def _write_status(self, key, body, old: dict[str, Any], agg: Aggregate, desired: int,
+                            decision: str, reason: str) -> None:
+        new: dict[str, Any] = {
+            "desiredReplicas": desired,
+            "lastDecision": decision,
+            "lastDecisionReason": reason,
+        }
+        if agg.pressure is not None:
+            new["pressure"] = round(agg.pressure, 2)
+            new["components"] = {k: round(v, 2) for k, v in agg.components.items()}
+        elif "pressure" in old:
+            new["pressure"] = old["pressure"]  # keep the last known value, say why in reason
+            if "components" in old:
+                new["components"] = old["components"]
+        if decision in ("scale-up", "scale-down"):
+            new["lastScaleTime"] = now_rfc3339()
+        elif "lastScaleTime" in old:
+            new["lastScaleTime"] = old["lastScaleTime"]
+        if new != old:
+            await asyncio.to_thread(self.kube.patch_status, key[0], key[1], {"autoscaling": new})

@@ -1,0 +1,203 @@
+"""Offload pressure and the scaling decision (pure, property-tested)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from spillway_operator.autoscale import (
+    Aggregate,
+    Policy,
+    Sample,
+    State,
+    aggregate,
+    decide,
+    parse_metrics,
+    pod_pressure,
+)
+
+BASE = {
+    "gpu_kv": 0.4, "waiting": 0.0, "running": 4.0, "prompt_tokens": 10_000.0,
+    "preemptions": 0.0, "thrash_chunks": 0.0, "host_hit_tokens": 0.0,
+    "host_capacity_chunks": 100.0, "host_capacity_tokens": 25_600.0, "host_tokens": 12_800.0,
+    "host_used_chunks": 50.0,
+}
+
+
+def sample(t: float, **over) -> Sample:
+    return Sample(t, {**BASE, **over})
+
+
+TEXT = """# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 3
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 6
+# TYPE vllm:prompt_tokens counter
+vllm:prompt_tokens_total{engine="0",model_name="m"} 1000
+# TYPE vllm:num_preemptions counter
+vllm:num_preemptions_total{engine="0",model_name="m"} 2
+# TYPE vllm:prompt_tokens_cached_by_source counter
+vllm:prompt_tokens_cached_by_source_total{engine="0",model_name="m",source="host"} 300
+vllm:prompt_tokens_cached_by_source_total{engine="0",model_name="m",source="device"} 200
+# TYPE spillway_host_pool_thrash counter
+spillway_host_pool_thrash_total{engine="0",model_name="m"} 4
+"""
+
+
+def test_parse_reads_vllm_and_spillway_names():
+    s = parse_metrics(TEXT, 5.0)
+    assert s.values["gpu_kv"] == 0.5 and s.values["waiting"] == 3 and s.values["running"] == 6
+    assert s.values["prompt_tokens"] == 1000 and s.values["preemptions"] == 2
+    assert s.values["host_hit_tokens"] == 300  # only source="host"
+    assert s.values["thrash_chunks"] == 4
+
+
+def test_parse_refuses_garbage():
+    with pytest.raises(ValueError):
+        parse_metrics("this is { not prometheus", 1.0)
+
+
+def test_components_have_their_targets_at_one():
+    prev = sample(0.0)
+    # 5% of 10k prompt tokens (500) recomputed after capacity evictions, 256-token chunks.
+    cur = sample(10.0, prompt_tokens=20_000.0, thrash_chunks=500 / 256,
+                 gpu_kv=0.8, waiting=2.0, running=4.0, preemptions=1.0)
+    p = pod_pressure(prev, cur, max_dt=60)
+    assert p.components["load"] == pytest.approx(1.0)
+    assert p.components["queue"] == pytest.approx(1.0)
+    assert p.components["preempt"] == pytest.approx(1.0)
+    assert p.components["thrash"] == pytest.approx(1.0)
+    assert p.pressure == pytest.approx(1.0)
+
+
+def test_host_hits_make_cache_warm():
+    p = pod_pressure(sample(0.0), sample(10.0, prompt_tokens=20_000.0, host_hit_tokens=5_000.0),
+                     60)
+    assert p.components["hostHitShare"] == pytest.approx(0.5)
+    assert p.warm_tokens == pytest.approx(12_800 * 0.5)
+    assert p.free_host_tokens == pytest.approx(25_600 - 12_800)
+
+
+@pytest.mark.parametrize(
+    ("prev", "cur"),
+    [
+        (None, sample(10.0)),                                        # first scrape
+        (sample(0.0), sample(10.0, gpu_kv=math.nan)),                # NaN gauge
+        (sample(0.0), sample(10.0, waiting=-1.0)),                   # negative gauge
+        (sample(0.0), sample(10.0, prompt_tokens=5.0)),              # counter reset (restart)
+        (sample(0.0), sample(10.0, preemptions=-3.0)),               # garbage counter
+        (sample(10.0), sample(10.0)),                                # no time passed
+        (sample(20.0), sample(10.0)),                                # clock went backwards
+        (sample(0.0), sample(1_000.0)),                              # stale previous sample
+        (sample(0.0), Sample(10.0, {"gpu_kv": 0.5})),                # metrics missing
+    ],
+)
+def test_untrustworthy_samples_give_no_pressure(prev, cur):
+    assert pod_pressure(prev, cur, max_dt=60) is None
+
+
+def agg_of(pressure, n=2, unknown=0, warm=0.0, free=1e9):
+    if pressure is None:
+        return Aggregate(None, {}, 0, n)
+    return Aggregate(pressure, {}, n, unknown, [warm] * n, [free] * n)
+
+
+POLICY = Policy(min_replicas=1, max_replicas=10, scale_down_window=300)
+
+
+def test_scale_up_is_proportional_and_rate_limited():
+    d = decide(POLICY, 0, 2, 2, 0, agg_of(2.0), State())
+    assert (d.replicas, d.action) == (4, "scale-up")
+    d = decide(Policy(max_replicas=100), 0, 2, 2, 0, agg_of(40.0), State())
+    assert d.replicas == 2 + 4  # max(4 pods, 100%) per step
+
+
+def test_within_tolerance_holds():
+    assert decide(POLICY, 0, 3, 3, 0, agg_of(1.08), State()).action == "hold"
+
+
+def test_cascade_guard_blocks_scale_up_while_pods_start():
+    d = decide(POLICY, 0, 4, 2, 2, agg_of(3.0), State())
+    assert d.action == "hold" and "starting" in d.reason
+
+
+def test_scale_down_waits_for_the_window():
+    state, t = State(), 0.0
+    d = decide(POLICY, t, 4, 4, 0, agg_of(1.0), state)
+    state = d.state
+    for t in range(15, 300, 15):
+        d = decide(POLICY, float(t), 4, 4, 0, agg_of(0.2), state)
+        state = d.state
+        assert d.replicas == 4, t
+    d = decide(POLICY, 315.0, 4, 4, 0, agg_of(0.2), state)
+    assert (d.replicas, d.action) == (3, "scale-down")  # one pod per decision
+
+
+def test_missing_metrics_never_scale_down():
+    d = decide(POLICY, 0, 4, 4, 0, agg_of(None), State())
+    assert d.action == "hold" and d.reason.startswith("MetricsUnavailable")
+    d = decide(Policy(scale_down_window=0), 0, 4, 4, 0, agg_of(0.1, unknown=1), State())
+    assert d.action == "hold" and d.reason.startswith("MetricsUnavailable")
+
+
+def test_warm_cache_guard_delays_then_gives_up():
+    p = Policy(scale_down_window=10, warm_cache_max_delay_windows=3)
+    hot = agg_of(0.1, n=3, warm=5_000.0, free=1_000.0)
+    state = decide(p, 0, 3, 3, 0, agg_of(0.1, n=3), State()).state
+    d = decide(p, 11, 3, 3, 0, hot, state)
+    assert d.action == "hold" and d.reason.startswith("WarmCacheGuard")
+    d = decide(p, 50, 3, 3, 0, hot, d.state)
+    assert d.action == "scale-down"  # held 3 windows at most
+
+
+def test_bounds_are_enforced_first():
+    assert decide(POLICY, 0, 0, 0, 0, agg_of(None), State()).replicas == 1
+    assert decide(POLICY, 0, 12, 12, 0, agg_of(5.0), State()).replicas == 10
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    current=st.integers(1, 20),
+    starting=st.integers(0, 3),
+    pressure=st.one_of(st.none(), st.floats(0, 50, allow_nan=False)),
+    unknown=st.integers(0, 3),
+    lo=st.integers(1, 5),
+    span=st.integers(0, 15),
+)
+def test_decision_invariants(current, starting, pressure, unknown, lo, span):
+    policy = Policy(min_replicas=lo, max_replicas=lo + span, scale_down_window=0)
+    ready = max(current - starting, 0)
+    agg = agg_of(pressure, n=max(ready, 1), unknown=unknown)
+    d = decide(policy, 100.0, current, ready, starting, agg, State())
+    assert policy.min_replicas <= d.replicas <= policy.max_replicas
+    in_bounds = policy.min_replicas <= current <= policy.max_replicas
+    if in_bounds and (pressure is None or unknown):
+        assert d.replicas >= current  # never down without everyone's metrics
+    if in_bounds and starting and d.replicas > current:
+        pytest.fail("scaled up while pods were starting")
+    if in_bounds and d.replicas > current:
+        assert d.replicas <= current + max(4, current)
+
+
+@given(st.lists(st.floats(0, 10, allow_nan=False), min_size=1, max_size=8))
+def test_aggregate_is_the_mean_of_known_pods(values):
+    from spillway_operator.autoscale import PodPressure
+
+    pods = [PodPressure(v, {"load": v}, 0, 0) for v in values] + [None]
+    agg = aggregate(pods)
+    assert agg.pressure == pytest.approx(sum(values) / len(values))
+    assert agg.unknown == 1 and agg.measured == len(values)
+
+
+def test_fresh_autoscaler_observes_a_whole_window_before_scaling_down():
+    """After an operator restart there is no history: no instant scale-down."""
+    d = decide(POLICY, 1_000.0, 4, 4, 0, agg_of(0.1), State())
+    assert d.action == "hold" and "stabilizing" in d.reason
+    d = decide(POLICY, 1_299.0, 4, 4, 0, agg_of(0.1), d.state)
+    assert d.action == "hold"
+    assert decide(POLICY, 1_300.0, 4, 4, 0, agg_of(0.1), d.state).action == "scale-down"
