@@ -33,7 +33,8 @@ test-contract: venv
 test-integration: venv tools
 	$(VENV)/bin/pytest tests/integration $(PYTEST_ARGS)
 
-demo: cluster-up
+demo: venv tools
+	$(VENV)/bin/python -m e2e.demo $(DEMO_ARGS)
 
 cluster-up: venv tools
 	@e2e/cluster/up --no-build

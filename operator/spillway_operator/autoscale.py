@@ -256,5 +256,10 @@ def decide(policy: Policy, now: float, current: int, ready: int, starting: int,
                                 f"{absorbable:.0f}", replace(state, warm_hold_since=since))
         return Decision(target, "scale-down", f"pressure {agg.pressure:.2f} below target "
                         f"{policy.target:.2f}", replace(state, warm_hold_since=None))
-    return Decision(current, "hold", f"pressure {agg.pressure:.2f} within tolerance",
-                    replace(state, warm_hold_since=None))
+    if ratio > 1.0 + policy.tolerance and current >= policy.max_replicas:
+        reason = f"pressure {agg.pressure:.2f} above target, at maxReplicas {current}"
+    elif ratio < 1.0 - policy.tolerance and current <= policy.min_replicas:
+        reason = f"pressure {agg.pressure:.2f} below target, at minReplicas {current}"
+    else:
+        reason = f"pressure {agg.pressure:.2f} within tolerance"
+    return Decision(current, "hold", reason, replace(state, warm_hold_since=None))

@@ -201,3 +201,9 @@ def test_fresh_autoscaler_observes_a_whole_window_before_scaling_down():
     d = decide(POLICY, 1_299.0, 4, 4, 0, agg_of(0.1), d.state)
     assert d.action == "hold"
     assert decide(POLICY, 1_300.0, 4, 4, 0, agg_of(0.1), d.state).action == "scale-down"
+
+
+def test_hold_reasons_name_the_bound():
+    assert "at maxReplicas" in decide(POLICY, 0, 10, 10, 0, agg_of(3.0), State()).reason
+    assert "at minReplicas" in decide(Policy(scale_down_window=0), 0, 1, 1, 0, agg_of(0.1),
+                                      State()).reason
