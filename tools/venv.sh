@@ -19,7 +19,12 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "[venv] installing spillway[$extras] (first time: several minutes, vLLM and torch are large)" >&2
-  "$venv/bin/pip" install -q -e "$root[$extras]" >&2
+  log="$venv/pip-install.log"
+  if ! "$venv/bin/pip" install -e "$root[$extras]" >"$log" 2>&1; then
+    tail -n 30 "$log" >&2
+    echo "error: pip install failed; full log: $log" >&2
+    exit 1
+  fi
   echo "$want" > "$stamp"
 fi
 echo "$venv/bin/python"
