@@ -44,3 +44,4 @@ cluster-down:
 
 crd: venv
 	$(VENV)/bin/python -m spillway_operator.crd > crds/inferencedeployments.spillway.dev.yaml
+	cp crds/inferencedeployments.spillway.dev.yaml charts/spillway/files/crd.yaml

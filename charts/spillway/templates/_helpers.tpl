@@ -1,0 +1,125 @@
+{{/* Names */}}
+{{- define "spillway.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "spillway.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Cluster-scoped objects of two releases with the same name in two namespaces must not collide. */}}
+{{- define "spillway.clusterName" -}}
+{{- printf "%s-%s" (include "spillway.fullname" .) .Release.Namespace }}
+{{- end }}
+
+{{- define "spillway.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "spillway.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- required "serviceAccount.name is required when serviceAccount.create is false" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "spillway.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "spillway.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: operator
+{{- end }}
+
+{{- define "spillway.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{ include "spillway.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: spillway
+{{- end }}
+
+{{- define "spillway.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{/*
+The operator's rules in the namespaces it watches: exactly the requests it makes
+(operator/spillway_operator/kube.py and handlers.py, plus kopf 1.45.2's watches).
+tests/integration/test_chart.py compares the rendered rules with an explicit set and
+runs the operator with this ServiceAccount's token against a real API server.
+
+- inferencedeployments list, watch: kopf's watch of the resource (the operator reads
+  the object from the watch stream; it never GETs it, and kopf writes no finalizer or
+  annotation because the operator registers only event handlers).
+- inferencedeployments/status patch: the operator's status writes (merge patch),
+  the autoscaler's status.autoscaling included.
+- inferencedeployments/scale patch: the autoscaler's only write of replicas (the scale
+  subresource, one writer; the spec itself is never written).
+- deployments, services, configmaps get, list, watch, patch, create: get = compare the
+  live child before applying; patch = server-side apply; create = the same apply when the
+  child does not exist yet: the API server authorizes an apply as "patch" and, when the
+  apply creates the object, checks "create" as well (verified against kube-apiserver 1.35:
+  without create the first apply is a 403 "cannot create resource"); list, watch =
+  kopf's drift watches. configmaps get also reads the model's config.json ConfigMap.
+- servicemonitors get, patch, create: the engine ServiceMonitor, applied like the other
+  children (only when the Prometheus operator's API is served; that discovery request is
+  a non-resource URL every authenticated user may read).
+- pods list, watch: readiness of the engine pods (list by selector, which also gives the
+  autoscaler the pod IPs it scrapes directly, without the API server's proxy) and kopf's
+  watch.
+- secrets get: the optional Hugging Face token Secret named in a spec. The name is the
+  user's choice, so resourceNames cannot narrow it; no list or watch is granted.
+- events create: the operator's own Events on InferenceDeployments.
+Not granted: update, delete, deletecollection anywhere (children are deleted by the
+garbage collector through owner references), create of anything but the children and
+Events, pods/exec, pods/log, nodes, and any write to the InferenceDeployment's spec.
+*/}}
+{{- define "spillway.namespacedRules" -}}
+- apiGroups: ["spillway.dev"]
+  resources: ["inferencedeployments"]
+  verbs: ["list", "watch"]
+- apiGroups: ["spillway.dev"]
+  resources: ["inferencedeployments/status", "inferencedeployments/scale"]
+  verbs: ["patch"]
+- apiGroups: ["apps"]
+  resources: ["deployments"]
+  verbs: ["get", "list", "watch", "patch", "create"]
+- apiGroups: [""]
+  resources: ["services", "configmaps"]
+  verbs: ["get", "list", "watch", "patch", "create"]
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["list", "watch"]
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["get"]
+- apiGroups: [""]
+  resources: ["events"]
+  verbs: ["create"]
+- apiGroups: ["monitoring.coreos.com"]
+  resources: ["servicemonitors"]
+  verbs: ["get", "patch", "create"]
+{{- end }}
+
+{{/*
+Cluster-scoped reads kopf makes (rbac.clusterScopedReads):
+- customresourcedefinitions list, watch: kopf re-scans the API when a CRD changes, so
+  an operator started before its CRD was established still finds InferenceDeployments.
+- namespaces list, watch (namespaced mode only): kopf resolves the -n namespaces against
+  the cluster's namespaces and follows their creation; in --all-namespaces mode it does not.
+*/}}
+{{- define "spillway.clusterReadRules" -}}
+- apiGroups: ["apiextensions.k8s.io"]
+  resources: ["customresourcedefinitions"]
+  verbs: ["list", "watch"]
+{{- if .Values.watchNamespaces }}
+- apiGroups: [""]
+  resources: ["namespaces"]
+  verbs: ["list", "watch"]
+{{- end }}
+{{- end }}

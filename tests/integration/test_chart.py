@@ -1,0 +1,584 @@
+"""The Helm chart (charts/spillway) against the real control plane.
+
+- `helm lint --strict`, and the strict values schema;
+- the rendered manifests (cluster-wide and namespace-scoped) pass a server-side dry run;
+- the chart's CRD is byte for byte crds/ (and renders with resource-policy keep);
+- RBAC realism: the chart is installed, and the operator runs as the chart's
+  ServiceAccount (a token from `kubectl create token`), namespaced and cluster-wide: an
+  InferenceDeployment becomes Available and (namespaced) the autoscaler scales it through
+  the scale subresource, with no 403 in the log, while everything the role does not need
+  is denied (`kubectl auth can-i`). A ValidatingAdmissionPolicy fences off the session's
+  admin-credentialed operator, so only the ServiceAccount can have done the writes;
+- `helm uninstall` removes every operator object and keeps the CRD; `helm upgrade`
+  upgrades a changed CRD (Helm would never upgrade one in the chart's crds/ folder).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+from kubernetes import client
+
+from e2e.cluster.controlplane import REPO_ROOT, free_port, locate_binaries
+from spillway_operator.spec import GROUP, PLURAL, VERSION
+from tests.helpers import wait_for
+
+MODELS = REPO_ROOT / "tests" / "fixtures" / "models"
+CHART = REPO_ROOT / "charts" / "spillway"
+CRD_FILE = REPO_ROOT / "crds" / "inferencedeployments.spillway.dev.yaml"
+CRD_NAME = "inferencedeployments.spillway.dev"
+RELEASE = "spillway"
+
+# What the operator calls (operator/spillway_operator/kube.py, handlers.py, and kopf's
+# watches), as (apiGroup, resource, verb). The chart must grant exactly this.
+NAMESPACED_RULES = {
+    *{("spillway.dev", "inferencedeployments", v) for v in ("list", "watch")},
+    ("spillway.dev", "inferencedeployments/status", "patch"),
+    ("spillway.dev", "inferencedeployments/scale", "patch"),  # the autoscaler's write
+    # create: a server-side apply that creates the object is authorized as patch AND create.
+    *{("apps", "deployments", v) for v in ("get", "list", "watch", "patch", "create")},
+    *{("", r, v) for r in ("services", "configmaps")
+      for v in ("get", "list", "watch", "patch", "create")},
+    *{("", "pods", v) for v in ("list", "watch")},
+    ("", "secrets", "get"),
+    ("", "events", "create"),
+    *{("monitoring.coreos.com", "servicemonitors", v) for v in ("get", "patch", "create")},
+}
+CRD_READS = {("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("list", "watch")}
+NAMESPACE_READS = {("", "namespaces", v) for v in ("list", "watch")}
+
+
+def model_configmap(core: client.CoreV1Api, ns: str, name: str, fixture: str) -> None:
+    from spillway_engine.model_config import load_local
+
+    core.create_namespaced_config_map(ns, client.V1ConfigMap(
+        metadata=client.V1ObjectMeta(name=name),
+        data={"config.json": json.dumps(load_local(MODELS / fixture))}))
+
+
+def infdep(name: str, replicas: int = 1, autoscaling: dict | None = None) -> dict:
+    spec = {"model": {"name": "google/gemma-3-1b-it", "configMapRef": {"name": "model"}},
+            "replicas": replicas, "offload": {"hostMemory": "16Gi"}}
+    if autoscaling:
+        spec["autoscaling"] = {"enabled": True, **autoscaling}
+    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "InferenceDeployment",
+            "metadata": {"name": name}, "spec": spec}
+
+
+def run(*args: str | Path, input: str | None = None, check: bool = True,
+        env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    proc = subprocess.run([str(a) for a in args], capture_output=True, text=True, input=input,
+                          env=env, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(map(str, args))} failed ({proc.returncode}):\n"
+                             f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    return proc
+
+
+@pytest.fixture(scope="module")
+def bins() -> dict[str, Path]:
+    return locate_binaries()
+
+
+@pytest.fixture(scope="module")
+def helm_env(tmp_path_factory) -> dict[str, str]:
+    home = tmp_path_factory.mktemp("helm-home")
+    return {**os.environ, "HELM_CACHE_HOME": str(home / "cache"),
+            "HELM_CONFIG_HOME": str(home / "config"), "HELM_DATA_HOME": str(home / "data")}
+
+
+@pytest.fixture
+def helm(bins, helm_env, request):
+    """helm; against the session's control plane when the test uses the `cluster` fixture
+    (lint and template need no cluster, so those tests do not start one)."""
+    kubeconfig = []
+    if "cluster" in request.fixturenames:
+        kubeconfig = [f"--kubeconfig={request.getfixturevalue('cluster').config.kubeconfig}"]
+
+    def helm(*args: str | Path, check: bool = True) -> subprocess.CompletedProcess:
+        return run(bins["helm"], *kubeconfig, *args, check=check, env=helm_env)
+    return helm
+
+
+def render(helm, namespace: str, *sets: str, chart: Path = CHART) -> list[dict]:
+    args = [a for s in sets for a in ("--set", s)]
+    out = helm("template", RELEASE, chart, "-n", namespace, *args).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def rule_set(rules: list[dict]) -> set[tuple[str, str, str]]:
+    return {(g, r, v) for rule in rules for g in rule["apiGroups"] for r in rule["resources"]
+            for v in rule["verbs"]}
+
+
+def by_kind(docs: list[dict], kind: str) -> list[dict]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+# ---------------------------------------------------------------- static checks
+
+
+def test_helm_lint_strict(helm):
+    for sets in ([], ["watchNamespaces={a,b}", "rbac.clusterScopedReads=false"],
+                 ["serviceMonitor.enabled=true", "dashboard.enabled=true", "crds.install=false"]):
+        args = [a for s in sets for a in ("--set", s)]
+        out = helm("lint", "--strict", CHART, *args).stdout
+        assert "0 chart(s) failed" in out, out
+
+
+def test_values_schema_is_strict(helm):
+    for bad, needle in (("operator.bogus=1", "bogus"), ("operator.replicas=2", "replicas"),
+                        ("watchNamespaces={Not_A_Namespace}", "watchNamespaces"),
+                        ("crds.instal=true", "instal")):
+        proc = helm("template", RELEASE, CHART, "--set", bad, check=False)
+        assert proc.returncode != 0, bad
+        assert needle in proc.stderr, proc.stderr
+
+
+def test_chart_crd_is_exactly_the_generated_crd(helm):
+    copy = CHART / "files" / "crd.yaml"
+    assert copy.read_bytes() == CRD_FILE.read_bytes(), (
+        "charts/spillway/files/crd.yaml differs from crds/: run `make crd` (it refreshes both)")
+    docs = render(helm, "spillway-system")
+    (crd,) = by_kind(docs, "CustomResourceDefinition")
+    assert crd["metadata"]["annotations"] == {"helm.sh/resource-policy": "keep"}
+    del crd["metadata"]["annotations"]
+    assert crd == yaml.safe_load(CRD_FILE.read_text())
+    assert not by_kind(render(helm, "spillway-system", "crds.install=false"),
+                       "CustomResourceDefinition")
+    # Helm never upgrades a chart's crds/ folder: the CRD must live in templates/ only.
+    assert not (CHART / "crds").exists()
+
+
+def test_rbac_rules_are_exactly_what_the_operator_calls(helm):
+    # Cluster-wide (default): one ClusterRole, no Role, no namespaces.
+    docs = render(helm, "spillway-system")
+    (role,) = by_kind(docs, "ClusterRole")
+    assert rule_set(role["rules"]) == NAMESPACED_RULES | CRD_READS
+    assert not by_kind(docs, "Role")
+    (binding,) = by_kind(docs, "ClusterRoleBinding")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "spillway",
+                                    "namespace": "spillway-system"}]
+    (dep,) = by_kind(docs, "Deployment")
+    args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[0] == "--all-namespaces" and "-n" not in args
+
+    # Namespace-scoped: a Role per namespace; kopf's cluster reads in a small ClusterRole.
+    docs = render(helm, "spillway-system", "watchNamespaces={a,b}")
+    assert {r["metadata"]["namespace"] for r in by_kind(docs, "Role")} == {"a", "b"}
+    assert all(rule_set(r["rules"]) == NAMESPACED_RULES for r in by_kind(docs, "Role"))
+    assert {b["metadata"]["namespace"] for b in by_kind(docs, "RoleBinding")} == {"a", "b"}
+    (reads,) = by_kind(docs, "ClusterRole")
+    assert rule_set(reads["rules"]) == CRD_READS | NAMESPACE_READS
+    (dep,) = by_kind(docs, "Deployment")
+    args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[:4] == ["-n", "a", "-n", "b"] and "--all-namespaces" not in args
+
+    docs = render(helm, "spillway-system", "watchNamespaces={a}", "rbac.clusterScopedReads=false")
+    assert not by_kind(docs, "ClusterRole") and not by_kind(docs, "ClusterRoleBinding")
+
+
+def test_operator_pod_is_restricted(helm):
+    (dep,) = by_kind(render(helm, "spillway-system"), "Deployment")
+    pod = dep["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert dep["spec"]["replicas"] == 1
+    assert c["args"][1:] == ["--liveness", "http://0.0.0.0:8080/healthz", "--metrics-port",
+                             "8081", "--log-format", "json"]
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "healthz"}
+    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"healthz": 8080,
+                                                                   "metrics": 8081}
+    sc = c["securityContext"]
+    assert sc["runAsNonRoot"] is True and sc["runAsUser"] == 1000
+    assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"] == {"drop": ["ALL"]}
+    assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert {"name": "tmp", "mountPath": "/tmp"} in c["volumeMounts"]
+    assert {"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}} in pod["volumes"]
+    assert c["resources"]["requests"] and c["resources"]["limits"]["memory"]
+
+
+def test_service_monitor_and_dashboard(helm):
+    docs = render(helm, "mon", "serviceMonitor.enabled=true", "dashboard.enabled=true",
+                  "dashboard.namespace=grafana")
+    (sm,) = by_kind(docs, "ServiceMonitor")
+    svc = next(d for d in by_kind(docs, "Service") if d["metadata"]["name"].endswith("-metrics"))
+    assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    assert sm["spec"]["endpoints"][0]["port"] == svc["spec"]["ports"][0]["name"] == "metrics"
+    # spillway_offload_pressure's namespace label is the InferenceDeployment's.
+    assert sm["spec"]["endpoints"][0]["honorLabels"] is True
+    cm = next(d for d in by_kind(docs, "ConfigMap") if d["metadata"]["name"].endswith(
+        "-dashboard"))
+    assert cm["metadata"]["namespace"] == "grafana"
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    dash = json.loads(cm["data"]["spillway.json"])
+    exprs = " ".join(t["expr"] for p in dash["panels"] for t in p["targets"])
+    for needle in ("spillway_offload_pressure", "spillway_host_pool_used_chunks",
+                   "spillway_host_pool_capacity_chunks",
+                   'vllm:prompt_tokens_cached_by_source_total{source="host"',
+                   "kube_deployment_status_replicas"):
+        assert needle in exprs
+    default = render(helm, "mon")
+    assert not by_kind(default, "ServiceMonitor")
+    assert not [d for d in by_kind(default, "ConfigMap")]
+
+
+# ---------------------------------------------------------------- against the apiserver
+
+
+@pytest.mark.parametrize("scope", ["cluster-wide", "namespaced"])
+def test_rendered_chart_passes_server_side_dry_run(helm, cluster, namespace, scope):
+    sets = ["dashboard.enabled=true"]
+    if scope == "namespaced":
+        sets.append(f"watchNamespaces={{{namespace}}}")
+    # The restricted Pod Security level is enforced for real by the API server's admission.
+    # `warn` checks the Deployment's pod template at apply time (`enforce` only checks pods).
+    cluster.kubectl("label", "namespace", namespace,
+                    "pod-security.kubernetes.io/enforce=restricted",
+                    "pod-security.kubernetes.io/warn=restricted")
+    manifest = helm("template", RELEASE, CHART, "-n", namespace,
+                    *[a for s in sets for a in ("--set", s)]).stdout
+    proc = run(cluster.config.binaries["kubectl"], f"--kubeconfig={cluster.config.kubeconfig}",
+               "apply", "--dry-run=server", "-f", "-", input=manifest)
+    kinds = {line.split("/")[0].split(".")[0] for line in proc.stdout.splitlines()}
+    want = {"customresourcedefinition", "serviceaccount", "deployment", "configmap"}
+    want |= ({"clusterrole", "clusterrolebinding"} if scope == "cluster-wide"
+             else {"role", "rolebinding", "clusterrole", "clusterrolebinding"})
+    assert kinds == want, proc.stdout
+    assert proc.stdout.count("(server dry run)") == len(proc.stdout.splitlines())
+    # No PodSecurity warning ("would violate PodSecurity \"restricted:latest\"").
+    assert "PodSecurity" not in proc.stderr and "violate" not in proc.stderr, proc.stderr
+    # The check has teeth: the same Deployment without its container securityContext warns.
+    (dep,) = by_kind([d for d in yaml.safe_load_all(manifest) if d], "Deployment")
+    del dep["spec"]["template"]["spec"]["containers"][0]["securityContext"]
+    proc = run(cluster.config.binaries["kubectl"], f"--kubeconfig={cluster.config.kubeconfig}",
+               "apply", "--dry-run=server", "-n", namespace, "-f", "-", input=yaml.safe_dump(dep))
+    assert 'would violate PodSecurity "restricted' in proc.stderr, proc.stderr
+
+
+def _adopt_crd(cluster, namespace: str) -> None:
+    """Let the release take over a CRD applied earlier by `kubectl apply -f crds/`
+    (the session fixture `crd_installed`, or a previous release): Helm adopts an existing
+    object only when it carries the release's ownership metadata (see NOTES.txt)."""
+    if not cluster.kubectl("get", "crd", CRD_NAME, "--ignore-not-found", "-o", "name"):
+        return
+    cluster.kubectl("label", "crd", CRD_NAME, "app.kubernetes.io/managed-by=Helm", "--overwrite")
+    cluster.kubectl("annotate", "crd", CRD_NAME, "--overwrite",
+                    f"meta.helm.sh/release-name={RELEASE}",
+                    f"meta.helm.sh/release-namespace={namespace}")
+
+
+def _release_objects(cluster, namespaces: list[str]) -> list[str]:
+    sel = f"app.kubernetes.io/instance={RELEASE},app.kubernetes.io/part-of=spillway"
+    found = cluster.kubectl("get", "clusterroles,clusterrolebindings", "-l", sel, "-o", "name")
+    for ns in namespaces:
+        found += cluster.kubectl("get", "deployments,serviceaccounts,roles,rolebindings,"
+                                 "services,configmaps", "-n", ns, "-l", sel, "-o", "name")
+    return found.split()
+
+
+@pytest.fixture
+def work_namespace(cluster, api) -> Iterator[str]:
+    """The namespace the namespaced operator watches (the release lives in another one)."""
+    core = client.CoreV1Api(api)
+    name = f"chart-work-{uuid.uuid4().hex[:5]}"
+    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
+    wait_for(lambda: core.list_namespaced_service_account(
+        name, field_selector="metadata.name=default").items, 30, f"default SA in {name}")
+    yield name
+    core.delete_namespace(name)
+    wait_for(lambda: not core.list_namespaced_pod(name).items, 60, f"pods of {name} to go")
+
+
+@pytest.fixture
+def fence(cluster, work_namespace) -> Iterator:
+    """Only the chart's ServiceAccount may reconcile in the work namespace.
+
+    The session's cluster-wide operator (fixture `operator`, admin credentials, which
+    bypass RBAC) may be running from an earlier test module and would reconcile this
+    test's object too, so children it created would prove nothing. A
+    ValidatingAdmissionPolicy (admission applies even to system:masters) denies the
+    admin user the operator's writes in the work namespace: creating or updating
+    children, writing the InferenceDeployment, its status or scale, and Events.
+    Call it after the test's own admin writes of inputs (the model ConfigMap)."""
+    name = f"chart-fence-{work_namespace}"
+    admin = cluster.kubectl("auth", "whoami", "-o", "jsonpath={.status.userInfo.username}")
+    assert admin, "no username from kubectl auth whoami"
+    policy = {
+        "apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicy",
+        "metadata": {"name": name},
+        "spec": {
+            "failurePolicy": "Fail",
+            "matchConstraints": {"resourceRules": [
+                {"apiGroups": ["", "apps", "monitoring.coreos.com"], "apiVersions": ["*"],
+                 "operations": ["CREATE", "UPDATE"],
+                 "resources": ["configmaps", "services", "deployments", "servicemonitors",
+                               "events"]},
+                {"apiGroups": [GROUP], "apiVersions": ["*"], "operations": ["UPDATE"],
+                 "resources": [PLURAL, f"{PLURAL}/status", f"{PLURAL}/scale"]},
+            ]},
+            "validations": [{
+                "expression": f"request.userInfo.username != {json.dumps(admin)}",
+                "message": "test isolation: only the chart's ServiceAccount reconciles here",
+            }],
+        },
+    }
+    binding = {
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "ValidatingAdmissionPolicyBinding",
+        "metadata": {"name": name},
+        "spec": {"policyName": name, "validationActions": ["Deny"],
+                 "matchResources": {"namespaceSelector": {"matchLabels": {
+                     "kubernetes.io/metadata.name": work_namespace}}}},
+    }
+
+    def up() -> None:
+        cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all([policy, binding]))
+
+        def denied() -> bool:
+            out = subprocess.run(
+                [str(cluster.config.binaries["kubectl"]),
+                 f"--kubeconfig={cluster.config.kubeconfig}", "create", "configmap", "probe",
+                 "-n", work_namespace, "--dry-run=server"],
+                capture_output=True, text=True, timeout=30)
+            return out.returncode != 0 and "test isolation" in out.stderr
+        wait_for(denied, 30, "the admission policy to deny the admin user")
+
+    yield up
+    cluster.kubectl("delete", "validatingadmissionpolicybinding,validatingadmissionpolicy",
+                    name, "--ignore-not-found")
+
+
+def _sa_kubeconfig(cluster, namespace: str, sa: str, path: Path) -> Path:
+    admin = yaml.safe_load(cluster.config.kubeconfig.read_text())
+    token = cluster.kubectl("create", "token", sa, "-n", namespace, "--duration=1h").strip()
+    user = f"system:serviceaccount:{namespace}:{sa}"
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config",
+        "clusters": admin["clusters"],
+        "users": [{"name": user, "user": {"token": token}}],
+        "contexts": [{"name": "sa", "context": {"cluster": admin["clusters"][0]["name"],
+                                                 "user": user}}],
+        "current-context": "sa",
+    }))
+    path.chmod(0o600)
+    return path
+
+
+def _can_i(cluster, sa_user: str, *args: str) -> bool:
+    out = cluster.kubectl("auth", "can-i", f"--as={sa_user}", *args, check=False).strip()
+    return out == "yes"
+
+
+@pytest.mark.parametrize("scope", ["namespaced", "cluster-wide"])
+def test_operator_runs_as_the_chart_service_account(helm, cluster, api, namespace, work_namespace,
+                                                    fence, tmp_path, scope):
+    release_ns, work = namespace, work_namespace
+    namespaced = scope == "namespaced"
+    cluster.kubectl("label", "namespace", release_ns,
+                    "pod-security.kubernetes.io/enforce=restricted")
+    _adopt_crd(cluster, release_ns)
+    # The operator pod "runs" on a KWOK node (any image), so --wait sees it Available, and
+    # the restricted Pod Security level admitted it.
+    sets = ["--set", f"watchNamespaces={{{work}}}"] if namespaced else []
+    helm("install", RELEASE, CHART, "-n", release_ns, *sets, "--wait", "--timeout", "90s")
+    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{CRD_NAME}")
+    crd = json.loads(cluster.kubectl("get", "crd", CRD_NAME, "-o", "json"))
+    assert crd["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+
+    # The live role is the rendered one.
+    if namespaced:
+        role = json.loads(cluster.kubectl("get", "role", RELEASE, "-n", work, "-o", "json"))
+        assert rule_set(role["rules"]) == NAMESPACED_RULES
+    else:
+        role = json.loads(cluster.kubectl("get", "clusterrole", f"{RELEASE}-{release_ns}", "-o",
+                                          "json"))
+        assert rule_set(role["rules"]) == NAMESPACED_RULES | CRD_READS
+
+    sa_user = f"system:serviceaccount:{release_ns}:{RELEASE}"
+    # Granted: what the operator does.
+    granted = [["patch", "deployments.apps", "-n", work],
+               ["create", "deployments.apps", "-n", work],
+               ["patch", "inferencedeployments.spillway.dev", "-n", work, "--subresource",
+                "status"],
+               ["patch", "inferencedeployments.spillway.dev", "-n", work, "--subresource",
+                "scale"],
+               ["create", "events", "-n", work], ["get", "secrets", "-n", work],
+               ["watch", "customresourcedefinitions.apiextensions.k8s.io"]]
+    # Denied: everything else, including what a looser role would hand out.
+    denied = [["delete", "deployments.apps", "-n", work],
+              ["update", "deployments.apps", "-n", work],
+              ["create", "pods", "-n", work], ["delete", "pods", "-n", work],
+              ["get", "pods", "-n", work],
+              ["create", "pods", "-n", work, "--subresource", "exec"],
+              ["get", "pods", "-n", work, "--subresource", "log"],
+              ["list", "secrets", "-n", work], ["watch", "secrets", "-n", work],
+              ["create", "secrets", "-n", work],
+              ["get", "inferencedeployments.spillway.dev", "-n", work],
+              ["patch", "inferencedeployments.spillway.dev", "-n", work],
+              ["delete", "inferencedeployments.spillway.dev", "-n", work],
+              ["update", "inferencedeployments.spillway.dev", "-n", work, "--subresource",
+               "scale"],
+              ["get", "inferencedeployments.spillway.dev", "-n", work, "--subresource",
+               "scale"],
+              ["create", "customresourcedefinitions.apiextensions.k8s.io"],
+              ["get", "nodes"], ["create", "clusterrolebindings.rbac.authorization.k8s.io"],
+              ["delete", "namespaces"], ["create", "namespaces"]]
+    if namespaced:
+        granted += [["list", "namespaces"], ["watch", "namespaces"]]
+        denied += [["get", "secrets", "-n", release_ns], ["get", "secrets", "-n", "default"],
+                   ["patch", "deployments.apps", "-n", "default"],
+                   ["list", "inferencedeployments.spillway.dev", "-n", "default"],
+                   ["get", "secrets", "-A"]]
+    else:
+        granted += [["get", "secrets", "-n", "default"], ["patch", "deployments.apps", "-A"]]
+        denied += [["list", "namespaces"], ["watch", "namespaces"]]
+    for args in granted:
+        assert _can_i(cluster, sa_user, *args), args
+    for args in denied:
+        assert not _can_i(cluster, sa_user, *args), args
+
+    # The operator, as a process, with nothing but the ServiceAccount's token.
+    kubeconfig = _sa_kubeconfig(cluster, release_ns, RELEASE, tmp_path / "sa.kubeconfig")
+    port = free_port()
+    log = tmp_path / "operator.log"
+    env = {**os.environ, "KUBECONFIG": str(kubeconfig), "SPILLWAY_RESYNC_SECONDS": "20",
+           "SPILLWAY_WATCH_TIMEOUT": "60", "PYTHONUNBUFFERED": "1"}
+    env.pop("KUBERNETES_SERVICE_HOST", None)
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "spillway_operator",
+             *(["-n", work] if namespaced else ["--all-namespaces"]),
+             "--liveness", "", "--metrics-port", str(port), "--verbose"],
+            stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
+    text = lambda: log.read_text(errors="replace")  # noqa: E731
+    try:
+        wait_for(lambda: proc.poll() is not None or "spillway operator started" in text(), 60,
+                 "the operator to start")
+        assert proc.poll() is None, text()[-3000:]
+
+        core, apps = client.CoreV1Api(api), client.AppsV1Api(api)
+        custom = client.CustomObjectsApi(api)
+        model_configmap(core, work, "model", "gemma-3-1b-it.json")
+        fence()  # from here on, only the chart's ServiceAccount can write the results
+        # Namespaced: with the autoscaler on, so its writes (scale subresource, status) run
+        # with the ServiceAccount too; two replicas that idle simulators let it scale down.
+        body = (infdep("gemma", 2, {"minReplicas": 1, "maxReplicas": 2, "intervalSeconds": 2,
+                                    "scaleDownStabilizationSeconds": 0})
+                if namespaced else infdep("gemma"))
+        custom.create_namespaced_custom_object(GROUP, VERSION, work, PLURAL, body)
+
+        def available():
+            assert " 403 " not in text(), text()[-4000:]  # fail fast on a missing rule
+            obj = custom.get_namespaced_custom_object(GROUP, VERSION, work, PLURAL, "gemma")
+            conds = {c["type"]: c for c in (obj.get("status") or {}).get("conditions", [])}
+            c = conds.get("Available")
+            return obj if c and c["status"] == "True" else None
+
+        obj = wait_for(available, 90, f"gemma Available=True (operator log: {log})")
+        assert obj["status"]["readyReplicas"] >= 1
+        assert apps.read_namespaced_deployment("gemma", work).spec.replicas == body["spec"][
+            "replicas"]
+        assert core.read_namespaced_service("gemma", work).spec.ports[0].port == 8000
+        assert "plan.json" in core.read_namespaced_config_map("gemma-plan", work).data
+        # Nothing of kopf's on the object: no finalizer, no progress annotations.
+        assert not obj["metadata"].get("finalizers")
+        assert not [a for a in obj["metadata"].get("annotations") or {} if "kopf" in a]
+        wait_for(lambda: "PlanComputed" in {e.reason for e in core.list_namespaced_event(
+            work, field_selector="involvedObject.name=gemma").items}, 30, "the operator's Events")
+
+        if namespaced:
+            # Engine simulators on the pods' loopback IPs, idle: the autoscaler scrapes
+            # them and scales down to 1 through the scale subresource.
+            from e2e.simfleet import SimulatorFleet
+
+            with SimulatorFleet(api, work, "gemma", ["--max-num-seqs", "4", "--speed", "1"]):
+                wait_for(lambda: custom.get_namespaced_custom_object(
+                    GROUP, VERSION, work, PLURAL, "gemma")["spec"]["replicas"] == 1, 60,
+                    "the autoscaler's scale-down to 1 replica")
+            obj = custom.get_namespaced_custom_object(GROUP, VERSION, work, PLURAL, "gemma")
+            assert "pressure" in obj["status"]["autoscaling"]
+
+        # This operator (not another one) created the children.
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+            metrics = resp.read().decode()
+        for kind in ("Deployment", "Service", "ConfigMap"):
+            assert (f'spillway_operator_child_writes_total{{action="created",kind="{kind}"}} 1.0'
+                    in metrics), metrics
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    logtext = text()
+    for needle in (" 403 ", "Forbidden", "forbidden", "Not enough permissions"):
+        assert needle not in logtext, f"{needle!r} in the operator log:\n{logtext[-4000:]}"
+    # kopf started exactly the watches the role is for.
+    for watched in ("customresourcedefinitions.v1.apiextensions.k8s.io cluster-wide",
+                    "inferencedeployments.v1alpha1.spillway.dev", "deployments.v1.apps",
+                    "pods.v1", "services.v1", "configmaps.v1"):
+        assert f"Starting the watch-stream for {watched}" in logtext, watched
+    assert ("Starting the watch-stream for namespaces.v1" in logtext) == namespaced
+    if namespaced:  # the autoscaler's write went through this ServiceAccount
+        assert re.search(rf'"PATCH /apis/{GROUP}/{VERSION}/namespaces/{work}/{PLURAL}/gemma/scale'
+                         r' HTTP/1\.1" 200', logtext), logtext[-4000:]
+
+    # Uninstall: no operator object is left; the CRD (and so users' objects) stays.
+    helm("uninstall", RELEASE, "-n", release_ns, "--wait", "--timeout", "60s")
+    assert _release_objects(cluster, [release_ns, work]) == []
+    assert not cluster.kubectl("get", "role,rolebinding", "-n", work, "-o", "name")
+    assert cluster.kubectl("get", "crd", CRD_NAME, "-o", "name").strip()
+    assert custom.get_namespaced_custom_object(GROUP, VERSION, work, PLURAL, "gemma")
+    custom.delete_namespaced_custom_object(GROUP, VERSION, work, PLURAL, "gemma")
+
+
+def test_helm_upgrade_upgrades_the_crd_and_uninstall_keeps_it(helm, cluster, namespace,
+                                                              tmp_path):
+    # A copy of the chart whose CRD has one more printer column.
+    changed = tmp_path / "spillway"
+    subprocess.run(["cp", "-r", str(CHART), str(changed)], check=True)
+    crd = yaml.safe_load(CRD_FILE.read_text())
+    crd["spec"]["versions"][0]["additionalPrinterColumns"].append(
+        {"name": "Chart-Test", "type": "string", "jsonPath": ".metadata.uid", "priority": 1})
+    (changed / "files" / "crd.yaml").write_text(yaml.safe_dump(crd, sort_keys=False))
+
+    def columns() -> list[str]:
+        live = json.loads(cluster.kubectl("get", "crd", CRD_NAME, "-o", "json"))
+        return [c["name"] for c in live["spec"]["versions"][0]["additionalPrinterColumns"]]
+
+    _adopt_crd(cluster, namespace)
+    # Cluster-wide variant, operator scaled to 0: this test is about the release's objects.
+    helm("install", RELEASE, CHART, "-n", namespace, "--set", "operator.replicas=0", "--wait",
+         "--timeout", "60s")
+    try:
+        assert "Chart-Test" not in columns()
+        cr = json.loads(cluster.kubectl("get", "clusterrole", f"{RELEASE}-{namespace}", "-o",
+                                        "json"))
+        assert rule_set(cr["rules"]) == NAMESPACED_RULES | CRD_READS
+
+        helm("upgrade", RELEASE, changed, "-n", namespace, "--set", "operator.replicas=0",
+             "--wait", "--timeout", "60s")
+        assert "Chart-Test" in columns()
+        # And back: a downgrade of the chart takes the column away again.
+        helm("upgrade", RELEASE, CHART, "-n", namespace, "--set", "operator.replicas=0",
+             "--wait", "--timeout", "60s")
+        assert "Chart-Test" not in columns()
+    finally:
+        helm("uninstall", RELEASE, "-n", namespace, "--wait", "--timeout", "60s", check=False)
+    assert _release_objects(cluster, [namespace]) == []
+    assert cluster.kubectl("get", "crd", CRD_NAME, "-o", "name").strip()
+    # The kept CRD is the generated one again (the session's `kubectl apply -f crds/` agrees).
+    want = yaml.safe_load(CRD_FILE.read_text())["spec"]["versions"][0]
+    assert columns() == [c["name"] for c in want["additionalPrinterColumns"]]
