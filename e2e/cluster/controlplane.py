@@ -134,10 +134,12 @@ class ClusterConfig:
     # so a local process bound to a pod IP stands in for that pod's container.
     pod_net: str = "127.1"
     binaries: dict[str, Path] = field(default_factory=dict)
+    # Set to use an existing cluster (kind, a real one) instead of starting ours.
+    external_kubeconfig: Path | None = None
 
     @property
     def kubeconfig(self) -> Path:
-        return self.workdir / "kubeconfig"
+        return self.external_kubeconfig or self.workdir / "kubeconfig"
 
     @property
     def server(self) -> str:

@@ -36,14 +36,35 @@ TEST_POD_NET = f"127.{random.randint(10, 250)}"
 _CLUSTER_SUMMARY: list[str] = []
 
 
-def pytest_collection_modifyitems(items):
+# The scenarios are written once: against the local control plane by default, or
+# against any cluster whose kubeconfig this names (kind with GPUs, see e2e/kind/). Tests
+# that need the local harness itself (KWOK stages, loopback pod IPs served by engine
+# simulators, the operator as a local process) are marked local_only and deselected.
+E2E_KUBECONFIG = os.environ.get("SPILLWAY_E2E_KUBECONFIG")
+
+
+def pytest_collection_modifyitems(config, items):
     for item in items:
         if "tests/integration/" in str(item.fspath):
             item.add_marker(pytest.mark.integration)
+    if E2E_KUBECONFIG:
+        keep = [i for i in items if not i.get_closest_marker("local_only")]
+        dropped = [i for i in items if i.get_closest_marker("local_only")]
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+            items[:] = keep
 
 
 @pytest.fixture(scope="session")
 def cluster() -> Iterator[LocalCluster]:
+    if E2E_KUBECONFIG:
+        with tempfile.TemporaryDirectory(prefix="spillway-e2e-") as workdir:
+            lc = LocalCluster(ClusterConfig(workdir=Path(workdir), ports=Ports.free(),
+                                            binaries=locate_binaries(),
+                                            external_kubeconfig=Path(E2E_KUBECONFIG)))
+            _CLUSTER_SUMMARY.append(f"e2e against the cluster of {E2E_KUBECONFIG}")
+            yield lc
+        return
     base = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
     with tempfile.TemporaryDirectory(prefix="spillway-it-", dir=base) as workdir:
         lc = LocalCluster(
@@ -130,7 +151,11 @@ def crd_installed(cluster: LocalCluster) -> None:
 
 @pytest.fixture(scope="session")
 def operator(cluster: LocalCluster, crd_installed, tmp_path_factory) -> Iterator[OperatorProcess]:
-    """The operator as a real process, cluster-wide, against the real API server."""
+    """The operator as a real process, cluster-wide, against the real API server
+    (on an external cluster: the one the chart installed there)."""
+    if E2E_KUBECONFIG:
+        yield None
+        return
     log = tmp_path_factory.mktemp("operator") / "operator.log"
     port = free_port()
     env = {

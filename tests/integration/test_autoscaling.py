@@ -21,7 +21,8 @@ from spillway_engine.model_config import load_local
 from spillway_operator.spec import GROUP, PLURAL, VERSION
 from tests.helpers import wait_for
 
-pytestmark = pytest.mark.usefixtures("operator")
+# Engine simulators on loopback pod IPs and KWOK gating: the local harness only.
+pytestmark = [pytest.mark.usefixtures("operator"), pytest.mark.local_only]
 
 INTERVAL = 2
 # A small, busy engine: 4 sequences at a time, so a steady request rate queues up.

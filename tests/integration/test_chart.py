@@ -32,6 +32,9 @@ from e2e.cluster.controlplane import REPO_ROOT, free_port, locate_binaries
 from spillway_operator.spec import GROUP, PLURAL, VERSION
 from tests.helpers import wait_for
 
+# Needs the local control plane harness itself (not an external cluster).
+pytestmark = pytest.mark.local_only
+
 MODELS = REPO_ROOT / "tests" / "fixtures" / "models"
 CHART = REPO_ROOT / "charts" / "spillway"
 CRD_FILE = REPO_ROOT / "crds" / "inferencedeployments.spillway.dev.yaml"

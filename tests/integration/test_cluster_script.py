@@ -13,6 +13,9 @@ import pytest
 
 from e2e.cluster.controlplane import REPO_ROOT, free_port
 
+# Needs the local control plane harness itself (not an external cluster).
+pytestmark = pytest.mark.local_only
+
 CLI = [sys.executable, "-m", "e2e.cluster"]
 
 

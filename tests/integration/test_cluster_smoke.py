@@ -10,9 +10,13 @@ import threading
 import urllib.request
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
+import pytest
 from kubernetes import client
 
 from tests.helpers import wait_for
+
+# Needs the local control plane harness itself (not an external cluster).
+pytestmark = pytest.mark.local_only
 
 
 def gpu_deployment(name: str, gpus: int, replicas: int = 1) -> client.V1Deployment:

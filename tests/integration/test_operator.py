@@ -142,6 +142,7 @@ def test_create_gives_sized_children_and_available_pods(env):
     assert {"PlanComputed", "MinimumReplicasAvailable"} <= events
 
 
+@pytest.mark.local_only  # reads the local operator process's own metrics
 def test_steady_state_reconcile_makes_no_writes(env, operator):
     env.create(infdep("steady"))
     env.wait_condition("steady", "Available", "True")
