@@ -38,6 +38,7 @@ TARGET_GPU_KV = 0.80
 TARGET_RECOMPUTED_SHARE = 0.05
 TARGET_QUEUE_RATIO = 0.5
 TARGET_PREEMPTIONS_PER_S = 0.1
+MAX_RATE_TERM = 2.0
 
 GAUGES = {
     "vllm:kv_cache_usage_perc": "gpu_kv",
@@ -117,9 +118,12 @@ def pod_pressure(prev: Sample | None, cur: Sample, max_dt: float) -> PodPressure
     host_share = deltas["host_hit_tokens"] / prompt if prompt > 0 else 0.0
     components = {
         "load": v["gpu_kv"] / TARGET_GPU_KV,
-        "thrash": min(recomputed, 1.0) / TARGET_RECOMPUTED_SHARE,
-        "queue": v["waiting"] / max(1.0, v["running"]) / TARGET_QUEUE_RATIO,
-        "preempt": deltas["preemptions"] / dt / TARGET_PREEMPTIONS_PER_S,
+        # Event-rate terms are capped: alone, they may at most double the replicas
+        # per decision (they grow much faster than the excess demand behind them).
+        "thrash": min(recomputed / TARGET_RECOMPUTED_SHARE, MAX_RATE_TERM),
+        # One request waiting for a moment is not a queue.
+        "queue": max(0.0, v["waiting"] - 1) / max(1.0, v["running"]) / TARGET_QUEUE_RATIO,
+        "preempt": min(deltas["preemptions"] / dt / TARGET_PREEMPTIONS_PER_S, MAX_RATE_TERM),
     }
     host_tokens = v.get("host_tokens", 0.0) if _finite(v.get("host_tokens")) else 0.0
     fill = v.get("host_used_chunks", 0.0) / cap_chunks if cap_chunks > 0 else 0.0
@@ -128,7 +132,8 @@ def pod_pressure(prev: Sample | None, cur: Sample, max_dt: float) -> PodPressure
         pressure=max(components.values()),
         components={**components, **info},
         warm_tokens=host_tokens * min(host_share, 1.0),
-        free_host_tokens=max(0.0, cap_tokens - host_tokens),
+        # An LRU pool is always full; what it can take in is everything but its hot part.
+        free_host_tokens=max(0.0, cap_tokens - host_tokens * min(host_share, 1.0)),
     )
 
 

@@ -66,7 +66,7 @@ def test_components_have_their_targets_at_one():
     prev = sample(0.0)
     # 5% of 10k prompt tokens (500) recomputed after capacity evictions, 256-token chunks.
     cur = sample(10.0, prompt_tokens=20_000.0, thrash_chunks=500 / 256,
-                 gpu_kv=0.8, waiting=2.0, running=4.0, preemptions=1.0)
+                 gpu_kv=0.8, waiting=3.0, running=4.0, preemptions=1.0)
     p = pod_pressure(prev, cur, max_dt=60)
     assert p.components["load"] == pytest.approx(1.0)
     assert p.components["queue"] == pytest.approx(1.0)
@@ -80,7 +80,15 @@ def test_host_hits_make_cache_warm():
                      60)
     assert p.components["hostHitShare"] == pytest.approx(0.5)
     assert p.warm_tokens == pytest.approx(12_800 * 0.5)
-    assert p.free_host_tokens == pytest.approx(25_600 - 12_800)
+    # A full LRU pool can still take in what is not hot: all but the hit half.
+    assert p.free_host_tokens == pytest.approx(25_600 - 12_800 * 0.5)
+
+
+def test_rate_terms_are_capped_and_a_lone_waiter_is_no_queue():
+    p = pod_pressure(sample(0.0), sample(10.0, prompt_tokens=20_000.0, preemptions=50.0,
+                                         thrash_chunks=1_000.0, waiting=1.0, running=1.0), 60)
+    assert p.components["preempt"] == 2.0 and p.components["thrash"] == 2.0
+    assert p.components["queue"] == 0.0
 
 
 @pytest.mark.parametrize(
