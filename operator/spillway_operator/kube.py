@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
+import time
 from typing import Any
 
 import yaml
@@ -85,6 +86,7 @@ class Kube:
         self.custom = client.CustomObjectsApi(api)
         self._lock = threading.Lock()
         self._has_service_monitors: bool | None = None
+        self._service_monitors_checked = 0.0
 
     # ------------------------------------------------------------ raw requests
 
@@ -148,8 +150,11 @@ class Kube:
         return "created" if live is None else "updated"
 
     def service_monitors_served(self) -> bool:
-        """Whether the Prometheus operator's ServiceMonitor API exists (cached)."""
-        if self._has_service_monitors is None:
+        """Whether the Prometheus operator's ServiceMonitor API exists (re-checked every
+        5 minutes, so installing the Prometheus operator later is noticed)."""
+        if self._has_service_monitors is None or (
+                time.monotonic() - self._service_monitors_checked > 300):
+            self._service_monitors_checked = time.monotonic()
             found = self.get("/apis/monitoring.coreos.com/v1")
             self._has_service_monitors = bool(
                 found and any(r.get("name") == "servicemonitors" for r in found["resources"])
