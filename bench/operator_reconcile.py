@@ -14,40 +14,28 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 from kubernetes import client, config, watch
-from prometheus_client.parser import text_string_to_metric_families
 
 from e2e.cluster.controlplane import (
     REPO_ROOT,
     ClusterConfig,
     LocalCluster,
     Ports,
-    free_port,
     locate_binaries,
 )
+from e2e.operator_process import start_operator
+from spillway_engine.model_config import load_local
 from spillway_operator.spec import GROUP, PLURAL, VERSION
 
 CONFIG = REPO_ROOT / "tests" / "fixtures" / "models" / "llama-3.2-1b.json"
-
-
-def metric(url: str, name: str, **labels: str) -> float:
-    text = urllib.request.urlopen(url, timeout=5).read().decode()
-    total = 0.0
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                total += s.value
-    return total
 
 
 def rss_mib(pid: int) -> float:
@@ -139,35 +127,10 @@ def main() -> int:
     api = config.new_client_from_config(config_file=str(kubeconfig))
     core = client.CoreV1Api(api)
 
-    port = free_port()
-    log = open(Path(tmp.name) / "operator.log", "wb")  # noqa: SIM115
-    op = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "spillway_operator",
-            "-A",
-            "--liveness",
-            "",
-            "--metrics-port",
-            str(port),
-        ],
-        env={**os.environ, "KUBECONFIG": str(kubeconfig)},
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        cwd=REPO_ROOT,
-    )
-    url = f"http://127.0.0.1:{port}/metrics"
+    op = start_operator(Path(kubeconfig), Path(tmp.name) / "operator.log")
     rows = []
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                metric(url, "spillway_operator_reconciles_total")
-                break
-            except OSError:
-                time.sleep(0.5)
-        rss_idle = rss_mib(op.pid)
+        rss_idle = rss_mib(op.proc.pid)
         for count in (1, args.count):
             ns = f"bench-{count}-{int(time.time())}"
             core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=ns)))
@@ -175,18 +138,19 @@ def main() -> int:
                 ns,
                 client.V1ConfigMap(
                     metadata=client.V1ObjectMeta(name="model"),
-                    data={"config.json": json.dumps(json.loads(CONFIG.read_text()))},
+                    data={"config.json": json.dumps(load_local(CONFIG))},
                 ),
             )
             lat = run_batch(api, ns, count)
-            rows.append((count, len(lat), statistics.median(lat), pct(lat, 0.99), rss_mib(op.pid)))
+            rss = rss_mib(op.proc.pid)
+            rows.append((count, len(lat), statistics.median(lat), pct(lat, 0.99), rss))
 
         # No-op reconciles: wait until quiet, then poke every object of the last batch.
         def counters():
             return (
-                metric(url, "spillway_operator_api_requests_total", verb="patch")
-                + metric(url, "spillway_operator_api_requests_total", verb="post"),
-                metric(url, "spillway_operator_reconciles_total"),
+                op.metric("spillway_operator_api_requests_total", verb="patch")
+                + op.metric("spillway_operator_api_requests_total", verb="post"),
+                op.metric("spillway_operator_reconciles_total"),
             )
 
         prev = None
@@ -209,8 +173,7 @@ def main() -> int:
             time.sleep(1)
         writes1, rec1 = counters()
     finally:
-        op.terminate()
-        op.wait(30)
+        op.stop()
         if cluster:
             cluster.stop()
 

@@ -30,10 +30,11 @@ from e2e.cluster.controlplane import (
     ClusterError,
     LocalCluster,
     Ports,
-    free_port,
     locate_binaries,
 )
+from e2e.operator_process import start_operator
 from e2e.simfleet import SimulatorFleet
+from spillway_engine.model_config import load_local
 from spillway_operator.spec import GROUP, PLURAL, VERSION
 
 SAMPLE = REPO_ROOT / "config" / "samples" / "qwen3-next-hybrid.yaml"
@@ -93,20 +94,14 @@ def main() -> int:
         cluster.kubectl("wait", "--for=condition=Established",
                         "crd/inferencedeployments.spillway.dev")
 
-        log = WORKDIR / "operator.log"
-        metrics_port = free_port()
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "spillway_operator", "-A", "--liveness", "",
-             "--metrics-port", str(metrics_port)],
-            env={**os.environ, "KUBECONFIG": str(cluster.config.kubeconfig)},
-            stdout=open(log, "wb"), stderr=subprocess.STDOUT, cwd=REPO_ROOT))  # noqa: SIM115
-        say(f"operator running (log: {log}, metrics: http://127.0.0.1:{metrics_port}/metrics)")
+        operator = start_operator(cluster.config.kubeconfig, WORKDIR / "operator.log")
+        procs.append(operator.proc)
+        say(f"operator running (log: {operator.log}, metrics: {operator.metrics_url})")
 
         api = config.new_client_from_config(config_file=str(cluster.config.kubeconfig))
         custom = client.CustomObjectsApi(api)
         cluster.kubectl("create", "namespace", NAMESPACE, check=False)
-        cm = {"config.json": json.dumps(json.loads(MODEL_CONFIG.read_text()).get("config")
-                                        or json.loads(MODEL_CONFIG.read_text()))}
+        cm = {"config.json": json.dumps(load_local(MODEL_CONFIG))}
         cluster.kubectl("apply", "-n", NAMESPACE, "-f", "-", input=yaml.safe_dump({
             "apiVersion": "v1", "kind": "ConfigMap",
             "metadata": {"name": "qwen3-next-config"}, "data": cm}))

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 
 
 def wait_for(check, timeout: float, what: str, interval: float = 0.2, on_timeout=None):
@@ -17,3 +19,21 @@ def wait_for(check, timeout: float, what: str, interval: float = 0.2, on_timeout
         time.sleep(interval)
     seen = f"; state: {on_timeout()!r}" if on_timeout else ""
     raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r}){seen}")
+
+
+@contextlib.contextmanager
+def fresh_namespace(api, name: str) -> Iterator[str]:
+    """Create namespace ``name`` and wait for its default ServiceAccount (pods need it
+    under the ServiceAccount admission plugin); on exit delete it and wait for its pods
+    to go, so the GPUs they held are free for the next test."""
+    from kubernetes import client
+
+    core = client.CoreV1Api(api)
+    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
+    wait_for(lambda: core.list_namespaced_service_account(
+        name, field_selector="metadata.name=default").items, 30, f"default SA in {name}")
+    try:
+        yield name
+    finally:
+        core.delete_namespace(name)
+        wait_for(lambda: not core.list_namespaced_pod(name).items, 60, f"pods of {name} to go")

@@ -232,8 +232,6 @@ def decide(policy: Policy, now: float, current: int, ready: int, starting: int,
         if starting > 0:
             return Decision(current, "hold", f"waiting for {starting} starting pod(s) before "
                             "scaling up again", state)
-        if agg.unknown and agg.measured == 0:
-            return Decision(current, "hold", "MetricsUnavailable", state)
         step = max(policy.max_scale_up_pods,
                    math.ceil(current * policy.max_scale_up_percent / 100))
         target = min(target, current + step)

@@ -176,10 +176,10 @@ class Autoscaler:
             desired, decision, reason = d.replicas, d.action, d.reason
         else:
             desired, decision, reason = current, "disabled", "autoscaling is off"
-        await self._write_status(key, body, old, agg, desired, decision, reason)
+        await self._write_status(key, old, agg, desired, decision, reason)
 
-    async def _write_status(self, key, body, old: dict[str, Any], agg: Aggregate, desired: int,
-                            decision: str, reason: str) -> None:
+    async def _write_status(self, key: tuple[str, str], old: dict[str, Any], agg: Aggregate,
+                            desired: int, decision: str, reason: str) -> None:
         new: dict[str, Any] = {
             "desiredReplicas": desired,
             "lastDecision": decision,

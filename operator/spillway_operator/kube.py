@@ -8,6 +8,7 @@ benchmarks can prove it.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import threading
@@ -21,6 +22,8 @@ from kubernetes.client.exceptions import ApiException
 from spillway_engine.quantity import QuantityError, parse_bytes
 from spillway_operator import metrics
 from spillway_operator.render import FIELD_MANAGER
+from spillway_operator.spec import GROUP, PLURAL, VERSION
+from spillway_operator.status import now_rfc3339
 
 # Keys whose values are resource quantities: compared by value ("1Gi" == "1024Mi").
 _QUANTITY_PARENTS = {"requests", "limits", "capacity", "allocatable"}
@@ -131,23 +134,24 @@ class Kube:
         meta = obj["metadata"]
         return f"{base}/namespaces/{meta['namespace']}/{plural}/{meta['name']}"
 
-    def ensure(self, desired: dict) -> str:
+    def ensure(self, desired: dict) -> tuple[str, dict]:
         """Apply ``desired`` if the live object lacks any of its fields.
 
-        Returns "created", "updated" or "unchanged".
+        Returns the action ("created", "updated" or "unchanged") and the live object
+        after it, so callers need not read it again.
         """
         path = self.object_path(desired)
         live = self.get(path)
         if live is not None and contains(live, desired):
-            return "unchanged"
-        self.request(
+            return "unchanged", live
+        applied = self.request(
             "patch",
             path,
             body=yaml.safe_dump(desired),
             query={"fieldManager": FIELD_MANAGER, "force": "true"},
             content_type="application/apply-patch+yaml",
         )
-        return "created" if live is None else "updated"
+        return ("created" if live is None else "updated"), applied
 
     def service_monitors_served(self) -> bool:
         """Whether the Prometheus operator's ServiceMonitor API exists (re-checked every
@@ -170,8 +174,6 @@ class Kube:
         return (cm.get("data") or {}).get(key)
 
     def read_secret_key(self, namespace: str, name: str, key: str) -> str | None:
-        import base64
-
         secret = self.get(f"/api/v1/namespaces/{namespace}/secrets/{name}")
         if secret is None:
             return None
@@ -186,8 +188,6 @@ class Kube:
     # ------------------------------------------------------------ the resource
 
     def resource_path(self, namespace: str, name: str, sub: str = "") -> str:
-        from spillway_operator.spec import GROUP, PLURAL, VERSION
-
         path = f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}/{name}"
         return f"{path}/{sub}" if sub else path
 
@@ -211,9 +211,7 @@ class Kube:
     def post_event(self, owner: dict, type_: str, reason: str, message: str) -> None:
         """A core/v1 Event on the InferenceDeployment (what `kubectl describe` shows)."""
         meta = owner["metadata"]
-        from datetime import UTC, datetime
-
-        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        now = now_rfc3339()
         body = {
             "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
             "involvedObject": {

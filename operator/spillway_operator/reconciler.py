@@ -64,21 +64,6 @@ def plan_request(spec: InferenceDeploymentSpec) -> PlanRequest:
     )
 
 
-def engine_options(spec: InferenceDeploymentSpec) -> dict[str, Any]:
-    """Serving options the engine reads beside the plan (never secrets)."""
-    return {
-        "model": spec.model.name,
-        "revision": spec.model.revision,
-        "served_model_name": spec.model.served_model_name or spec.model.name,
-        "weights_path": spec.weights.pvc.path if spec.weights.pvc else None,
-        "gpu_memory_utilization": spec.engine.gpu_memory_utilization,
-        "dtype": spec.engine.dtype.value,
-        "eviction_policy": spec.offload.eviction_policy.value,
-        "offload_enabled": spec.offload.enabled,
-        "extra_args": list(spec.engine.extra_args),
-    }
-
-
 class ConfigResolver:
     """config.json from the spec's ConfigMap, or from the hub (cached per revision)."""
 
@@ -134,9 +119,6 @@ class Reconciler:
             return Result("ok")  # owner references let the garbage collector clean up
         owner = render.Owner(meta["name"], meta["namespace"], meta["uid"])
         old_status = obj.get("status") or {}
-        dep_path = Kube.object_path({"apiVersion": "apps/v1", "kind": "Deployment",
-                                     "metadata": {"name": owner.name,
-                                                  "namespace": owner.namespace}})
         obs = Observed(generation=meta.get("generation", 0), desired_replicas=0,
                        selector=render.selector_string(owner))
         writes = 0
@@ -163,20 +145,22 @@ class Reconciler:
         else:
             digest = render.plan_hash(plan)
             obs.plan_summary = plan_summary(plan, spec.gpus_per_pod, digest)
-            cm = render.plan_configmap(owner, plan)
-            cm["data"]["engine.json"] = render.plan_json(engine_options(spec))
-            children = [cm, render.service(owner), render.deployment(owner, spec, plan)]
+            children = [render.plan_configmap(owner, spec, plan), render.service(owner),
+                        render.deployment(owner, spec, plan)]
             if self.kube.service_monitors_served():
                 children.append(render.service_monitor(owner))
             for child in children:
-                action = self.kube.ensure(child)
+                action, live = self.kube.ensure(child)
+                if child["kind"] == "Deployment":
+                    obs.deployment = live
                 if action != "unchanged":
                     writes += 1
                     metrics.CHILD_WRITES.labels(kind=child["kind"], action=action).inc()
                     log.info("%s %s/%s %s", action, owner.namespace, child["metadata"]["name"],
                              child["kind"])
 
-        obs.deployment = self.kube.get(dep_path)
+        if obs.deployment is None:  # not applied this time (no plan): what is running?
+            obs.deployment = self.kube.get(render.deployment_path(owner))
         if obs.deployment is not None:
             obs.pods = self.kube.list_pods(owner.namespace, render.selector_string(owner))
         status = build_status(obs, old_status, autoscaling_enabled=bool(

@@ -26,6 +26,7 @@ FIELD_MANAGER = "spillway"
 ENGINE_PORT = 8000
 PLAN_MOUNT = "/etc/spillway/plan"
 PLAN_FILE = "plan.json"
+ENGINE_FILE = "engine.json"
 MODEL_CACHE = "/models-cache"
 # Default host memory a pod may use per GPU when the spec gives no memory limit:
 # a GPU server has roughly 2 TiB for 8 GPUs; 192 GiB per GPU leaves room for the
@@ -98,13 +99,34 @@ def plan_hash(plan: dict[str, Any]) -> str:
     return hashlib.sha256(plan_json(plan).encode()).hexdigest()[:16]
 
 
-def plan_configmap(owner: Owner, plan: dict[str, Any]) -> dict[str, Any]:
+def engine_options(spec: InferenceDeploymentSpec) -> dict[str, Any]:
+    """Serving options the engine reads beside the plan (never secrets)."""
+    return {
+        "model": spec.model.name,
+        "revision": spec.model.revision,
+        "served_model_name": spec.model.served_model_name or spec.model.name,
+        "weights_path": spec.weights.pvc.path if spec.weights.pvc else None,
+        "gpu_memory_utilization": spec.engine.gpu_memory_utilization,
+        "dtype": spec.engine.dtype.value,
+        "eviction_policy": spec.offload.eviction_policy.value,
+        "offload_enabled": spec.offload.enabled,
+        "extra_args": list(spec.engine.extra_args),
+    }
+
+
+def plan_configmap(owner: Owner, spec: InferenceDeploymentSpec, plan: dict[str, Any],
+                   ) -> dict[str, Any]:
+    """The plan the engine checks at start-up, and its serving options beside it."""
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": _meta(owner, f"{owner.name}-plan"),
-        "data": {PLAN_FILE: plan_json(plan)},
+        "data": {PLAN_FILE: plan_json(plan), ENGINE_FILE: plan_json(engine_options(spec))},
     }
+
+
+def deployment_path(owner: Owner) -> str:
+    return f"/apis/apps/v1/namespaces/{owner.namespace}/deployments/{owner.name}"
 
 
 def service(owner: Owner) -> dict[str, Any]:

@@ -11,22 +11,18 @@ import json
 import os
 import random
 import re
-import subprocess
-import sys
 import tempfile
-import urllib.request
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from kubernetes import client, config
-from prometheus_client.parser import text_string_to_metric_families
 
 from e2e.cluster import ClusterConfig, LocalCluster
-from e2e.cluster.controlplane import REPO_ROOT, Ports, free_port, locate_binaries
-from tests.helpers import wait_for
+from e2e.cluster.controlplane import REPO_ROOT, Ports, locate_binaries
+from e2e.operator_process import OperatorProcess, start_operator
+from tests.helpers import fresh_namespace
 
 # Pod IPs of the test session's cluster: a random 127.N range (the people's cluster,
 # e2e/cluster/up, uses 127.1), so sessions and the demo can run side by side.
@@ -98,48 +94,13 @@ def api(cluster: LocalCluster) -> client.ApiClient:
 def namespace(request, cluster: LocalCluster, api: client.ApiClient) -> Iterator[str]:
     """A fresh namespace per test, with its default ServiceAccount ready."""
     slug = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")[:40]
-    name = f"{slug}-{uuid.uuid4().hex[:5]}".strip("-")
-    core = client.CoreV1Api(api)
-    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
-    wait_for(lambda: _has_default_sa(core, name), 30, f"default ServiceAccount in {name}")
-    yield name
-    core.delete_namespace(name)
-    # Wait for the pods to go, so the GPUs they held are free for the next test.
-    wait_for(lambda: not core.list_namespaced_pod(name).items, 60, f"pods of {name} to go")
-
-
-def _has_default_sa(core: client.CoreV1Api, ns: str) -> bool:
-    try:
-        core.read_namespaced_service_account("default", ns)
-    except client.ApiException:
-        return False
-    return True
+    with fresh_namespace(api, f"{slug}-{uuid.uuid4().hex[:5]}".strip("-")) as name:
+        yield name
 
 
 def pytest_terminal_summary(terminalreporter):
     for line in _CLUSTER_SUMMARY:
         terminalreporter.write_line(line)
-
-
-@dataclass
-class OperatorProcess:
-    proc: subprocess.Popen
-    log: Path
-    metrics_url: str
-
-    def metric(self, name: str, **labels: str) -> float:
-        """Current value of one sample of the operator's /metrics (0 if absent)."""
-        with urllib.request.urlopen(self.metrics_url, timeout=5) as resp:
-            text = resp.read().decode()
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == name and all(sample.labels.get(k) == v
-                                               for k, v in labels.items()):
-                    return sample.value
-        return 0.0
-
-    def log_text(self) -> str:
-        return self.log.read_text(errors="replace")
 
 
 @pytest.fixture(scope="session")
@@ -157,30 +118,10 @@ def operator(cluster: LocalCluster, crd_installed, tmp_path_factory) -> Iterator
         yield None
         return
     log = tmp_path_factory.mktemp("operator") / "operator.log"
-    port = free_port()
-    env = {
-        **os.environ,
-        "KUBECONFIG": str(cluster.config.kubeconfig),
-        "SPILLWAY_RESYNC_SECONDS": "20",
-        "SPILLWAY_WATCH_TIMEOUT": "60",
-        "PYTHONUNBUFFERED": "1",
-    }
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "spillway_operator", "--all-namespaces", "--liveness", "",
-             "--metrics-port", str(port), "--verbose"],
-            stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT,
-        )
-    op = OperatorProcess(proc, log, f"http://127.0.0.1:{port}/metrics")
+    op = start_operator(cluster.config.kubeconfig, log, verbose=True,
+                        env={"SPILLWAY_RESYNC_SECONDS": "20", "SPILLWAY_WATCH_TIMEOUT": "60"})
     try:
-        wait_for(lambda: proc.poll() is not None or "spillway operator started" in op.log_text(),
-                 60, "the operator to start")
-        assert proc.poll() is None, op.log_text()[-3000:]
         yield op
     finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        op.stop()
         _CLUSTER_SUMMARY.append(f"operator log: {log}")

@@ -5,7 +5,6 @@ operator writing replicas through the scale subresource."""
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 import time
@@ -18,8 +17,9 @@ from kubernetes import client
 from e2e.cluster.controlplane import REPO_ROOT
 from e2e.simfleet import SimulatorFleet
 from spillway_engine.model_config import load_local
+from spillway_operator.autoscale import parse_metrics
 from spillway_operator.spec import GROUP, PLURAL, VERSION
-from tests.helpers import wait_for
+from tests.helpers import fresh_namespace, wait_for
 
 # Engine simulators on loopback pod IPs and KWOK gating: the local harness only.
 pytestmark = [pytest.mark.usefixtures("operator"), pytest.mark.local_only]
@@ -32,21 +32,8 @@ SIM_ARGS = ["--max-num-seqs", "4", "--gpu-kv-tokens", "16384", "--speed", "1"]
 @pytest.fixture
 def gated_namespace(api):
     """A namespace whose pods stay unready until the simulator fleet says so."""
-    core = client.CoreV1Api(api)
-    name = f"gated-{uuid.uuid4().hex[:8]}"
-    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
-    wait_for(lambda: _has_sa(core, name), 30, "default ServiceAccount")
-    yield name
-    core.delete_namespace(name)
-    wait_for(lambda: not core.list_namespaced_pod(name).items, 60, "pods to go")
-
-
-def _has_sa(core, ns):
-    try:
-        core.read_namespaced_service_account("default", ns)
-    except client.ApiException:
-        return False
-    return True
+    with fresh_namespace(api, f"gated-{uuid.uuid4().hex[:8]}") as name:
+        yield name
 
 
 def setup(api, ns, name, replicas, autoscaling):
@@ -74,13 +61,10 @@ def condition(obj, ctype):
 
 
 def sim_queue_ratio(url: str) -> float:
+    """Waiting per running request, as the engine itself reports it."""
     text = urllib.request.urlopen(f"{url}/metrics", timeout=3).read().decode()
-
-    def value(name):
-        m = re.search(rf"^{re.escape(name)}\{{[^}}]*\}} ([0-9.e+-]+)$", text, re.M)
-        return float(m.group(1)) if m else 0.0
-
-    return value("vllm:num_requests_waiting") / max(1.0, value("vllm:num_requests_running"))
+    values = parse_metrics(text, time.monotonic()).values
+    return values.get("waiting", 0.0) / max(1.0, values.get("running", 0.0))
 
 
 def test_scales_up_on_pressure_and_waits_for_starting_pods(api, gated_namespace):

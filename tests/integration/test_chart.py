@@ -30,7 +30,7 @@ from kubernetes import client
 
 from e2e.cluster.controlplane import REPO_ROOT, free_port, locate_binaries
 from spillway_operator.spec import GROUP, PLURAL, VERSION
-from tests.helpers import wait_for
+from tests.helpers import fresh_namespace, wait_for
 
 # Needs the local control plane harness itself (not an external cluster).
 pytestmark = pytest.mark.local_only
@@ -292,14 +292,8 @@ def _release_objects(cluster, namespaces: list[str]) -> list[str]:
 @pytest.fixture
 def work_namespace(cluster, api) -> Iterator[str]:
     """The namespace the namespaced operator watches (the release lives in another one)."""
-    core = client.CoreV1Api(api)
-    name = f"chart-work-{uuid.uuid4().hex[:5]}"
-    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
-    wait_for(lambda: core.list_namespaced_service_account(
-        name, field_selector="metadata.name=default").items, 30, f"default SA in {name}")
-    yield name
-    core.delete_namespace(name)
-    wait_for(lambda: not core.list_namespaced_pod(name).items, 60, f"pods of {name} to go")
+    with fresh_namespace(api, f"chart-work-{uuid.uuid4().hex[:5]}") as name:
+        yield name
 
 
 @pytest.fixture

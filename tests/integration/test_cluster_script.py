@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from e2e.cluster.controlplane import REPO_ROOT, free_port
+from e2e.cluster.controlplane import REPO_ROOT, free_port, port_is_free
 
 # Needs the local control plane harness itself (not an external cluster).
 pytestmark = pytest.mark.local_only
@@ -29,20 +29,9 @@ def run(*args: str, timeout: float = 180, env: dict | None = None) -> subprocess
 def consecutive_free_ports(n: int = 6) -> int:
     for _ in range(50):
         base = free_port()
-        if base + n < 65535 and all(_free(base + i) for i in range(n)):
+        if base + n < 65535 and all(port_is_free(base + i) for i in range(n)):
             return base
     raise RuntimeError("no run of free ports")
-
-
-def _free(port: int) -> bool:
-    # SO_REUSEADDR: connections left in TIME_WAIT are not a process holding the port.
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def _alive(pid: int) -> bool:
@@ -118,6 +107,6 @@ def test_up_is_idempotent_and_down_leaves_no_process(tmp_path, cluster):
         down = run("down", "--dir", str(workdir), "--port-base", str(base))
     assert down.returncode == 0, down.stderr
     assert not any(_alive(int(pid)) for pid in pids.values())
-    assert all(_free(base + i) for i in range(6))
+    assert all(port_is_free(base + i) for i in range(6))
     status = run("status", "--dir", str(workdir), "--port-base", str(base))
     assert status.returncode == 1 and "down" in status.stdout

@@ -13,7 +13,8 @@ from spillway_engine.plan import make_plan
 from spillway_engine.quantity import format_bytes, parse_bytes
 from spillway_operator import render
 from spillway_operator.kube import contains
-from spillway_operator.reconciler import engine_options, plan_request
+from spillway_operator.reconciler import plan_request
+from spillway_operator.render import engine_options
 from spillway_operator.spec import InferenceDeploymentSpec
 
 MODELS = Path(__file__).resolve().parents[1] / "fixtures" / "models"
