@@ -10,9 +10,12 @@ Spillway (the patched offloader, implemented by a later issue; the geometry is f
 here so both agree): one common chunk span ``T`` tokens for every offloaded group, a
 multiple of every group's tokens per block and of the hash unit; group g cuts
 ``T / tokens_per_block_g`` blocks per chunk, and its rows hold only its own bytes
-(``round_up(bytes_g * bpc_g * copies, 4096)``). A chunk span across all groups costs
-the sum of those rows, so ``num_chunks = pool // sum(row_g)`` and the pool holds
-``num_chunks * T`` tokens of prefix for every group.
+on one worker). The host pool is one array of equal *units* (a 4 KiB multiple chosen by
+:func:`host_units` so every group's chunk fills whole units with < 2% slack); a group-g
+chunk takes ``units_g`` units anywhere in the pool, so groups share one pool with
+byte-exact slots and one LRU. A single-group model gets one unit per chunk, which is
+exactly upstream's row. Counting every group's chunk densely, the pool holds
+``num_units // sum(units_g)`` chunk sets, each ``T`` tokens of prefix for every group.
 
 Validation mirrors every offloading start-up error of vLLM 0.33.0 in plain words.
 """
@@ -67,6 +70,8 @@ class GroupChunk:
     chunk_bytes: int
     row_bytes: int
     window_chunks: int | None
+    #: host units one chunk of this group takes (Spillway; upstream always 1 row)
+    units: int = 1
 
 
 @dataclass(frozen=True)
@@ -88,6 +93,9 @@ class UpstreamGeometry:
 class SpillwayGeometry:
     chunk_tokens: int
     copies: int
+    #: bytes of one host unit on one worker (x copies per unit in the region)
+    unit_bytes: int
+    num_units: int
     groups: tuple[GroupChunk, ...]
     chunk_set_bytes: int
     num_chunks: int
@@ -167,6 +175,15 @@ def resolve_blocks_per_chunk(layout: KVLayout, request: OffloadRequest) -> int:
     return default_blocks_per_chunk(layout)
 
 
+def pool_too_small(cpu_bytes: int, rows: list[tuple[int, str, int]]) -> str:
+    """Refusal for a pool below one chunk of every group: (group, kind, row bytes) each."""
+    parts = ", ".join(f"group {i} ({kind}) {row} bytes" for i, kind, row in rows)
+    return (
+        f"the host pool ({cpu_bytes} bytes) is smaller than one chunk of every KV-cache "
+        f"group ({sum(r for _, _, r in rows)} bytes: {parts}); every store would fail"
+    )
+
+
 def _check_pool(cpu_bytes: int, row: int, what: str) -> None:
     if cpu_bytes <= 0:
         raise OffloadRefused(
@@ -231,21 +248,95 @@ def upstream_geometry(layout: KVLayout, request: OffloadRequest) -> UpstreamGeom
     )
 
 
-def spillway_chunk_tokens(layout: KVLayout, blocks_per_chunk: int | None) -> int:
+#: Most units one group's chunk may be split into (bounds per-key metadata).
+MAX_UNITS_PER_CHUNK = 64
+
+
+def host_units(chunk_bytes: list[int]) -> tuple[int, list[int]]:
+    """Unit size (bytes per worker) and units per chunk for groups' true chunk bytes.
+
+    The unit is a 4 KiB multiple (page-aligned rows for the shared mmap and pinning),
+    one smallest chunk split ``n`` ways for the ``n`` (up to ``MAX_UNITS_PER_CHUNK``
+    units per chunk) that fills units best; the first exact fit wins. Equal groups get
+    one unit per chunk, which is upstream's row.
+    """
+    if not chunk_bytes or min(chunk_bytes) <= 0:
+        raise ValueError("every group needs a positive chunk size")
+    smallest, total = min(chunk_bytes), sum(chunk_bytes)
+    best: tuple[Fraction, int, list[int]] | None = None
+    for split in range(1, MAX_UNITS_PER_CHUNK + 1):
+        unit = _round_up(_cdiv(smallest, split), ROW_ALIGNMENT)
+        units = [_cdiv(b, unit) for b in chunk_bytes]
+        if max(units) > MAX_UNITS_PER_CHUNK:
+            break
+        fill = Fraction(total, unit * sum(units))
+        if best is None or fill > best[0]:
+            best = (fill, unit, units)
+        if fill == 1:
+            break
+    assert best is not None
+    return best[1], best[2]
+
+
+def chunk_span(
+    tokens_per_block: list[int],
+    tokens_per_hash: int,
+    *,
+    has_mamba: bool,
+    blocks_per_chunk: int | None = None,
+    chunk_tokens: int | None = None,
+) -> int:
     """The common chunk span T: a multiple of every group's block and of the hash unit.
 
-    Given a bpc, T is that many blocks of the finest group, rounded up to the common
-    multiple; otherwise ~256 tokens (one common multiple for Mamba hybrids).
+    ``chunk_tokens`` is taken as T if it is such a multiple; ``blocks_per_chunk`` is
+    that many blocks of the finest group, rounded up to the common multiple; with
+    neither, ~256 tokens (one common multiple for Mamba hybrids, whose blocks are
+    already hundreds of tokens). Refusals name the group that breaks the span.
     """
-    base = math.lcm(layout.tokens_per_hash, *(g.tokens_per_block for g in layout.groups))
+    base = math.lcm(tokens_per_hash, *tokens_per_block)
+    if chunk_tokens is not None:
+        if blocks_per_chunk is not None:
+            raise OffloadRefused("give either blocks per chunk or a chunk size in tokens")
+        if chunk_tokens <= 0:
+            raise OffloadRefused(f"a chunk of {chunk_tokens} tokens is not positive")
+        for index, tpb in enumerate(tokens_per_block):
+            if chunk_tokens % tpb:
+                raise OffloadRefused(
+                    f"a chunk of {chunk_tokens} tokens does not hold whole blocks of "
+                    f"KV-cache group {index} ({tpb} tokens per block); the smallest span "
+                    f"every group and the {tokens_per_hash}-token hash unit share is {base} "
+                    f"tokens, so use a multiple of {base}"
+                )
+        if chunk_tokens % tokens_per_hash:
+            raise OffloadRefused(
+                f"a chunk of {chunk_tokens} tokens is not a multiple of the "
+                f"{tokens_per_hash}-token hash unit; use a multiple of {base}"
+            )
+        return chunk_tokens
     if blocks_per_chunk is not None:
         if blocks_per_chunk <= 0:
             raise OffloadRefused("blocks per chunk must be greater than 0")
-        finest = min(g.tokens_per_block for g in layout.groups)
-        return _round_up(blocks_per_chunk * finest, base)
-    if any(g.kind == "mamba" for g in layout.groups):
+        return _round_up(blocks_per_chunk * min(tokens_per_block), base)
+    if has_mamba:
         return base
     return _round_up(DEFAULT_CHUNK_TOKENS, base)
+
+
+def spillway_chunk_tokens(layout: KVLayout, blocks_per_chunk: int | None) -> int:
+    """:func:`chunk_span` for a planned layout."""
+    return chunk_span(
+        [g.tokens_per_block for g in layout.groups],
+        layout.tokens_per_hash,
+        has_mamba=any(g.kind == "mamba" for g in layout.groups),
+        blocks_per_chunk=blocks_per_chunk,
+    )
+
+
+def true_bytes_per_block(layout: KVLayout, group: KVGroup) -> int:
+    """Bytes one block of a group really holds on one worker: Mamba pages unpadded."""
+    if group.kind == "mamba" and layout.mamba_page_bytes is not None:
+        return layout.mamba_page_bytes * group.num_layers
+    return group.bytes_per_block
 
 
 def spillway_geometry(layout: KVLayout, request: OffloadRequest) -> SpillwayGeometry:
@@ -255,53 +346,65 @@ def spillway_geometry(layout: KVLayout, request: OffloadRequest) -> SpillwayGeom
             "Mamba states are only cached per block with prefix caching on (mamba cache "
             "mode 'align'); without it there is nothing chunkable to offload"
         )
-    if request.chunk_block_size_tokens is not None:
-        if request.blocks_per_chunk is not None:
-            raise OffloadRefused("give either blocks per chunk or a chunk size in tokens")
-        span = request.chunk_block_size_tokens
-        base = math.lcm(layout.tokens_per_hash, *(g.tokens_per_block for g in layout.groups))
-        if span <= 0 or span % base:
-            raise OffloadRefused(
-                f"a chunk of {span} tokens is not a multiple of {base} (every group's "
-                "tokens per block and the hash unit)"
-            )
-    else:
-        span = spillway_chunk_tokens(layout, request.blocks_per_chunk)
+    span = chunk_span(
+        [g.tokens_per_block for g in layout.groups],
+        layout.tokens_per_hash,
+        has_mamba=any(g.kind == "mamba" for g in layout.groups),
+        blocks_per_chunk=request.blocks_per_chunk,
+        chunk_tokens=request.chunk_block_size_tokens,
+    )
     replicated = replicated_layout(layout, request.world_size, request.single_node)
     copies = 1 if replicated else request.world_size
-    groups = []
-    for i, g in enumerate(layout.groups):
-        bpc = span // g.tokens_per_block
-        chunk_bytes = g.bytes_per_block * bpc * copies
-        groups.append(
-            GroupChunk(
-                group_index=i,
-                tokens_per_block=g.tokens_per_block,
-                blocks_per_chunk=bpc,
-                tokens_per_chunk=span,
-                chunk_bytes=chunk_bytes,
-                row_bytes=_round_up(chunk_bytes, ROW_ALIGNMENT),
-                window_chunks=_window_chunks(g, span),
+    blocks_per_chunk = [span // g.tokens_per_block for g in layout.groups]
+    chunk_bytes = [
+        true_bytes_per_block(layout, g) * bpc
+        for g, bpc in zip(layout.groups, blocks_per_chunk, strict=True)
+    ]
+    unit, units = host_units(chunk_bytes)
+    groups = tuple(
+        GroupChunk(
+            group_index=i,
+            tokens_per_block=g.tokens_per_block,
+            blocks_per_chunk=bpc,
+            tokens_per_chunk=span,
+            chunk_bytes=nbytes * copies,
+            row_bytes=k * unit * copies,
+            window_chunks=_window_chunks(g, span),
+            units=k,
+        )
+        for i, (g, bpc, nbytes, k) in enumerate(
+            zip(layout.groups, blocks_per_chunk, chunk_bytes, units, strict=True)
+        )
+    )
+    chunk_set = sum(g.row_bytes for g in groups)
+    _check_pool(request.cpu_bytes, 1, "byte")
+    if request.cpu_bytes < chunk_set:
+        raise OffloadRefused(
+            pool_too_small(
+                request.cpu_bytes,
+                [
+                    (g.group_index, k.kind, g.row_bytes)
+                    for g, k in zip(groups, layout.groups, strict=True)
+                ],
             )
         )
-    chunk_set = sum(g.row_bytes for g in groups)
-    _check_pool(request.cpu_bytes, chunk_set, "chunk across all groups")
-    num_chunks = request.cpu_bytes // chunk_set
+    num_units = request.cpu_bytes // (unit * copies)
+    num_chunks = num_units // sum(units)
     per_request = sum(
-        c * g.row_bytes
-        for c, g in zip(
-            _chunks_per_request(tuple(groups), request.max_model_len), groups, strict=True
-        )
+        c * g.units
+        for c, g in zip(_chunks_per_request(groups, request.max_model_len), groups, strict=True)
     )
     return SpillwayGeometry(
         chunk_tokens=span,
         copies=copies,
-        groups=tuple(groups),
+        unit_bytes=unit,
+        num_units=num_units,
+        groups=groups,
         chunk_set_bytes=chunk_set,
         num_chunks=num_chunks,
-        region_bytes=num_chunks * chunk_set,
+        region_bytes=num_units * unit * copies,
         capacity_tokens=num_chunks * span,
-        gauge_tokens=request.cpu_bytes * request.max_model_len // per_request,
+        gauge_tokens=num_units * request.max_model_len // per_request,
         kv_connector_extra_config={
             "cpu_bytes_to_use": request.cpu_bytes,
             "spillway_chunk_tokens": span,

@@ -12,8 +12,10 @@ from spillway_engine.kv_layout import KVGroup, LayoutRequest, compute_layout, mo
 from spillway_engine.offload import (
     OffloadRefused,
     OffloadRequest,
+    host_units,
     resolve_blocks_per_chunk,
     spillway_geometry,
+    true_bytes_per_block,
     upstream_geometry,
 )
 
@@ -113,7 +115,7 @@ def test_pool_checks():
         upstream_geometry(llama, req(cpu=1024))
     with pytest.raises(OffloadRefused, match="positive"):
         upstream_geometry(llama, req(cpu=0))
-    with pytest.raises(OffloadRefused, match="all groups"):
+    with pytest.raises(OffloadRefused, match="smaller than one chunk of every KV-cache group"):
         spillway_geometry(llama, req(cpu=1024))
 
 
@@ -176,11 +178,15 @@ def test_spillway_invariants(model, tp, bpc, pool):
     assert t % layout.tokens_per_hash == 0
     for g, group in zip(sp.groups, layout.groups, strict=True):
         assert g.blocks_per_chunk * g.tokens_per_block == t
-        assert (
-            g.row_bytes >= g.chunk_bytes == group.bytes_per_block * g.blocks_per_chunk * sp.copies
-        )
-        assert g.row_bytes % 4096 == 0
-    assert sp.region_bytes <= pool < sp.region_bytes + sp.chunk_set_bytes
+        assert g.chunk_bytes == true_bytes_per_block(layout, group) * g.blocks_per_chunk * sp.copies
+        assert g.row_bytes == g.units * sp.unit_bytes * sp.copies >= g.chunk_bytes
+    # byte-exact slots: one page of slack per group at most, and >= 95% fill
+    assert sp.unit_bytes % 4096 == 0
+    true_bytes = sum(g.chunk_bytes for g in sp.groups)
+    assert true_bytes >= 0.95 * sp.chunk_set_bytes
+    assert sp.num_chunks == sp.num_units // sum(g.units for g in sp.groups)
+    assert sp.region_bytes == sp.num_units * sp.unit_bytes * sp.copies
+    assert sp.region_bytes <= pool < sp.region_bytes + sp.unit_bytes * sp.copies
     assert sp.capacity_tokens == sp.num_chunks * t
     try:
         up = upstream_geometry(layout, req(tp, cpu=pool, blocks_per_chunk=bpc))
@@ -190,3 +196,16 @@ def test_spillway_invariants(model, tp, bpc, pool):
         return
     assert up.region_bytes <= pool < up.region_bytes + up.row_bytes
     assert up.row_bytes == math.ceil(up.kv_bytes_per_chunk / 4096) * 4096
+
+
+def test_host_units():
+    # equal groups: one unit per chunk (upstream's row)
+    assert host_units([8192, 8192]) == (8192, [1, 1])
+    # Gemma-3-27B-like 10/9/8-layer groups: exact one-layer units
+    layer = 2 * 1024 * 1024
+    assert host_units([10 * layer, 9 * layer, 8 * layer]) == (layer, [10, 9, 8])
+    # unit is page aligned even for tiny chunks
+    unit, units = host_units([100, 5000])
+    assert unit % 4096 == 0 and units == [1, 2]
+    with pytest.raises(ValueError):
+        host_units([])
