@@ -1,0 +1,52 @@
+"""The host pool's layout, shared by Spillway's scheduler side (manager) and workers.
+
+The pool is ``num_units`` equal units of ``unit_bytes`` on every worker (in the shared
+region each unit row holds ``copies`` worker slots, like upstream's rows). A chunk of
+offloaded group ``g`` spans ``chunk_tokens`` tokens = ``blocks_per_chunk`` GPU blocks
+and takes ``units`` units, anywhere in the pool (the manager hands out unit ids).
+
+Byte stream of one chunk of group ``g`` on one worker (what the units hold, in order):
+for each layer reference ``r`` of the group (``CanonicalKVCaches.group_data_refs``, in
+order), for each block ``j`` of the chunk, the first ``r.page_size_bytes`` bytes of that
+block's page. The stream is cut into ``unit_bytes`` pieces: stream byte ``o`` lives in
+the chunk's ``o // unit_bytes``-th unit at offset ``o % unit_bytes``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GroupSlots:
+    #: vLLM KV-cache group index (the key's group, ``blocks.blocks[group_id]``)
+    group_id: int
+    #: index among the offloaded groups (order of ``GPULoadStoreSpec.group_sizes``)
+    position: int
+    tokens_per_block: int
+    blocks_per_chunk: int
+    #: true bytes of one chunk on one worker (unpadded pages of the group's layers)
+    chunk_bytes: int
+    #: units one chunk takes
+    units: int
+
+
+@dataclass(frozen=True)
+class HostLayout:
+    chunk_tokens: int
+    #: bytes of one unit on one worker
+    unit_bytes: int
+    #: worker slots per unit row in the shared region (1 for replicated MLA)
+    copies: int
+    num_units: int
+    groups: tuple[GroupSlots, ...]
+
+    @property
+    def region_bytes(self) -> int:
+        return self.num_units * self.unit_bytes * self.copies
+
+    def group(self, group_id: int) -> GroupSlots:
+        for g in self.groups:
+            if g.group_id == group_id:
+                return g
+        raise KeyError(f"KV-cache group {group_id} is not offloaded")
