@@ -110,15 +110,28 @@ class SpillwayMetrics:
 
     capacity_chunks: Gauge
     capacity_tokens: Gauge
-    used_chunks: Gauge
-    pool_tokens: Gauge
-    evictions: Counter
-    thrash: Counter
-    lookup_tokens: Counter
-    hit_tokens: Counter
+    #: the dynamic families are None where Spillway's connector exports them itself
+    used_chunks: Gauge | None
+    pool_tokens: Gauge | None
+    evictions: Counter | None
+    thrash: Counter | None
+    lookup_tokens: Counter | None
+    hit_tokens: Counter | None
     plan_info: Gauge
     model_name: str
     engine: str
+
+    @property
+    def dynamic_families(self) -> list[Gauge | Counter]:
+        families = (
+            self.used_chunks,
+            self.pool_tokens,
+            self.evictions,
+            self.thrash,
+            self.lookup_tokens,
+            self.hit_tokens,
+        )
+        return [f for f in families if f is not None]
 
     def _child(self, metric):
         return metric.labels(self.model_name, self.engine)
@@ -131,6 +144,7 @@ class SpillwayMetrics:
         self.plan_info.labels(self.model_name, self.engine, *labels.values()).set(1)
 
     def set_fill(self, used_chunks: int, tokens: int) -> None:
+        assert self.used_chunks is not None and self.pool_tokens is not None
         self._child(self.used_chunks).set(used_chunks)
         self._child(self.pool_tokens).set(tokens)
 
@@ -143,6 +157,7 @@ class SpillwayMetrics:
         hit_tokens: int = 0,
     ) -> None:
         """Increase the counters by the given deltas (zero deltas are skipped)."""
+        assert self.evictions and self.thrash and self.lookup_tokens and self.hit_tokens
         if evictions:
             self._child(self.evictions).inc(evictions)
         if thrash:
@@ -154,9 +169,14 @@ class SpillwayMetrics:
 
 
 def build_spillway_metrics(
-    registry: CollectorRegistry, model_name: str, engine: str = "0"
+    registry: CollectorRegistry, model_name: str, engine: str = "0", *, dynamic: bool = True
 ) -> SpillwayMetrics:
-    """Create Spillway's metric families on ``registry`` and bind them to one engine."""
+    """Create Spillway's metric families on ``registry`` and bind them to one engine.
+
+    ``dynamic=False`` creates only the static plan families: with Spillway's connector
+    the pool series come from the engine core through vLLM's connector metrics, under
+    the same names (``spillway_engine.offloader.spec``).
+    """
     labels = list(BASE_LABELS)
 
     def gauge(name: str, doc: str) -> Gauge:
@@ -164,6 +184,9 @@ def build_spillway_metrics(
 
     def counter(name: str, doc: str) -> Counter:
         return Counter(name, doc, labels, registry=registry)
+
+    def live(family: Any) -> Any:
+        return family() if dynamic else None
 
     metrics = SpillwayMetrics(
         capacity_chunks=gauge(
@@ -173,26 +196,38 @@ def build_spillway_metrics(
             "spillway_host_pool_capacity_tokens",
             "Tokens of prefix the host KV pool holds, as planned.",
         ),
-        used_chunks=gauge(
-            "spillway_host_pool_used_chunks",
-            "Chunk slots of the host KV pool that hold a (chunk, group) key.",
+        used_chunks=live(
+            lambda: gauge(
+                "spillway_host_pool_used_chunks",
+                "Chunk slots of the host KV pool that hold a (chunk, group) key.",
+            )
         ),
-        pool_tokens=gauge(
-            "spillway_host_pool_tokens",
-            "Prefix tokens held in the host KV pool (full-attention chunks x tokens per chunk).",
+        pool_tokens=live(
+            lambda: gauge(
+                "spillway_host_pool_tokens",
+                "Prefix tokens held in the host KV pool (chunks of one group x tokens per chunk).",
+            )
         ),
-        evictions=counter("spillway_host_pool_evictions", "Chunks evicted from the host KV pool."),
-        thrash=counter(
-            "spillway_host_pool_thrash",
-            "Chunks evicted from the host KV pool that a later request asked for again.",
+        evictions=live(
+            lambda: counter("spillway_host_pool_evictions", "Chunks evicted from the host KV pool.")
         ),
-        lookup_tokens=counter(
-            "spillway_host_lookup_tokens",
-            "Prompt tokens looked up in the host KV pool beyond the GPU prefix hit.",
+        thrash=live(
+            lambda: counter(
+                "spillway_host_pool_thrash",
+                "Chunks evicted from the host KV pool that a later request asked for again.",
+            )
         ),
-        hit_tokens=counter(
-            "spillway_host_hit_tokens",
-            "Prompt tokens found in the host KV pool (loaded instead of recomputed).",
+        lookup_tokens=live(
+            lambda: counter(
+                "spillway_host_lookup_tokens",
+                "Prompt tokens looked up in the host KV pool beyond the GPU prefix hit.",
+            )
+        ),
+        hit_tokens=live(
+            lambda: counter(
+                "spillway_host_hit_tokens",
+                "Prompt tokens found in the host KV pool (loaded instead of recomputed).",
+            )
         ),
         plan_info=Gauge(
             "spillway_plan_info",
@@ -205,15 +240,6 @@ def build_spillway_metrics(
         engine=engine,
     )
     # Materialise the label children so every series is exported from the start.
-    for metric in (
-        metrics.capacity_chunks,
-        metrics.capacity_tokens,
-        metrics.used_chunks,
-        metrics.pool_tokens,
-        metrics.evictions,
-        metrics.thrash,
-        metrics.lookup_tokens,
-        metrics.hit_tokens,
-    ):
+    for metric in (metrics.capacity_chunks, metrics.capacity_tokens, *metrics.dynamic_families):
         metric.labels(model_name, engine)
     return metrics

@@ -134,6 +134,7 @@ class GroupChunkInfo(_Model):
     chunk_bytes: int = Field(description="True KV bytes of one chunk of this group, all ranks.")
     row_bytes: int = Field(description="Host bytes one chunk of this group occupies.")
     window_chunks: int | None = Field(description="Chunks a lookup needs (SWA/Mamba), or null.")
+    units: int = Field(1, description="Host pool units one chunk takes (Spillway).")
 
 
 class UpstreamInfo(_Model):
@@ -152,14 +153,16 @@ class UpstreamInfo(_Model):
 
 
 class SpillwayInfo(_Model):
-    """Spillway's per-group chunking: one token span, rows sized per group."""
+    """Spillway's per-group chunking: one token span, byte-exact slots per group."""
 
     chunk_tokens: int = Field(description="Common chunk span T for every group.")
     copies: int
+    unit_bytes: int = Field(description="Bytes of one host pool unit on one worker.")
+    num_units: int = Field(description="cpu_bytes // (unit_bytes x copies).")
     groups: list[GroupChunkInfo]
     row_layout: str = Field(description="How rows are laid out in the region.")
-    chunk_set_bytes: int = Field(description="Sum of the groups' rows: one span, all groups.")
-    num_chunks: int = Field(description="cpu_bytes // chunk_set_bytes (rows per group).")
+    chunk_set_bytes: int = Field(description="Sum of the groups' slots: one span, all groups.")
+    num_chunks: int = Field(description="num_units // units of one chunk of every group.")
     region_bytes: int
     capacity_tokens: int = Field(description="num_chunks x chunk_tokens.")
     gauge_tokens: int = Field(description="Tokens at max_model_len, windows counted.")
@@ -219,6 +222,7 @@ def _chunks(geometry: UpstreamGeometry | SpillwayGeometry) -> list[GroupChunkInf
             chunk_bytes=g.chunk_bytes,
             row_bytes=g.row_bytes,
             window_chunks=g.window_chunks,
+            units=g.units,
         )
         for g in geometry.groups
     ]
@@ -386,10 +390,12 @@ def _make_plan(config: dict[str, Any], request: PlanRequest) -> Plan:
         spillway=SpillwayInfo(
             chunk_tokens=spillway.chunk_tokens,
             copies=spillway.copies,
+            unit_bytes=spillway.unit_bytes,
+            num_units=spillway.num_units,
             groups=_chunks(spillway),
             row_layout=(
-                "per-group row arrays: group g holds num_chunks rows of row_bytes(g), "
-                "placed one after another in group order"
+                "one pool of num_units units (rows of unit_bytes x copies); a chunk of group "
+                "g takes units(g) of them, anywhere, so all groups share one LRU"
             ),
             chunk_set_bytes=spillway.chunk_set_bytes,
             num_chunks=spillway.num_chunks,

@@ -56,6 +56,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from spillway_engine.plan_check import (
+    SPILLWAY_CONNECTOR,
     PlanMismatch,
     check,
     effective_plan,
@@ -93,7 +94,11 @@ def load_plan_file(path: str) -> dict[str, Any]:
 
 
 def register() -> None:
-    """vLLM general-plugin entry: install the plan check and the plan metrics."""
+    """vLLM general-plugin entry: register Spillway's connector; with a plan, install
+    the plan check and the plan metrics."""
+    from spillway_engine.offloader import register_connector
+
+    register_connector()
     path = os.environ.get(ENV_PLAN)
     if not path:
         return
@@ -158,10 +163,13 @@ def publish_plan_metrics(
     model_name: str,
     engine_indexes: Iterable[int],
     registry: Any = None,
+    *,
+    dynamic: bool = True,
 ) -> list[Any]:
     """Spillway's metric families on ``registry`` (default: prometheus_client's), with
     the plan's static values set for every engine. Safe to call again (vLLM rebuilds
-    its stat logger): families are created once per registry."""
+    its stat logger): families are created once per registry. ``dynamic=False`` when
+    Spillway's connector exports the pool series itself."""
     from prometheus_client import REGISTRY
 
     from spillway_engine.metrics import build_spillway_metrics
@@ -171,19 +179,12 @@ def publish_plan_metrics(
     engines = [str(i) for i in engine_indexes] or ["0"]
     base = cache.get(id(registry))
     if base is None:
-        base = build_spillway_metrics(registry, model_name, engines[0])
+        base = build_spillway_metrics(registry, model_name, engines[0], dynamic=dynamic)
         cache[id(registry)] = base
     bound = []
     for engine in engines:
         metrics = dataclasses.replace(base, model_name=model_name, engine=engine)
-        for family in (
-            metrics.used_chunks,
-            metrics.pool_tokens,
-            metrics.evictions,
-            metrics.thrash,
-            metrics.lookup_tokens,
-            metrics.hit_tokens,
-        ):
+        for family in metrics.dynamic_families:
             family.labels(model_name, engine)  # export the series from the start
         metrics.set_plan(plan)
         bound.append(metrics)
@@ -211,6 +212,7 @@ def install_metrics() -> None:
                 effective_plan(plan, connector),
                 str(vllm_config.model_config.served_model_name),
                 self.engine_indexes,
+                dynamic=connector != SPILLWAY_CONNECTOR,
             )
         except Exception:  # metrics must never take the server down
             logger.exception("Spillway: could not publish the plan metrics")

@@ -124,6 +124,8 @@ class Case:
     max_model_len: int = 8192
     block_size: int | None = None
     dtype: str = "auto"
+    #: GPU KV blocks (vLLM's num_gpu_blocks_override); None: effectively unlimited
+    num_gpu_blocks: int | None = None
 
     def __str__(self) -> str:
         extra = "" if self.kv_cache_dtype == "auto" else f"-{self.kv_cache_dtype}"
@@ -255,6 +257,7 @@ def build_layout(config: dict[str, Any], case: Case, attention_backend: str | No
     ).create_engine_config()
     if case.block_size is not None:
         vc.cache_config.block_size = case.block_size  # CpuPlatform forces 16 for CPU MLA
+    vc.cache_config.num_gpu_blocks_override = case.num_gpu_blocks
     if vc.model_config.hf_text_config.model_type == "qwen3_next":
         vc.cache_config.mamba_ssm_cache_dtype = "auto"  # undo CpuPlatform's float32 reset
 

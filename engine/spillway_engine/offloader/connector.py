@@ -1,0 +1,154 @@
+"""``SpillwayOffloadingConnector``: vLLM's offloading connector with Spillway's geometry.
+
+It is vLLM's ``OffloadingConnector`` (scheduler, worker wiring, KV events, metrics,
+``SupportsHMA``) with three changes, all made from outside vLLM:
+
+* one chunk span ``T`` for every offloaded group, each group cutting ``T / tpb`` of its
+  own blocks (:mod:`spillway_engine.offloader.geometry`), so chunk boundaries line up
+  across groups and a coarse group cannot zero a finer one's hit;
+* a host pool of byte-exact slots shared by all groups (:mod:`.manager`, :mod:`.worker`);
+* the pool series vLLM lacks (fill, evictions, thrash, host lookups and hits).
+
+Keys stay vLLM's ``(block hash of the chunk's last token, group)`` so KV events and
+everything keyed on them keep working. For a single-group model the geometry, keys
+and capacity are upstream's exactly (one unit per chunk = upstream's row).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
+    OffloadingConnectorScheduler,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (
+    OffloadingConnectorWorker,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+from vllm.logger import init_logger
+
+from spillway_engine.offloader.geometry import (
+    SpillwayConfigError,
+    _with_extra,
+    build_geometry,
+    expand_block_ids,
+)
+from spillway_engine.offloader.manager import HIT_TOKENS, LOOKUP_TOKENS
+from spillway_engine.offloader.spec import SPEC_MODULE, SPEC_NAME, SpillwayHostSpec
+
+logger = init_logger(__name__)
+
+
+class SpillwayOffloadingConnector(OffloadingConnector):
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any):
+        KVConnectorBase_V1.__init__(self, vllm_config, role, kv_cache_config)
+        try:
+            geometry = build_geometry(vllm_config, kv_cache_config)
+        except SpillwayConfigError as e:
+            raise SpillwayConfigError(f"Spillway offloader: {e}") from None
+        self.geometry = geometry
+        self._expansion = dict(geometry.expansion)
+        self._canonical_layout = geometry.offloading_config.canonical_layout
+        spec = SpillwayHostSpec(geometry.offloading_config, geometry)
+        self.connector_scheduler: OffloadingConnectorScheduler | None = None
+        self.connector_worker: OffloadingConnectorWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.connector_scheduler = OffloadingConnectorScheduler(
+                spec, vllm_config, geometry.scheduler_kv_cache_config
+            )
+        elif role == KVConnectorRole.WORKER:
+            self.connector_worker = OffloadingConnectorWorker(spec, vllm_config, kv_cache_config)
+        self._lookup_tokens = 0
+        self._hit_tokens = 0
+        layout = geometry.layout
+        logger.info(
+            "Spillway offloader: %d-token chunks; groups %s cut %s blocks per chunk; "
+            "%d units of %d bytes (x%d copies) = %d bytes; virtual blocks %s",
+            layout.chunk_tokens,
+            [g.group_id for g in layout.groups],
+            [g.blocks_per_chunk for g in layout.groups],
+            layout.num_units,
+            layout.unit_bytes,
+            layout.copies,
+            layout.region_bytes,
+            self._expansion or "none",
+        )
+
+    # --------------------------------------------------- scheduler side, block ids
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
+        if self._expansion:
+            blocks = dataclasses.replace(
+                blocks,
+                blocks=tuple(
+                    [b for b in group for _ in range(self._expansion[gid])]
+                    if gid in self._expansion
+                    else group
+                    for gid, group in enumerate(blocks.blocks)
+                ),
+            )
+        return super().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        if not self._expansion:
+            return super().build_connector_meta(scheduler_output)
+        meta = super().build_connector_meta(self._expanded_output(scheduler_output))
+        # A real block appears once per virtual block in a store's fences; the
+        # scheduler releases a fence once per id, so keep each id once.
+        jobs = self.scheduler._jobs
+        for job_id in meta.store_jobs:
+            status = jobs.get(job_id)
+            if status is None:
+                continue
+            for name in ("fenced_block_ids", "deferred_fence_block_ids"):
+                ids = getattr(status, name)
+                if ids:
+                    setattr(status, name, list(dict.fromkeys(ids)))
+        return meta
+
+    def _expanded_output(self, out: Any) -> Any:
+        new_reqs = [
+            dataclasses.replace(r, block_ids=expand_block_ids(r.block_ids, self._expansion))
+            for r in out.scheduled_new_reqs
+        ]
+        cached = out.scheduled_cached_reqs
+        cached = dataclasses.replace(
+            cached,
+            new_block_ids=[expand_block_ids(ids, self._expansion) for ids in cached.new_block_ids],
+        )
+        return dataclasses.replace(out, scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached)
+
+    # ------------------------------------------------------------------- metrics
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
+        result = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        hit, _ = result
+        if hit is not None:  # None: the lookup is still in flight, asked again later
+            self._lookup_tokens += max(request.num_prompt_tokens - num_computed_tokens, 0)
+            self._hit_tokens += hit
+        return result
+
+    def get_kv_connector_stats(self) -> Any:
+        stats = super().get_kv_connector_stats()
+        if stats is not None:
+            stats.increase_counter(LOOKUP_TOKENS, self._lookup_tokens)
+            stats.increase_counter(HIT_TOKENS, self._hit_tokens)
+            self._lookup_tokens = self._hit_tokens = 0
+        return stats
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: Any,
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> Any:
+        # vLLM's metrics code finds the spec (and so our metric names) by name.
+        extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config)
+        extra.update(spec_name=SPEC_NAME, spec_module_path=SPEC_MODULE)
+        return super().build_prom_metrics(
+            _with_extra(vllm_config, extra), metric_types, labelnames, per_engine_labelvalues
+        )

@@ -1,0 +1,297 @@
+"""Spillway's chunk geometry for a live engine, read off vLLM's own KV-cache config.
+
+The arithmetic is :mod:`spillway_engine.offload`'s (the planner's), so the plan and
+the engine agree by construction; this module only gathers its inputs from vLLM's
+objects and builds the two views vLLM's scheduler-side code needs.
+
+Per-group chunk sizes inside vLLM's scheduler
+---------------------------------------------
+vLLM 0.33's offloading scheduler slices every group's GPU block list with one global
+``blocks_per_chunk``. With one common span ``T`` and groups of different block sizes
+each group needs its own ``T / tokens_per_block``. Spillway gets that without
+rewriting the scheduler: the scheduler sees every offloaded group in *virtual* blocks
+of ``v = gcd(tokens_per_block)`` tokens (the hash unit in vLLM 0.33), so one global
+``blocks_per_chunk = T / v`` is right for all of them, and a real block of ``m = tpb /
+v`` virtual blocks is handed to it as its id repeated ``m`` times. The connector
+expands block ids on the way in (:func:`expand_block_ids`) and the worker contracts
+them on the way out (:func:`contract_gpu_spec`). Chunk boundaries are multiples of
+every real block, so a chunk always holds whole runs. Models whose groups share one
+block size (most) have ``m = 1`` everywhere and run vLLM's scheduler untouched.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from spillway_engine.offload import OffloadRefused, chunk_span, host_units, pool_too_small
+from spillway_engine.offloader.layout import GroupSlots, HostLayout
+
+
+class SpillwayConfigError(ValueError):
+    """Spillway's offloader cannot run this configuration; the message says why."""
+
+
+@dataclass(frozen=True)
+class ConnectorGeometry:
+    chunk_tokens: int
+    #: tokens per virtual block the scheduler sees (gcd of the groups' blocks)
+    virtual_tokens_per_block: int
+    #: vLLM group id -> virtual blocks per real block, for groups where that is > 1
+    expansion: Mapping[int, int]
+    layout: HostLayout
+    #: upstream's OffloadingConfig with the scheduler's (virtual) geometry
+    offloading_config: Any
+    #: the KV-cache config the scheduler sees (virtual block sizes where expanded)
+    scheduler_kv_cache_config: Any
+
+
+def _layer_specs(spec: Any, layer_names: Sequence[str]) -> list[Any]:
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        return [spec.kv_cache_specs[name] for name in layer_names]
+    return [spec] * len(layer_names)
+
+
+def _unpadded_page_bytes(spec: Any) -> int:
+    """The bytes of one layer's page that hold KV, as vLLM's offloading worker copies them."""
+    from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec
+
+    if isinstance(spec, AttentionSpec):
+        return spec.unpadded_page_size_bytes
+    if isinstance(spec, MambaSpec):
+        return replace(spec, page_size_padded=None).page_size_bytes
+    raise SpillwayConfigError(f"{type(spec).__name__} pages cannot be offloaded")
+
+
+def true_bytes_per_block(group: Any) -> int:
+    """Bytes one block of a KV-cache group holds on one worker, padding excluded."""
+    return sum(
+        _unpadded_page_bytes(s) for s in _layer_specs(group.kv_cache_spec, group.layer_names)
+    )
+
+
+def _describe(spec: Any) -> str:
+    return type(spec).__name__.removesuffix("Spec")
+
+
+def _uses_shared_region() -> bool:
+    from vllm.platforms import current_platform
+
+    return (
+        current_platform.is_cuda_alike() and not current_platform.is_rocm()
+    ) or current_platform.is_xpu()
+
+
+def _with_extra(vllm_config: Any, extra: dict[str, Any]) -> Any:
+    """A shallow copy of ``vllm_config`` whose connector extra config is ``extra``."""
+    view = copy.copy(vllm_config)
+    transfer = copy.copy(vllm_config.kv_transfer_config)
+    object.__setattr__(transfer, "kv_connector_extra_config", extra)
+    object.__setattr__(view, "kv_transfer_config", transfer)
+    return view
+
+
+def _int_option(extra: Mapping[str, Any], key: str) -> int | None:
+    value = extra.get(key)
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise SpillwayConfigError(
+            f"kv_connector_extra_config[{key!r}] must be an integer, got {value!r}"
+        ) from None
+
+
+def build_geometry(vllm_config: Any, kv_cache_config: Any) -> ConnectorGeometry:
+    """Spillway's geometry for this engine, or :class:`SpillwayConfigError` saying why not."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
+        build_offloading_config,
+        get_offloading_group_ids,
+        get_sliding_window_size_in_chunks,
+    )
+    from vllm.v1.core.kv_cache_utils import resolve_dcp_kv_block_size, resolve_kv_cache_block_sizes
+    from vllm.v1.kv_cache_interface import MambaSpec, UniformTypeKVCacheSpecs
+
+    extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config)
+    cpu_bytes = _int_option(extra, "cpu_bytes_to_use")
+    if not cpu_bytes or cpu_bytes <= 0:
+        raise SpillwayConfigError(
+            "kv_connector_extra_config['cpu_bytes_to_use'] must give the host pool size in bytes"
+        )
+    group_ids = tuple(get_offloading_group_ids(kv_cache_config))
+    if not group_ids:
+        raise SpillwayConfigError("no KV-cache group can be offloaded (none is prefix-cacheable)")
+    groups = [kv_cache_config.kv_cache_groups[g] for g in group_ids]
+    for gid, group in zip(group_ids, groups, strict=True):
+        for spec in _layer_specs(group.kv_cache_spec, group.layer_names):
+            if isinstance(spec, MambaSpec) and spec.mamba_cache_mode != "align":
+                raise SpillwayConfigError(
+                    f"KV-cache group {gid} holds Mamba states in cache mode "
+                    f"{spec.mamba_cache_mode!r}: they are only kept per block with prefix "
+                    "caching on (mode 'align'), so there is nothing chunkable to offload"
+                )
+    dcp = vllm_config.parallel_config.decode_context_parallel_size
+    tokens_per_block = [resolve_dcp_kv_block_size(g.kv_cache_spec, dcp) for g in groups]
+    _, tokens_per_hash = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+    has_mamba = any(isinstance(g.kv_cache_spec, MambaSpec) for g in groups)
+    try:
+        span = chunk_span(
+            tokens_per_block,
+            tokens_per_hash,
+            has_mamba=has_mamba,
+            blocks_per_chunk=_int_option(extra, "blocks_per_chunk"),
+            chunk_tokens=_int_option(extra, "spillway_chunk_tokens")
+            or _int_option(extra, "block_size"),
+        )
+    except OffloadRefused as e:
+        raise SpillwayConfigError(str(e)) from None
+    blocks_per_chunk = [span // tpb for tpb in tokens_per_block]
+    planned = extra.get("spillway_group_blocks_per_chunk")
+    if planned is not None:
+        planned = list(planned)
+        if len(planned) != len(groups):
+            raise SpillwayConfigError(
+                f"the plan has blocks per chunk for {len(planned)} KV-cache groups, but "
+                f"this engine offloads {len(groups)} (groups {list(group_ids)})"
+            )
+        for gid, want, have in zip(group_ids, planned, blocks_per_chunk, strict=True):
+            if int(want) != have:
+                raise SpillwayConfigError(
+                    f"KV-cache group {gid}: the plan cuts {want} blocks per chunk, this "
+                    f"engine {have} ({span}-token chunks); the plan was made for another "
+                    "engine configuration"
+                )
+
+    virtual = math.gcd(*tokens_per_block)
+    if virtual % tokens_per_hash:
+        raise SpillwayConfigError(
+            f"the KV-cache groups' common block ({virtual} tokens) is not a multiple of "
+            f"the {tokens_per_hash}-token hash unit"
+        )
+    expansion = {
+        gid: tpb // virtual
+        for gid, tpb in zip(group_ids, tokens_per_block, strict=True)
+        if tpb != virtual
+    }
+    view_groups = list(kv_cache_config.kv_cache_groups)
+    for gid, m in expansion.items():
+        spec = view_groups[gid].kv_cache_spec
+        if isinstance(spec, MambaSpec | UniformTypeKVCacheSpecs):
+            raise SpillwayConfigError(
+                f"KV-cache group {gid} ({_describe(spec)}) has {spec.block_size}-token "
+                f"blocks, coarser than the finest offloaded group's {virtual}; Spillway "
+                "can only re-cut attention groups"
+            )
+        view_groups[gid] = replace(
+            view_groups[gid], kv_cache_spec=replace(spec, block_size=spec.block_size // m)
+        )
+    scheduler_kv_cache_config = (
+        replace(kv_cache_config, kv_cache_groups=view_groups) if expansion else kv_cache_config
+    )
+
+    upstream_extra = {k: v for k, v in extra.items() if k != "block_size"}
+    upstream_extra["blocks_per_chunk"] = span // virtual
+    offloading_config = build_offloading_config(
+        _with_extra(vllm_config, upstream_extra), scheduler_kv_cache_config
+    )
+    # vLLM sized windows in chunks with the virtual blocks; recheck with the true span.
+    offloading_config = replace(
+        offloading_config,
+        groups=tuple(
+            replace(
+                g,
+                sliding_window_size_in_chunks=get_sliding_window_size_in_chunks(
+                    next(
+                        iter(
+                            _layer_specs(
+                                kv_cache_config.kv_cache_groups[g.group_id].kv_cache_spec,
+                                kv_cache_config.kv_cache_groups[g.group_id].layer_names,
+                            )
+                        )
+                    ),
+                    span,
+                ),
+            )
+            for g in offloading_config.groups
+        ),
+    )
+
+    replicated = offloading_config.replicated_layout and _uses_shared_region()
+    copies = 1 if replicated else vllm_config.parallel_config.world_size
+    chunk_bytes = [
+        true_bytes_per_block(g) * bpc for g, bpc in zip(groups, blocks_per_chunk, strict=True)
+    ]
+    unit, units = host_units(chunk_bytes)
+    num_units = cpu_bytes // (unit * copies)
+    if num_units < sum(units):
+        raise SpillwayConfigError(
+            pool_too_small(
+                cpu_bytes,
+                [
+                    (gid, _describe(g.kv_cache_spec), k * unit * copies)
+                    for gid, g, k in zip(group_ids, groups, units, strict=True)
+                ],
+            )
+        )
+    layout = HostLayout(
+        chunk_tokens=span,
+        unit_bytes=unit,
+        copies=copies,
+        num_units=num_units,
+        groups=tuple(
+            GroupSlots(
+                group_id=gid,
+                position=position,
+                tokens_per_block=tpb,
+                blocks_per_chunk=bpc,
+                chunk_bytes=nbytes,
+                units=k,
+            )
+            for position, (gid, tpb, bpc, nbytes, k) in enumerate(
+                zip(group_ids, tokens_per_block, blocks_per_chunk, chunk_bytes, units, strict=True)
+            )
+        ),
+    )
+    return ConnectorGeometry(
+        chunk_tokens=span,
+        virtual_tokens_per_block=virtual,
+        expansion=expansion,
+        layout=layout,
+        offloading_config=offloading_config,
+        scheduler_kv_cache_config=scheduler_kv_cache_config,
+    )
+
+
+# ------------------------------------------------------------ virtual block ids
+
+
+def expand_block_ids(
+    block_ids: Sequence[Sequence[int]] | None, expansion: Mapping[int, int]
+) -> tuple[list[int], ...] | None:
+    """Per-group block id lists with each real id repeated ``m`` times where expanded."""
+    if block_ids is None or not expansion:
+        return block_ids if block_ids is None else tuple(block_ids)  # type: ignore[arg-type]
+    return tuple(
+        [b for b in ids for _ in range(expansion[gid])] if gid in expansion else ids
+        for gid, ids in enumerate(block_ids)
+    )  # type: ignore[misc]
+
+
+def contract_runs(block_ids: Sequence[int], first_index: int, m: int) -> tuple[list[int], int]:
+    """Real block ids and first real index from a run-expanded id list (``m`` per block)."""
+    if first_index % m or len(block_ids) % m:
+        raise ValueError(
+            f"virtual blocks [{first_index}, {first_index + len(block_ids)}) do not cover "
+            f"whole {m}-block runs"
+        )
+    real = list(block_ids[::m])
+    for i, b in enumerate(real):
+        if any(x != b for x in block_ids[i * m : (i + 1) * m]):
+            raise ValueError(f"virtual blocks of real block {b} are not one run")
+    return real, first_index // m

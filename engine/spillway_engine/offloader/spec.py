@@ -1,0 +1,209 @@
+"""Spillway's offloading spec: the unit pool manager and the device-agnostic worker.
+
+vLLM's connector code asks an ``OffloadingSpec`` for the scheduler-side manager, the
+worker and the metric definitions. The connector builds this spec itself, with the
+geometry it read off vLLM's KV-cache config; vLLM's metrics code resolves the class
+by name (``spec_name``/``spec_module_path``) to learn the metric definitions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    OffloadingCounterMetadata,
+    OffloadingGaugeMetadata,
+    OffloadingManager,
+    OffloadingMetricMetadata,
+    OffloadingSpec,
+    OffloadingWorker,
+    TransferResult,
+)
+from vllm.v1.kv_offload.cpu.common import CPUOffloadingInfo
+from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+
+from spillway_engine.offloader.geometry import ConnectorGeometry, contract_runs
+from spillway_engine.offloader.layout import HostLayout
+from spillway_engine.offloader.manager import (
+    HIT_TOKENS,
+    LOOKUP_TOKENS,
+    POOL_EVICTIONS,
+    POOL_THRASH,
+    POOL_TOKENS,
+    POOL_USED_CHUNKS,
+    make_manager_class,
+)
+
+SPEC_NAME = "SpillwayHostSpec"
+SPEC_MODULE = __name__
+
+
+def pool_metric_definitions() -> dict[str, OffloadingMetricMetadata]:
+    """Spillway's dynamic pool series, exported by vLLM's offloading metrics code."""
+    return {
+        POOL_USED_CHUNKS: OffloadingGaugeMetadata(
+            documentation="Chunk sets' worth of host KV pool units holding keys now."
+        ),
+        POOL_TOKENS: OffloadingGaugeMetadata(
+            documentation="Prefix tokens held in the host KV pool (anchor-group chunks x span)."
+        ),
+        POOL_EVICTIONS: OffloadingCounterMetadata(
+            documentation="(chunk, group) keys evicted from the host KV pool."
+        ),
+        POOL_THRASH: OffloadingCounterMetadata(
+            documentation="Chunks evicted from the host KV pool that a later request asked for."
+        ),
+        LOOKUP_TOKENS: OffloadingCounterMetadata(
+            documentation="Prompt tokens looked up in the host KV pool beyond the GPU prefix hit."
+        ),
+        HIT_TOKENS: OffloadingCounterMetadata(
+            documentation="Prompt tokens found in the host KV pool (loaded, not recomputed)."
+        ),
+    }
+
+
+def host_info(config: Any, layout: HostLayout) -> CPUOffloadingInfo:
+    """vLLM's ``kv_offload_config_info`` facts for the unit pool."""
+    sets = sum(g.units for g in layout.groups)
+    max_len = config.model.max_model_len
+    per_request = 0
+    for group, slots in zip(config.groups, layout.groups, strict=True):
+        chunks = -(-max_len // layout.chunk_tokens)
+        if group.sliding_window_size_in_chunks is not None:
+            chunks = min(chunks, group.sliding_window_size_in_chunks)
+        per_request += chunks * slots.units
+    return CPUOffloadingInfo(
+        cpu_num_chunks=layout.num_units // sets,
+        cpu_blocks_per_chunk=max(g.blocks_per_chunk for g in layout.groups),
+        cpu_kv_cache_size_bytes=layout.region_bytes,
+        cpu_kv_cache_size_tokens=(
+            layout.num_units * max_len // per_request if max_len > 0 and per_request else None
+        ),
+    )
+
+
+class SpillwayHostSpec(OffloadingSpec):
+    @classmethod
+    def build_metric_definitions(
+        cls, extra_config: dict[str, Any]
+    ) -> dict[str, OffloadingMetricMetadata]:
+        return {
+            **CPUOffloadingSpec.build_metric_definitions(extra_config),
+            **pool_metric_definitions(),
+        }
+
+    @classmethod
+    def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:
+        return CPUOffloadingInfo.config_info_keys()
+
+    def __init__(self, config: Any, geometry: ConnectorGeometry | None = None):
+        super().__init__(config)
+        if geometry is None:
+            raise ValueError(
+                "SpillwayHostSpec is built by SpillwayOffloadingConnector; set "
+                "kv_connector to SpillwayOffloadingConnector instead of naming the spec"
+            )
+        self.geometry = geometry
+        self.layout = geometry.layout
+        self.replicated_layout = self.layout.copies == 1 and config.parallel.world_size > 1
+        self._manager: OffloadingManager | None = None
+        self._worker: OffloadingWorker | None = None
+
+    def get_manager(self) -> OffloadingManager:
+        if self._manager is None:
+            extra = self.extra_config
+            self._manager = make_manager_class()(
+                self.layout,
+                cache_policy=extra.get("eviction_policy", "lru"),
+                cache_policy_module_path=extra.get("cache_policy_module_path"),
+                enable_events=self.kv_events_config.enable_kv_cache_events,
+                store_threshold=int(extra.get("store_threshold", 0)),
+                max_tracker_size=int(extra.get("max_tracker_size", 64_000)),
+                info=host_info(self.config, self.layout),
+            )
+        return self._manager
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        if self._worker is None:
+            from spillway_engine.offloader.worker import SpillwayHostWorker, allocate_host_pool
+
+            parallel = self.config.parallel
+            pool, cleanup = allocate_host_pool(
+                self.layout,
+                self.config.engine_id,
+                parallel.rank,
+                parallel.world_size,
+                self.replicated_layout,
+            )
+            try:
+                worker: OffloadingWorker = SpillwayHostWorker(
+                    kv_caches, self.layout, pool, release=cleanup
+                )
+            except Exception:
+                cleanup()
+                raise
+            if self.geometry.expansion:
+                worker = ContractingWorker(worker, self.layout, self.geometry.expansion)
+            self._worker = worker
+        return self._worker
+
+
+def contract_gpu_spec(
+    spec: GPULoadStoreSpec, layout: HostLayout, expansion: Mapping[int, int]
+) -> GPULoadStoreSpec:
+    """The real-block GPU spec behind one the scheduler built over virtual blocks."""
+    ids = spec.block_ids.tolist()
+    out_ids: list[int] = []
+    sizes: list[int] = []
+    indices: list[int] = []
+    start = 0
+    for group, size, first in zip(layout.groups, spec.group_sizes, spec.block_indices, strict=True):
+        chunk = ids[start : start + size]
+        start += size
+        m = expansion.get(group.group_id, 1)
+        if m == 1 or size == 0:
+            real, real_first = chunk, (first // m if size == 0 else first)
+        else:
+            real, real_first = contract_runs(chunk, first, m)
+        out_ids.extend(real)
+        sizes.append(len(real))
+        indices.append(real_first)
+    return GPULoadStoreSpec(out_ids, group_sizes=sizes, block_indices=indices)
+
+
+class ContractingWorker(OffloadingWorker):
+    """Hands the host worker real block ids when the scheduler worked in virtual ones."""
+
+    def __init__(self, inner: OffloadingWorker, layout: HostLayout, expansion: Mapping[int, int]):
+        self.inner = inner
+        self.layout = layout
+        self.expansion = dict(expansion)
+
+    def submit_store(
+        self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
+    ) -> bool:
+        src = contract_gpu_spec(src_spec, self.layout, self.expansion)
+        return self.inner.submit_store(job_id, src, dst_spec)
+
+    def submit_load(
+        self,
+        job_id: int,
+        src_spec: LoadStoreSpec,
+        dst_spec: GPULoadStoreSpec,
+        expedited: bool = False,
+    ) -> bool:
+        dst = contract_gpu_spec(dst_spec, self.layout, self.expansion)
+        return self.inner.submit_load(job_id, src_spec, dst, expedited)
+
+    def get_finished(self) -> list[TransferResult]:
+        return self.inner.get_finished()
+
+    def wait(self, job_ids: set[int]) -> None:
+        self.inner.wait(job_ids)
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()
