@@ -16,9 +16,10 @@ Two halves, so the comparison is testable without vLLM:
 Which offload figures are expected depends on the connector vLLM really runs: with
 ``OffloadingConnector`` they are the plan's ``upstream`` figures (the whole plan for an
 ``upstream`` plan, or the fallback ``spillway-engine serve`` uses for a ``spillway``
-plan until Spillway's offloader ships, see :func:`effective_plan`); with Spillway's
-connector only the pool budget is compared here (its chunk geometry is that
-offloader's to report).
+plan, see :func:`effective_plan`); with Spillway's connector they are the plan's
+``spillway`` figures, observed through the connector's own geometry
+(``spillway_engine.offloader.geometry.build_geometry``): chunk span, blocks per chunk
+per group, unit size, units per group and number of units.
 """
 
 from __future__ import annotations
@@ -74,6 +75,12 @@ class ObservedGeometry:
     num_chunks: int | None = None
     #: vLLM's own refusal while building the offloading config, if any
     offload_error: str | None = None
+    #: Spillway's connector: chunk span, per-group blocks per chunk and units, pool units
+    chunk_tokens: int | None = None
+    group_blocks_per_chunk: tuple[int, ...] | None = None
+    group_units: tuple[int, ...] | None = None
+    unit_bytes: int | None = None
+    num_units: int | None = None
 
 
 @dataclass(frozen=True)
@@ -176,6 +183,23 @@ def compare(plan: Mapping[str, Any], observed: ObservedGeometry) -> list[Mismatc
     if connector == SPILLWAY_CONNECTOR:
         if plan.get("offloader") != "spillway":
             check("offloader", plan.get("offloader"), "spillway")
+            return out
+        if observed.offload_error is not None:
+            out.append(Mismatch("offloading config", "Spillway's geometry", observed.offload_error))
+            return out
+        spillway = plan.get("spillway") or {}
+        groups = list(spillway.get("groups") or [])
+        check("spillway.chunk_tokens", spillway.get("chunk_tokens"), observed.chunk_tokens)
+        check(
+            "spillway.groups[].blocks_per_chunk",
+            tuple(g.get("blocks_per_chunk") for g in groups),
+            observed.group_blocks_per_chunk,
+        )
+        check(
+            "spillway.groups[].units", tuple(g.get("units") for g in groups), observed.group_units
+        )
+        check("spillway.unit_bytes", spillway.get("unit_bytes"), observed.unit_bytes)
+        check("spillway.num_units", spillway.get("num_units"), observed.num_units)
         return out
 
     # vLLM's own offloader: its figures are the plan's upstream ones.
@@ -304,7 +328,26 @@ def observe(vllm_config: Any, kv_cache_config: Any) -> ObservedGeometry:
     }
     if connector == UPSTREAM_CONNECTOR:
         fields.update(_observe_upstream_offload(vllm_config, kv_cache_config))
+    elif connector == SPILLWAY_CONNECTOR:
+        fields.update(_observe_spillway_offload(vllm_config, kv_cache_config))
     return ObservedGeometry(**fields)
+
+
+def _observe_spillway_offload(vllm_config: Any, kv_cache_config: Any) -> dict[str, Any]:
+    """The geometry Spillway's connector will build (the same pure function it calls)."""
+    from spillway_engine.offloader.geometry import SpillwayConfigError, build_geometry
+
+    try:
+        layout = build_geometry(vllm_config, kv_cache_config).layout
+    except SpillwayConfigError as e:
+        return {"offload_error": str(e)}
+    return {
+        "chunk_tokens": layout.chunk_tokens,
+        "group_blocks_per_chunk": tuple(g.blocks_per_chunk for g in layout.groups),
+        "group_units": tuple(g.units for g in layout.groups),
+        "unit_bytes": layout.unit_bytes,
+        "num_units": layout.num_units,
+    }
 
 
 def _observe_upstream_offload(vllm_config: Any, kv_cache_config: Any) -> dict[str, Any]:

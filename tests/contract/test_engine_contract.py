@@ -32,6 +32,8 @@ from typing import Any
 import pytest
 from prometheus_client import REGISTRY
 from vllm.config import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
     build_offloading_config,
 )
@@ -245,6 +247,44 @@ def test_plan_check_catches_wrong_blocks_per_chunk(case: Case, vllm_layouts):
     with serving(layout, transfer) as vc, pytest.raises(PlanMismatch) as e:
         plan_check.check(wrong, vc, layout.kv_cache_config)
     assert [m.field for m in e.value.mismatches] == ["blocks_per_chunk"]
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_spillway_plan_runs_spillways_connector_as_planned(case: Case, vllm_layouts):
+    plan = plan_for(case, "spillway")
+    layout = layout_for(vllm_layouts, case, plan)
+    transfer, notes = engine_cli.transfer_config(plan, OPTIONS)
+    assert transfer["kv_connector"] == "SpillwayOffloadingConnector", notes
+    with serving(layout, transfer) as vc:
+        connector_cls = KVConnectorFactory.get_connector_class(vc.kv_transfer_config)
+        observed = plan_check.check(plan, vc, layout.kv_cache_config)
+    assert connector_cls.__name__ == "SpillwayOffloadingConnector"
+    assert issubclass(connector_cls, SupportsHMA)
+    spillway = plan["spillway"]
+    assert observed.chunk_tokens == spillway["chunk_tokens"]
+    assert list(observed.group_units) == [g["units"] for g in spillway["groups"]]
+    assert observed.num_units == spillway["num_units"] > 0
+
+
+def test_plan_check_catches_a_spillway_pool_other_than_planned(vllm_layouts):
+    case = CASES[0]
+    plan = plan_for(case, "spillway")
+    layout = layout_for(vllm_layouts, case, plan)
+    transfer, _ = engine_cli.transfer_config(plan, OPTIONS)
+    transfer["kv_connector_extra_config"]["cpu_bytes_to_use"] = POOL * 2
+    with serving(layout, transfer) as vc, pytest.raises(PlanMismatch) as e:
+        plan_check.check(plan, vc, layout.kv_cache_config)
+    found = {m.field: (m.plan, m.vllm) for m in e.value.mismatches}
+    assert set(found) == {"cpu_bytes_to_use", "spillway.num_units"}
+    units = plan["spillway"]["num_units"]
+    assert found["spillway.num_units"] == (units, units * 2)
+    # an engine cut into other chunks than the plan's is refused by the connector itself
+    transfer, _ = engine_cli.transfer_config(plan, OPTIONS)
+    transfer["kv_connector_extra_config"]["spillway_chunk_tokens"] = 512
+    with serving(layout, transfer) as vc, pytest.raises(PlanMismatch) as e:
+        plan_check.check(plan, vc, layout.kv_cache_config)
+    [m] = e.value.mismatches
+    assert m.field == "offloading config" and "the plan cuts 16 blocks per chunk" in m.vllm
 
 
 def test_plan_check_reports_vllm_refusing_the_chunk_size(vllm_layouts):
