@@ -176,12 +176,13 @@ def render_table(plan: Plan) -> str:
     s = plan.spillway
     lines += ["", f"Spillway offloader: one chunk = {s.chunk_tokens} tokens in every group"]
     lines += _table(
-        ("#", "blocks/chunk", "chunk bytes", "row bytes", "window chunks"),
+        ("#", "blocks/chunk", "chunk bytes", "units", "slot bytes", "window chunks"),
         [
             (
                 g.group_index,
                 g.blocks_per_chunk,
                 g.chunk_bytes,
+                g.units,
                 g.row_bytes,
                 g.window_chunks if g.window_chunks is not None else "-",
             )
@@ -189,8 +190,9 @@ def render_table(plan: Plan) -> str:
         ],
     )
     lines.append(
-        f"  {s.num_chunks} chunks x {human_bytes(s.chunk_set_bytes)} = "
-        f"{human_bytes(s.region_bytes)}, capacity {s.capacity_tokens} tokens"
+        f"  {s.num_units} units x {human_bytes(s.unit_bytes * s.copies)} = "
+        f"{human_bytes(s.region_bytes)}; {s.num_chunks} chunks of every group "
+        f"({human_bytes(s.chunk_set_bytes)} each), capacity {s.capacity_tokens} tokens"
     )
     if plan.upstream is not None:
         u = plan.upstream

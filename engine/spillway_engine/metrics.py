@@ -13,13 +13,16 @@ with ``vllm:*`` series in PromQL.
 ======================================  =========  =================================================
 metric                                  type       meaning
 ======================================  =========  =================================================
-``spillway_host_pool_capacity_chunks``  gauge      chunk slots (rows) in the pool (``num_chunks``)
+``spillway_host_pool_capacity_chunks``  gauge      chunks of every group the pool holds
+                                                   (``num_chunks``)
 ``spillway_host_pool_capacity_tokens``  gauge      prefix tokens the pool holds (capacity_tokens)
-``spillway_host_pool_used_chunks``      gauge      rows holding a (chunk, group) key now
-``spillway_host_pool_tokens``           gauge      prefix tokens held now (full-attention chunks x
-                                                   tokens per chunk)
-``spillway_host_pool_evictions``        counter    rows evicted from the pool (LRU)
-``spillway_host_pool_thrash``           counter    evicted rows a later request asked for again
+``spillway_host_pool_used_chunks``      gauge      the same unit, in use now (units held / units of
+                                                   one chunk of every group)
+``spillway_host_pool_tokens``           gauge      prefix tokens held now (chunks of a full-
+                                                   attention group x tokens per chunk)
+``spillway_host_pool_evictions``        counter    (chunk, group) keys evicted from the pool (LRU)
+``spillway_host_pool_thrash``           counter    evicted chunks (of that group) a later
+                                                   lookup asked for again
 ``spillway_host_lookup_tokens``         counter    prompt tokens looked up in the pool (beyond the
                                                    GPU prefix hit)
 ``spillway_host_hit_tokens``            counter    of those, tokens found (loaded, not recomputed)

@@ -6,16 +6,17 @@ one global ``blocks_per_chunk`` (bpc); every (chunk, group) key takes one row of
 ``worker_bytes_per_block`` is the whole backing allocation's block (the largest group)
 and ``copies`` is the number of workers, or 1 for the replicated MLA layout.
 
-Spillway (the patched offloader, implemented by a later issue; the geometry is fixed
-here so both agree): one common chunk span ``T`` tokens for every offloaded group, a
-multiple of every group's tokens per block and of the hash unit; group g cuts
-``T / tokens_per_block_g`` blocks per chunk, and its rows hold only its own bytes
-on one worker). The host pool is one array of equal *units* (a 4 KiB multiple chosen by
-:func:`host_units` so every group's chunk fills whole units with < 2% slack); a group-g
-chunk takes ``units_g`` units anywhere in the pool, so groups share one pool with
-byte-exact slots and one LRU. A single-group model gets one unit per chunk, which is
-exactly upstream's row. Counting every group's chunk densely, the pool holds
-``num_units // sum(units_g)`` chunk sets, each ``T`` tokens of prefix for every group.
+Spillway (the patched offloader, ``spillway_engine.offloader``, which computes its
+geometry with these same functions from vLLM's KV-cache config): one common chunk
+span ``T`` tokens for every offloaded group, a multiple of every group's tokens per
+block and of the hash unit; group g cuts ``T / tokens_per_block_g`` blocks per chunk.
+The host pool is one array of equal *units* (a 4 KiB multiple chosen by
+:func:`host_units` so the groups' chunks fill whole units with little slack); a chunk
+of group g takes ``units_g`` units anywhere in the pool, its true bytes (unpadded
+pages) only, so all groups share one pool and one LRU. A single-group model gets one
+unit per chunk, which is exactly upstream's row. Counting every group's chunk
+densely, the pool holds ``num_units // sum(units_g)`` chunks of every group, each
+``T`` tokens of prefix.
 
 Validation mirrors every offloading start-up error of vLLM 0.33.0 in plain words.
 """

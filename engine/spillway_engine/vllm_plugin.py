@@ -39,10 +39,11 @@ them, with the same labels, and sets the static ones from the plan:
 ``spillway_plan_info`` and ``spillway_host_pool_capacity_{chunks,tokens}``. Created
 there, they land in whichever registry mode vLLM uses (gauges are ``mostrecent``).
 The dynamic series (used chunks, pool tokens, evictions, thrash, lookup/hit tokens)
-are exported at zero: they belong to the offloader's scheduler side, which runs in
-the engine core, and must reach the API server through the connector's
-``build_kv_connector_stats``/``build_prom_metrics`` path -- the patched offloader's
-issue.
+belong to the offloader's scheduler side in the engine core: with Spillway's
+connector they reach this process through vLLM's connector stats and are exported
+under the same names by the connector's metrics (``spillway_engine.offloader.spec``),
+so the plugin then creates only the static families; with vLLM's own connector they
+are exported at zero.
 """
 
 from __future__ import annotations

@@ -252,9 +252,18 @@ def build_geometry(vllm_config: Any, kv_cache_config: Any) -> ConnectorGeometry:
                 blocks_per_chunk=bpc,
                 chunk_bytes=nbytes,
                 units=k,
+                window_chunks=off_group.sliding_window_size_in_chunks,
             )
-            for position, (gid, tpb, bpc, nbytes, k) in enumerate(
-                zip(group_ids, tokens_per_block, blocks_per_chunk, chunk_bytes, units, strict=True)
+            for position, (gid, tpb, bpc, nbytes, k, off_group) in enumerate(
+                zip(
+                    group_ids,
+                    tokens_per_block,
+                    blocks_per_chunk,
+                    chunk_bytes,
+                    units,
+                    offloading_config.groups,
+                    strict=True,
+                )
             )
         ),
     )

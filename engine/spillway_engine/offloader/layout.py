@@ -29,6 +29,8 @@ class GroupSlots:
     chunk_bytes: int
     #: units one chunk takes
     units: int
+    #: chunks a lookup needs (sliding window, Mamba), None for full attention
+    window_chunks: int | None = None
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,13 @@ class HostLayout:
     @property
     def region_bytes(self) -> int:
         return self.num_units * self.unit_bytes * self.copies
+
+    @property
+    def anchor_group(self) -> int:
+        """The group whose chunks stand for "chunks of prefix": the first full-attention
+        group (windowed groups keep only the chunks a lookup needs), else the first."""
+        full = [g for g in self.groups if g.window_chunks is None]
+        return (full or list(self.groups))[0].group_id
 
     def group(self, group_id: int) -> GroupSlots:
         for g in self.groups:

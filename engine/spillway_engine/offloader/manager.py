@@ -76,7 +76,7 @@ def make_manager_class() -> type:
             self.stored_bytes = 0
             self.keys_per_group = dict.fromkeys(self._group_units, 0)
             #: the group whose chunks stand for "chunks of prefix" in the metrics
-            self.anchor_group = layout.groups[0].group_id
+            self.anchor_group = layout.anchor_group
             self.evicted_keys = 0
             self.thrash_chunks = 0
             self._reported = (0, 0)

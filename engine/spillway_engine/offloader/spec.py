@@ -49,7 +49,7 @@ def pool_metric_definitions() -> dict[str, OffloadingMetricMetadata]:
             documentation="Chunk sets' worth of host KV pool units holding keys now."
         ),
         POOL_TOKENS: OffloadingGaugeMetadata(
-            documentation="Prefix tokens held in the host KV pool (anchor-group chunks x span)."
+            documentation="Prefix tokens held in the host KV pool (full-attention chunks x span)."
         ),
         POOL_EVICTIONS: OffloadingCounterMetadata(
             documentation="(chunk, group) keys evicted from the host KV pool."
