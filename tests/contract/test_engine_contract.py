@@ -324,9 +324,13 @@ from vllm.v1.metrics.loggers import PrometheusStatLogger
 
 EngineArgs(model=sys.argv[1], skip_tokenizer_init=True)  # vLLM's first plugin call
 from spillway_engine import vllm_plugin
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
 print(json.dumps({
     "plan": vllm_plugin._state["plan"]["model"]["name"],
+    "connector": KVConnectorFactory.get_connector_class_by_name(
+        "SpillwayOffloadingConnector"
+    ).__name__,
     "check": getattr(Executor.initialize_from_config, "_spillway_checked", False),
     "metrics": getattr(PrometheusStatLogger.__init__, "_spillway_metrics", False),
 }))
@@ -334,8 +338,8 @@ print(json.dumps({
 
 
 def test_plugin_activates_in_a_fresh_vllm_process(tmp_path):
-    """In a new process, vLLM's own first plugin call installs both hooks (no import
-    cycle at that point of vLLM's start-up)."""
+    """In a new process, vLLM's own first plugin call registers the connector and
+    installs both hooks (no import cycle at that point of vLLM's start-up)."""
     dist = tmp_path / "spillway_probe-0.0.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: spillway-probe\nVersion: 0.0\n")
@@ -364,7 +368,12 @@ def test_plugin_activates_in_a_fresh_vllm_process(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
-    assert report == {"plan": CASES[1].model, "check": True, "metrics": True}
+    assert report == {
+        "plan": CASES[1].model,
+        "connector": "SpillwayOffloadingConnector",  # registered by name, in every process
+        "check": True,
+        "metrics": True,
+    }
 
 
 class RecordingExecutor(Executor):

@@ -283,3 +283,8 @@ def test_refuses_a_plan_made_for_another_engine():
         GEMMA3, {"cpu_bytes_to_use": POOL, "spillway_group_blocks_per_chunk": [16] * 6 + [8]}
     )
     assert "KV-cache group 6" in message and "cuts 8 blocks per chunk" in message
+
+
+def test_refuses_vllm_options_the_unit_pool_does_not_implement():
+    message = refusal(GEMMA3, {"cpu_bytes_to_use": POOL, "canonical_layout": True})
+    assert "['canonical_layout'] is not supported" in message

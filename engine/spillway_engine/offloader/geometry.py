@@ -30,6 +30,14 @@ from typing import Any
 from spillway_engine.offload import OffloadRefused, chunk_span, host_units, pool_too_small
 from spillway_engine.offloader.layout import GroupSlots, HostLayout
 
+#: vLLM offloading options whose host layout Spillway's pool does not implement.
+UNSUPPORTED_OPTIONS = {
+    "canonical_layout": "Spillway's host units hold each worker's own pages",
+    "spec_name": "Spillway's connector brings its own spec (the unit pool)",
+    "spec_module_path": "Spillway's connector brings its own spec (the unit pool)",
+    "secondary_tiers": "Spillway's pool is the CPU tier only",
+}
+
 
 class SpillwayConfigError(ValueError):
     """Spillway's offloader cannot run this configuration; the message says why."""
@@ -119,6 +127,9 @@ def build_geometry(vllm_config: Any, kv_cache_config: Any) -> ConnectorGeometry:
     from vllm.v1.kv_cache_interface import MambaSpec, UniformTypeKVCacheSpecs
 
     extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config)
+    for key, why in UNSUPPORTED_OPTIONS.items():
+        if extra.get(key):
+            raise SpillwayConfigError(f"kv_connector_extra_config[{key!r}] is not supported: {why}")
     cpu_bytes = _int_option(extra, "cpu_bytes_to_use")
     if not cpu_bytes or cpu_bytes <= 0:
         raise SpillwayConfigError(
