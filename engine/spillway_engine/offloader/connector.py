@@ -62,6 +62,8 @@ class SpillwayOffloadingConnector(OffloadingConnector):
             self.connector_worker = OffloadingConnectorWorker(spec, vllm_config, kv_cache_config)
         self._lookup_tokens = 0
         self._hit_tokens = 0
+        #: request id -> prompt tokens its latest host lookup covered, until admitted
+        self._pending_lookups: dict[str, int] = {}
         layout = geometry.layout
         logger.info(
             "Spillway offloader: %d-token chunks; groups %s cut %s blocks per chunk; "
@@ -79,6 +81,12 @@ class SpillwayOffloadingConnector(OffloadingConnector):
     # --------------------------------------------------- scheduler side, block ids
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
+        # Admission: count the last lookup once (a request that waited for blocks was
+        # looked up again every step), with the hit the scheduler actually took.
+        looked_up = self._pending_lookups.pop(request.request_id, None)
+        if looked_up is not None:
+            self._lookup_tokens += looked_up
+            self._hit_tokens += num_external_tokens
         if self._expansion:
             blocks = dataclasses.replace(
                 blocks,
@@ -124,11 +132,19 @@ class SpillwayOffloadingConnector(OffloadingConnector):
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
         result = super().get_num_new_matched_tokens(request, num_computed_tokens)
-        hit, _ = result
-        if hit is not None:  # None: the lookup is still in flight, asked again later
-            self._lookup_tokens += max(request.num_prompt_tokens - num_computed_tokens, 0)
-            self._hit_tokens += hit
+        if result[0] is not None:  # None: the lookup is still in flight, asked again later
+            self._pending_lookups[request.request_id] = max(
+                request.num_prompt_tokens - num_computed_tokens, 0
+            )
         return result
+
+    def request_finished(self, request: Any, block_ids: Any) -> Any:
+        self._pending_lookups.pop(request.request_id, None)
+        return super().request_finished(request, block_ids)
+
+    def request_finished_all_groups(self, request: Any, block_ids: Any) -> Any:
+        self._pending_lookups.pop(request.request_id, None)
+        return super().request_finished_all_groups(request, block_ids)
 
     def get_kv_connector_stats(self) -> Any:
         stats = super().get_kv_connector_stats()
