@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
-import importlib.util
 import json
 import os
 import shlex
@@ -348,51 +347,20 @@ def kv_cache_dtype_flag(plan: Mapping[str, Any]) -> str:
     return "auto" if kv == plan["model"]["dtype"] else kv
 
 
-def spillway_offloader_available(plan: Mapping[str, Any]) -> bool:
-    """Whether Spillway's patched offloader module is part of this build."""
-    module = plan["kv_transfer_config"].get("kv_connector_module_path")
-    if not module:
-        return False
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        return False
-
-
 def transfer_config(
-    plan: Mapping[str, Any],
-    options: EngineOptions,
-    spillway_available: bool | None = None,
+    plan: Mapping[str, Any], options: EngineOptions
 ) -> tuple[dict[str, Any] | None, list[str]]:
-    """The ``--kv-transfer-config`` dict (None: offloading off) and notes for the log."""
+    """The ``--kv-transfer-config`` dict (None: offloading off) and notes for the log.
+
+    A ``spillway`` plan is served by Spillway's connector exactly as planned
+    (``plan["kv_transfer_config"]``: connector, module path and the plan's extra
+    config); an ``upstream`` plan by vLLM's own ``OffloadingConnector``.
+    """
     notes: list[str] = []
     if not options.offload_enabled:
         return None, ["offloading disabled in engine.json: no --kv-transfer-config"]
-    if plan["offloader"] == "spillway":
-        if spillway_available is None:
-            spillway_available = spillway_offloader_available(plan)
-        if spillway_available:
-            config = json.loads(json.dumps(plan["kv_transfer_config"]))
-        else:
-            upstream = plan.get("upstream")
-            if not isinstance(upstream, Mapping):
-                reason = plan.get("upstream_refusal") or "the plan has no upstream geometry"
-                raise EngineCliError(
-                    "the plan needs Spillway's offloader, which this build does not "
-                    f"include yet, and vLLM's own offloader refuses it: {reason}"
-                )
-            notes.append(
-                "Spillway's offloader is not in this build yet: serving with vLLM's "
-                f"{UPSTREAM_CONNECTOR} and the plan's upstream geometry (blocks per chunk "
-                f"{upstream['blocks_per_chunk']}, {upstream['num_chunks']} host chunks)"
-            )
-            config = {
-                "kv_connector": UPSTREAM_CONNECTOR,
-                "kv_role": "kv_both",
-                "kv_connector_extra_config": dict(upstream["kv_connector_extra_config"]),
-            }
-    else:
-        config = json.loads(json.dumps(plan["kv_transfer_config"]))
+    config = json.loads(json.dumps(plan["kv_transfer_config"]))
+    if plan["offloader"] != "spillway":
         config["kv_connector"] = UPSTREAM_CONNECTOR
         config.pop("kv_connector_module_path", None)
     extra = config.setdefault("kv_connector_extra_config", {})
@@ -427,7 +395,6 @@ def build_command(
     host: str = "0.0.0.0",
     port: int = 8000,
     extra_args: Sequence[str] = (),
-    spillway_available: bool | None = None,
 ) -> tuple[list[str], list[str]]:
     """``vllm serve ...`` for the plan, and notes for the log. Raises EngineCliError."""
     user_args = [*options.extra_args, *extra_args]
@@ -459,7 +426,7 @@ def build_command(
         cmd += ["--block-size", str(block)]
     cmd.append("--enable-prefix-caching" if plan["enable_prefix_caching"] else
                "--disable-prefix-caching")
-    transfer, notes = transfer_config(plan, options, spillway_available)
+    transfer, notes = transfer_config(plan, options)
     if transfer is not None:
         cmd += ["--kv-transfer-config", json.dumps(transfer, separators=(",", ":"))]
     cmd += ["--host", host, "--port", str(port), *user_args]

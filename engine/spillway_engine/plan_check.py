@@ -15,8 +15,8 @@ Two halves, so the comparison is testable without vLLM:
 
 Which offload figures are expected depends on the connector vLLM really runs: with
 ``OffloadingConnector`` they are the plan's ``upstream`` figures (the whole plan for an
-``upstream`` plan, or the fallback ``spillway-engine serve`` uses for a ``spillway``
-plan, see :func:`effective_plan`); with Spillway's connector they are the plan's
+``upstream`` plan; for a ``spillway`` plan whose connector was overridden to vLLM's,
+see :func:`effective_plan`); with Spillway's connector they are the plan's
 ``spillway`` figures, observed through the connector's own geometry
 (``spillway_engine.offloader.geometry.build_geometry``): chunk span, blocks per chunk
 per group, unit size, units per group and number of units.
@@ -96,10 +96,12 @@ class Mismatch:
 def effective_plan(plan: Mapping[str, Any], kv_connector: str | None) -> dict[str, Any]:
     """The plan's figures for the connector that really runs.
 
-    A ``spillway`` plan served by vLLM's own ``OffloadingConnector`` (the launcher's
-    fallback while Spillway's offloader is not built) runs the plan's ``upstream``
-    geometry: its blocks per chunk, rows, chunks and capacity are the ones to check
-    and to publish as metrics.
+    ``spillway-engine serve`` always runs a ``spillway`` plan with Spillway's
+    connector; a ``spillway`` plan served by vLLM's own ``OffloadingConnector``
+    anyway (the connector overridden by whoever starts vLLM) runs the plan's
+    ``upstream`` geometry: its blocks per chunk, rows, chunks and capacity are then
+    the ones to check and to publish as metrics. With any other connector, or without
+    upstream figures, the plan's own figures stand (a shallow copy is returned).
     """
     out = dict(plan)
     upstream = plan.get("upstream")

@@ -101,16 +101,14 @@ def serving(layout: VllmLayout, transfer: dict[str, Any]) -> Iterator[Any]:
         vc.kv_transfer_config = saved
 
 
-def dry_run(
-    tmp_path: Path, plan: dict[str, Any], capsys, monkeypatch, weights: str | None = None
-) -> list[str]:
-    monkeypatch.setattr(engine_cli, "spillway_offloader_available", lambda plan: False)
+def dry_run(tmp_path: Path, plan: dict[str, Any], capsys, weights: str | None = None) -> list[str]:
     (tmp_path / "plan.json").write_text(json.dumps(plan))
     options = {"model": "org/model", "served_model_name": "served", "weights_path": weights}
     (tmp_path / "engine.json").write_text(json.dumps(options))
     code = engine_cli.main(["serve", "--plan", str(tmp_path / "plan.json"), "--dry-run"])
     out, err = capsys.readouterr()
     assert code == 0, err
+    assert err == ""  # no notes: the plan is served as it is
     return shlex.split(out)
 
 
@@ -129,12 +127,11 @@ def serve_parser() -> FlexibleArgumentParser:
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_dry_run_command_parses_with_vllm_serve(
-    case: Case, serve_parser, tmp_path, capsys, monkeypatch
-):
+def test_dry_run_command_parses_with_vllm_serve(case: Case, serve_parser, tmp_path, capsys):
     plan = plan_for(case, "spillway")
+    extra = plan["spillway"]["kv_connector_extra_config"]
     weights = write_model_dir(load_model(case.model))  # the pod's weights_path, config only
-    cmd = dry_run(tmp_path, plan, capsys, monkeypatch, weights=weights)
+    cmd = dry_run(tmp_path, plan, capsys, weights=weights)
     assert cmd[:3] == ["vllm", "serve", weights]
     args = serve_parser.parse_args(cmd[1:])
     assert args.model_tag == weights
@@ -148,8 +145,10 @@ def test_dry_run_command_parses_with_vllm_serve(
     assert (args.host, args.port) == ("0.0.0.0", 8000)
     transfer = args.kv_transfer_config
     assert isinstance(transfer, KVTransferConfig)
-    assert transfer.kv_connector == "OffloadingConnector" and transfer.kv_role == "kv_both"
-    assert transfer.kv_connector_extra_config == plan["upstream"]["kv_connector_extra_config"]
+    assert transfer.kv_connector == "SpillwayOffloadingConnector"
+    assert transfer.kv_connector_module_path == "spillway_engine.offloader"
+    assert transfer.kv_role == "kv_both"
+    assert transfer.kv_connector_extra_config == extra
     # what `vllm serve` does next: engine args -> VllmConfig, from exactly this command
     args.model = args.model_tag
     vc = EngineArgs.from_cli_args(args).create_engine_config()
@@ -159,21 +158,26 @@ def test_dry_run_command_parses_with_vllm_serve(
     assert vc.parallel_config.tensor_parallel_size == case.tensor_parallel_size
     assert vc.cache_config.enable_prefix_caching is True
     assert vc.cache_config.cache_dtype == "auto"
-    assert vc.kv_transfer_config.kv_connector == "OffloadingConnector"
-    assert vc.kv_transfer_config.kv_connector_extra_config == (
-        plan["upstream"]["kv_connector_extra_config"]
-    )
+    assert vc.kv_transfer_config.kv_connector == "SpillwayOffloadingConnector"
+    assert vc.kv_transfer_config.kv_connector_module_path == "spillway_engine.offloader"
+    assert vc.kv_transfer_config.kv_connector_extra_config == extra
 
 
-@pytest.mark.parametrize("offloader", OFFLOADERS)
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_dry_run_transfer_config_is_accepted_by_vllm(
-    case: Case, offloader: str, vllm_layouts: LayoutCache, tmp_path, capsys, monkeypatch
+    case: Case, vllm_layouts: LayoutCache, tmp_path, capsys
 ):
-    plan = plan_for(case, offloader)
+    """An upstream plan's transfer config through vLLM's own offloading config."""
+    plan = plan_for(case, "upstream")
     layout = layout_for(vllm_layouts, case, plan)
-    transfer = kv_transfer_json(dry_run(tmp_path, plan, capsys, monkeypatch))
+    transfer = kv_transfer_json(dry_run(tmp_path, plan, capsys))
+    assert transfer["kv_connector"] == "OffloadingConnector"
     upstream = plan["upstream"]
+    assert (upstream["blocks_per_chunk"], upstream["row_bytes"], upstream["num_chunks"]) == (
+        plan["blocks_per_chunk"],
+        plan["row_bytes"],
+        plan["num_chunks"],
+    )
     with serving(layout, transfer) as vc:
         off = build_offloading_config(vc, layout.kv_cache_config)
         spec = OffloadingSpecFactory.create_spec(off)
@@ -192,6 +196,29 @@ def test_dry_run_transfer_config_is_accepted_by_vllm(
     )
 
 
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_dry_run_spillway_transfer_config_builds_the_planned_geometry(
+    case: Case, vllm_layouts: LayoutCache, tmp_path, capsys
+):
+    """A spillway plan's transfer config through Spillway's connector geometry."""
+    from spillway_engine.offloader.geometry import build_geometry
+
+    plan = plan_for(case, "spillway")
+    layout = layout_for(vllm_layouts, case, plan)
+    transfer = kv_transfer_json(dry_run(tmp_path, plan, capsys))
+    assert transfer["kv_connector"] == "SpillwayOffloadingConnector"
+    with serving(layout, transfer) as vc:
+        host = build_geometry(vc, layout.kv_cache_config).layout
+    spillway = plan["spillway"]
+    assert host.chunk_tokens == spillway["chunk_tokens"]
+    assert [g.blocks_per_chunk for g in host.groups] == [
+        g["blocks_per_chunk"] for g in spillway["groups"]
+    ]
+    assert [g.units for g in host.groups] == [g["units"] for g in spillway["groups"]]
+    assert host.unit_bytes == spillway["unit_bytes"]
+    assert host.num_units == spillway["num_units"] > 0
+
+
 # ----------------------------------------------------------- (b) the plan check
 
 
@@ -200,13 +227,23 @@ def test_dry_run_transfer_config_is_accepted_by_vllm(
 def test_plan_check_passes_the_right_plan(case: Case, offloader: str, vllm_layouts):
     plan = plan_for(case, offloader)
     layout = layout_for(vllm_layouts, case, plan)
-    transfer, _ = engine_cli.transfer_config(plan, OPTIONS, spillway_available=False)
+    transfer, _ = engine_cli.transfer_config(plan, OPTIONS)
     with serving(layout, transfer) as vc:
         observed = plan_check.check(plan, vc, layout.kv_cache_config)
     assert [g.kind for g in observed.groups] == [g["kind"] for g in plan["kv_groups"]]
-    assert observed.num_chunks == plan["upstream"]["num_chunks"] > 0
-    assert observed.blocks_per_chunk == plan["upstream"]["blocks_per_chunk"]
     assert observed.cpu_bytes_to_use == POOL
+    if offloader == "spillway":
+        spillway = plan["spillway"]
+        assert observed.kv_connector == "SpillwayOffloadingConnector"
+        assert observed.chunk_tokens == spillway["chunk_tokens"]
+        assert list(observed.group_units) == [g["units"] for g in spillway["groups"]]
+        assert observed.num_units == spillway["num_units"] > 0
+        assert observed.num_chunks is None  # vLLM's offloading spec is not involved
+    else:
+        assert observed.kv_connector == "OffloadingConnector"
+        assert observed.num_chunks == plan["num_chunks"] == plan["upstream"]["num_chunks"] > 0
+        assert observed.blocks_per_chunk == plan["upstream"]["blocks_per_chunk"]
+        assert observed.num_units is None
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
@@ -407,15 +444,11 @@ def plugin_with(monkeypatch, tmp_path):
 
     yield activate
     for metrics in vllm_plugin._state["metrics"].values():
+        # the dynamic families are absent where Spillway's connector exports them
         for family in (
             metrics.capacity_chunks,
             metrics.capacity_tokens,
-            metrics.used_chunks,
-            metrics.pool_tokens,
-            metrics.evictions,
-            metrics.thrash,
-            metrics.lookup_tokens,
-            metrics.hit_tokens,
+            *metrics.dynamic_families,
             metrics.plan_info,
         ):
             REGISTRY.unregister(family)
@@ -436,7 +469,8 @@ def test_hook_stops_a_wrong_plan_before_the_workers_allocate(
 ):
     plan = plan_for(case, "spillway")
     layout = layout_for(vllm_layouts, case, plan)
-    transfer, _ = engine_cli.transfer_config(plan, OPTIONS, spillway_available=False)
+    transfer, _ = engine_cli.transfer_config(plan, OPTIONS)
+    assert transfer["kv_connector"] == "SpillwayOffloadingConnector"
     records = Records()
     logger = logging.getLogger("vllm.spillway")
     logger.addHandler(records)
@@ -463,11 +497,20 @@ def test_hook_stops_a_wrong_plan_before_the_workers_allocate(
         logger.removeHandler(records)
 
 
+def plan_info_samples() -> list[Any]:
+    return [
+        s
+        for family in REGISTRY.collect()
+        if family.name == "spillway_plan_info"
+        for s in family.samples
+    ]
+
+
 def test_stat_logger_exports_the_plan_metrics(vllm_layouts, plugin_with):
     case = CASES[0]
-    plan = plan_for(case, "spillway")
+    plan = plan_for(case, "upstream")
     layout = layout_for(vllm_layouts, case, plan)
-    transfer, _ = engine_cli.transfer_config(plan, OPTIONS, spillway_available=False)
+    transfer, _ = engine_cli.transfer_config(plan, OPTIONS)
     plugin_with(plan)
     with serving(layout, transfer) as vc:
         PrometheusStatLogger(vc, [0])
@@ -480,14 +523,35 @@ def test_stat_logger_exports_the_plan_metrics(vllm_layouts, plugin_with):
     assert REGISTRY.get_sample_value("spillway_host_pool_capacity_tokens", labels) == (
         plan["upstream"]["capacity_tokens"]
     )
-    info = [
-        s
-        for family in REGISTRY.collect()
-        if family.name == "spillway_plan_info"
-        for s in family.samples
-    ]
+    # vLLM's connector has no pool series of its own: the plugin exports them at zero
+    assert REGISTRY.get_sample_value("spillway_host_pool_used_chunks", labels) == 0
+    info = plan_info_samples()
     assert len(info) == 1 and info[0].value == 1
     assert info[0].labels["offloader"] == "upstream"
     assert info[0].labels["num_groups"] == str(len(plan["kv_groups"]))
     # vLLM's own metrics are there too, on the same registry
     assert any(f.name.startswith("vllm:") for f in REGISTRY.collect())
+
+
+def test_stat_logger_leaves_the_pool_series_to_spillways_connector(vllm_layouts, plugin_with):
+    case = CASES[0]
+    plan = plan_for(case, "spillway")
+    layout = layout_for(vllm_layouts, case, plan)
+    transfer, _ = engine_cli.transfer_config(plan, OPTIONS)
+    plugin_with(plan)
+    with serving(layout, transfer) as vc:
+        PrometheusStatLogger(vc, [0])
+        served = str(vc.model_config.served_model_name)
+    labels = {"model_name": served, "engine": "0"}
+    [metrics] = vllm_plugin._state["metrics"].values()
+    assert metrics.dynamic_families == []  # the connector's own metrics export those
+    assert REGISTRY.get_sample_value("spillway_host_pool_capacity_chunks", labels) == (
+        plan["num_chunks"]
+    )
+    assert REGISTRY.get_sample_value("spillway_host_pool_capacity_tokens", labels) == (
+        plan["capacity_tokens"]
+    )
+    info = plan_info_samples()
+    assert len(info) == 1 and info[0].value == 1
+    assert info[0].labels["offloader"] == "spillway"
+    assert info[0].labels["num_groups"] == str(len(plan["kv_groups"]))

@@ -72,7 +72,8 @@ def transfer(cmd: list[str]) -> dict[str, Any]:
 @pytest.mark.parametrize("offloader", ["upstream", "spillway"])
 def test_command_carries_the_plan(model: str, offloader: str):
     plan = plan_for(model, offloader=offloader, tensor_parallel_size=2)
-    cmd, _ = build_command(plan, OPTIONS, spillway_available=False)
+    cmd, notes = build_command(plan, OPTIONS)
+    assert notes == []
     assert cmd[:3] == ["vllm", "serve", "org/model"]
     assert flag(cmd, "--served-model-name") == "served"
     assert flag(cmd, "--revision") == "abc123"
@@ -87,23 +88,34 @@ def test_command_carries_the_plan(model: str, offloader: str):
     assert "--block-size" not in cmd  # nobody forced one: vLLM picks the plan's size
     assert cmd[-6:] == ["--host", "0.0.0.0", "--port", "8000", "--max-num-seqs", "64"]
     kv = transfer(cmd)
-    # until Spillway's offloader ships, both offloaders run vLLM's with upstream figures
-    assert kv["kv_connector"] == "OffloadingConnector"
     assert kv["kv_role"] == "kv_both"
-    assert "kv_connector_module_path" not in kv
-    assert kv["kv_connector_extra_config"] == {
-        **plan["upstream"]["kv_connector_extra_config"],
-        "eviction_policy": "lru",
-    }
-    assert kv["kv_connector_extra_config"]["blocks_per_chunk"] == plan["upstream"][
-        "blocks_per_chunk"
-    ]
     assert "block_size" not in kv["kv_connector_extra_config"]
+    if offloader == "spillway":
+        # Spillway's connector, exactly as planned
+        assert kv["kv_connector"] == "SpillwayOffloadingConnector"
+        assert kv["kv_connector_module_path"] == "spillway_engine.offloader"
+        assert kv["kv_connector_extra_config"] == {
+            **plan["spillway"]["kv_connector_extra_config"],
+            "eviction_policy": "lru",
+        }
+        assert "blocks_per_chunk" not in kv["kv_connector_extra_config"]
+    else:
+        # vLLM's own connector with the plan's (upstream) figures
+        assert kv["kv_connector"] == "OffloadingConnector"
+        assert "kv_connector_module_path" not in kv
+        assert kv["kv_connector_extra_config"] == {
+            **plan["upstream"]["kv_connector_extra_config"],
+            "eviction_policy": "lru",
+        }
+        assert kv["kv_connector_extra_config"]["blocks_per_chunk"] == plan[
+            "blocks_per_chunk"
+        ] == plan["upstream"]["blocks_per_chunk"]
 
 
-def test_spillway_offloader_used_when_built():
+def test_spillway_plan_serves_spillways_offloader():
     plan = plan_for(GEMMA)
-    cmd, notes = build_command(plan, OPTIONS, spillway_available=True)
+    assert plan["offloader"] == "spillway"  # the planner's default
+    cmd, notes = build_command(plan, OPTIONS)
     kv = transfer(cmd)
     assert kv["kv_connector"] == "SpillwayOffloadingConnector"
     assert kv["kv_connector_module_path"] == "spillway_engine.offloader"
@@ -114,18 +126,20 @@ def test_spillway_offloader_used_when_built():
     assert notes == []
 
 
-def test_fallback_is_announced():
-    plan = plan_for(GEMMA)
-    _, notes = build_command(plan, OPTIONS, spillway_available=False)
-    assert len(notes) == 1 and "OffloadingConnector" in notes[0]
-
-
-def test_spillway_plan_that_upstream_refuses_cannot_fall_back():
+def test_spillway_plan_that_upstream_refuses_is_still_served():
+    """vLLM's own offloader refusing the model does not matter: Spillway's serves it."""
     plan = plan_for(GEMMA)
     plan["upstream"] = None
     plan["upstream_refusal"] = "group 2 has 8 tokens per block, not a multiple of 16"
-    with pytest.raises(EngineCliError, match="not a multiple of 16"):
-        build_command(plan, OPTIONS, spillway_available=False)
+    cmd, notes = build_command(plan, OPTIONS)
+    kv = transfer(cmd)
+    assert kv["kv_connector"] == "SpillwayOffloadingConnector"
+    assert kv["kv_connector_module_path"] == "spillway_engine.offloader"
+    assert kv["kv_connector_extra_config"] == {
+        **plan["spillway"]["kv_connector_extra_config"],
+        "eviction_policy": "lru",
+    }
+    assert notes == []
 
 
 def test_token_based_chunk_key_is_never_passed():
@@ -272,23 +286,20 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
     return code, out, err
 
 
-def test_dry_run_prints_the_exact_command(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(engine_cli, "spillway_offloader_available", lambda plan: False)
+def test_dry_run_prints_the_exact_command(tmp_path, capsys):
     plan = plan_for(GEMMA)
     path = write(tmp_path, plan, ENGINE_JSON)
     code, out, err = run(capsys, "serve", "--plan", str(path), "--port", "9000", "--dry-run")
     assert code == 0
     expected, _ = build_command(
-        plan,
-        engine_cli.load_engine_options(tmp_path / "engine.json"),
-        port=9000,
-        spillway_available=False,
+        plan, engine_cli.load_engine_options(tmp_path / "engine.json"), port=9000
     )
     assert shlex.split(out) == expected
     assert out.count("\n") == 1
+    assert transfer(expected)["kv_connector"] == "SpillwayOffloadingConnector"
     assert transfer(expected)["kv_connector_extra_config"]["eviction_policy"] == "arc"
     assert flag(expected, "--gpu-memory-utilization") == "0.85"
-    assert "note:" in err  # the fallback to vLLM's offloader is said once
+    assert err == ""  # nothing to note: the plan is served as it is
 
 
 def test_engine_options_flag_overrides_the_neighbour(tmp_path, capsys):
@@ -535,7 +546,7 @@ def test_compare_offload_variants():
     assert [m.field for m in got] == ["offloader"] and "vLLM says no" in got[0].plan
 
 
-def test_effective_plan_for_the_fallback():
+def test_effective_plan_for_an_overridden_connector():
     plan = plan_for(GEMMA)
     assert plan["offloader"] == "spillway"
     eff = effective_plan(plan, "OffloadingConnector")
