@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 from vllm.config import KVTransferConfig
+from vllm.config.kv_events import KVEventsConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
@@ -97,6 +98,7 @@ class EngineLoop:
         move_bytes: bool = True,
         max_num_seqs: int = 4,
         max_num_batched_tokens: int = 4096,
+        kv_events: bool = False,
     ):
         register_connector()
         layout = build_layout(model_config, case, backend)
@@ -110,6 +112,8 @@ class EngineLoop:
             kv_connector_extra_config=dict(extra or {"cpu_bytes_to_use": 1 << 28}),
         )
         vc.cache_config.num_gpu_blocks = kv.num_blocks
+        if kv_events:
+            vc.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
         vc.scheduler_config.max_num_seqs = max_num_seqs
         vc.scheduler_config.max_num_batched_tokens = max_num_batched_tokens
         block_size, hash_block_size = resolve_kv_cache_block_sizes(kv, vc)
@@ -128,6 +132,17 @@ class EngineLoop:
             hash_block_size, hash_fn, vc.num_hash_lookahead_tokens
         )
         self.connector = self.scheduler.connector
+        #: the KV events the engine core published (GPU and host tier), in order
+        self.kv_events: list[Any] = []
+        if kv_events:
+            publisher = self.scheduler.kv_event_publisher
+            publish = publisher.publish
+
+            def record(batch: Any) -> None:
+                self.kv_events.extend(batch.events)
+                publish(batch)
+
+            publisher.publish = record
         self.move_bytes = move_bytes
         self.counters = LoopCounters()
         #: the connector stats payloads the engine core sent, step by step

@@ -21,6 +21,8 @@ from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from vllm.distributed.kv_events import BlockRemoved, BlockStored
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from vllm.v1.kv_offload.base import get_offload_group_idx
 
 from spillway_engine.offloader.connector import SpillwayOffloadingConnector
@@ -288,3 +290,35 @@ def test_refuses_a_plan_made_for_another_engine():
 def test_refuses_vllm_options_the_unit_pool_does_not_implement():
     message = refusal(GEMMA3, {"cpu_bytes_to_use": POOL, "canonical_layout": True})
     assert "['canonical_layout'] is not supported" in message
+
+
+# ------------------------------------------------------------------- KV events
+
+
+@pytest.mark.parametrize("arch", [ARCHS[0], ARCHS[4]], ids=str)
+def test_host_tier_kv_events_keep_vllms_format(arch: Arch):
+    """Keys stay (block hash, group): vLLM's event tracker reports host stores and
+    evictions per group, with the request's own block hashes and tokens."""
+    pool = 24 << 20  # small: the fillers evict the first prefixes from the host too
+    extra = {"cpu_bytes_to_use": pool, "self_describing_kv_events": True}
+    loop = EngineLoop(arch.config(), arch.case(), arch.backend, extra=extra, kv_events=True)
+    workload(loop)
+    layout = loop.connector.geometry.layout
+    host = [e for e in loop.kv_events if getattr(e, "medium", None) == "CPU"]
+    stored = [e for e in host if isinstance(e, BlockStored)]
+    removed = [e for e in host if isinstance(e, BlockRemoved)]
+    assert {e.group_idx for e in stored} == {g.group_id for g in layout.groups}
+    assert removed and loop.manager.evicted_keys > 0
+    hashes = {maybe_convert_block_hash(h) for r in loop._requests.values() for h in r.block_hashes}
+    full = {g.group_id for g in layout.groups if g.window_chunks is None}
+    for event in stored:
+        assert event.block_hashes and set(event.block_hashes) <= hashes
+        if event.group_idx in full:
+            # full attention: the chunk's blocks and tokens, spanning the common chunk
+            assert len(event.token_ids) == len(event.block_hashes) * event.block_size
+            assert len(event.token_ids) == layout.chunk_tokens
+        else:
+            # vLLM's tracker describes windowed groups by the key's hash alone
+            assert (len(event.block_hashes), event.token_ids) == (1, [])
+    stored_hashes = {h for e in stored for h in e.block_hashes}
+    assert all(set(e.block_hashes) <= stored_hashes for e in removed)
