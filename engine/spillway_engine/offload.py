@@ -24,6 +24,7 @@ Validation mirrors every offloading start-up error of vLLM 0.33.0 in plain words
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Literal
@@ -118,6 +119,23 @@ def _window_chunks(group: KVGroup, tokens_per_chunk: int) -> int | None:
     if group.kind == "mamba":
         return 1
     return None
+
+
+def unit_pool_gauge_tokens(
+    num_units: int,
+    max_model_len: int,
+    chunk_tokens: int,
+    groups: Iterable[tuple[int | None, int]],
+) -> int:
+    """Spillway's ``cpu_kv_cache_size_tokens``: tokens the unit pool holds for requests of
+    ``max_model_len``, each group keeping its chunks (up to its window) of ``units`` each;
+    ``groups`` is (window chunks or None, units) per group."""
+    per_request = sum(
+        units * (c if window is None else min(c, window))
+        for window, units in groups
+        for c in (_cdiv(max_model_len, chunk_tokens),)
+    )
+    return num_units * max_model_len // per_request
 
 
 def _chunks_per_request(groups: tuple[GroupChunk, ...], max_model_len: int) -> list[int]:
@@ -391,10 +409,6 @@ def spillway_geometry(layout: KVLayout, request: OffloadRequest) -> SpillwayGeom
         )
     num_units = request.cpu_bytes // (unit * copies)
     num_chunks = num_units // sum(units)
-    per_request = sum(
-        c * g.units
-        for c, g in zip(_chunks_per_request(groups, request.max_model_len), groups, strict=True)
-    )
     return SpillwayGeometry(
         chunk_tokens=span,
         copies=copies,
@@ -405,7 +419,9 @@ def spillway_geometry(layout: KVLayout, request: OffloadRequest) -> SpillwayGeom
         num_chunks=num_chunks,
         region_bytes=num_units * unit * copies,
         capacity_tokens=num_chunks * span,
-        gauge_tokens=num_units * request.max_model_len // per_request,
+        gauge_tokens=unit_pool_gauge_tokens(
+            num_units, request.max_model_len, span, ((g.window_chunks, g.units) for g in groups)
+        ),
         kv_connector_extra_config={
             "cpu_bytes_to_use": request.cpu_bytes,
             "spillway_chunk_tokens": span,

@@ -31,9 +31,9 @@ from vllm.logger import init_logger
 
 from spillway_engine.offloader.geometry import (
     SpillwayConfigError,
-    _with_extra,
     build_geometry,
-    expand_block_ids,
+    expand_blocks,
+    with_extra_config,
 )
 from spillway_engine.offloader.manager import HIT_TOKENS, LOOKUP_TOKENS
 from spillway_engine.offloader.spec import SPEC_MODULE, SPEC_NAME, SpillwayHostSpec
@@ -89,13 +89,7 @@ class SpillwayOffloadingConnector(OffloadingConnector):
             self._hit_tokens += num_external_tokens
         if self._expansion:
             blocks = dataclasses.replace(
-                blocks,
-                blocks=tuple(
-                    [b for b in group for _ in range(self._expansion[gid])]
-                    if gid in self._expansion
-                    else group
-                    for gid, group in enumerate(blocks.blocks)
-                ),
+                blocks, blocks=expand_blocks(blocks.blocks, self._expansion)
             )
         return super().update_state_after_alloc(request, blocks, num_external_tokens)
 
@@ -118,13 +112,13 @@ class SpillwayOffloadingConnector(OffloadingConnector):
 
     def _expanded_output(self, out: Any) -> Any:
         new_reqs = [
-            dataclasses.replace(r, block_ids=expand_block_ids(r.block_ids, self._expansion))
+            dataclasses.replace(r, block_ids=expand_blocks(r.block_ids, self._expansion))
             for r in out.scheduled_new_reqs
         ]
         cached = out.scheduled_cached_reqs
         cached = dataclasses.replace(
             cached,
-            new_block_ids=[expand_block_ids(ids, self._expansion) for ids in cached.new_block_ids],
+            new_block_ids=[expand_blocks(ids, self._expansion) for ids in cached.new_block_ids],
         )
         return dataclasses.replace(out, scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached)
 
@@ -166,5 +160,5 @@ class SpillwayOffloadingConnector(OffloadingConnector):
         extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config)
         extra.update(spec_name=SPEC_NAME, spec_module_path=SPEC_MODULE)
         return super().build_prom_metrics(
-            _with_extra(vllm_config, extra), metric_types, labelnames, per_engine_labelvalues
+            with_extra_config(vllm_config, extra), metric_types, labelnames, per_engine_labelvalues
         )

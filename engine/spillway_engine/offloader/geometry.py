@@ -13,7 +13,7 @@ rewriting the scheduler: the scheduler sees every offloaded group in *virtual* b
 of ``v = gcd(tokens_per_block)`` tokens (the hash unit in vLLM 0.33), so one global
 ``blocks_per_chunk = T / v`` is right for all of them, and a real block of ``m = tpb /
 v`` virtual blocks is handed to it as its id repeated ``m`` times. The connector
-expands block ids on the way in (:func:`expand_block_ids`) and the worker contracts
+expands block ids on the way in (:func:`expand_blocks`) and the worker contracts
 them on the way out (:func:`contract_gpu_spec`). Chunk boundaries are multiples of
 every real block, so a chunk always holds whole runs. Models whose groups share one
 block size (most) have ``m = 1`` everywhere and run vLLM's scheduler untouched.
@@ -65,7 +65,7 @@ def _layer_specs(spec: Any, layer_names: Sequence[str]) -> list[Any]:
     return [spec] * len(layer_names)
 
 
-def _unpadded_page_bytes(spec: Any) -> int:
+def unpadded_page_bytes(spec: Any) -> int:
     """The bytes of one layer's page that hold KV, as vLLM's offloading worker copies them."""
     from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec
 
@@ -78,9 +78,7 @@ def _unpadded_page_bytes(spec: Any) -> int:
 
 def true_bytes_per_block(group: Any) -> int:
     """Bytes one block of a KV-cache group holds on one worker, padding excluded."""
-    return sum(
-        _unpadded_page_bytes(s) for s in _layer_specs(group.kv_cache_spec, group.layer_names)
-    )
+    return sum(unpadded_page_bytes(s) for s in _layer_specs(group.kv_cache_spec, group.layer_names))
 
 
 def _describe(spec: Any) -> str:
@@ -95,7 +93,7 @@ def _uses_shared_region() -> bool:
     ) or current_platform.is_xpu()
 
 
-def _with_extra(vllm_config: Any, extra: dict[str, Any]) -> Any:
+def with_extra_config(vllm_config: Any, extra: dict[str, Any]) -> Any:
     """A shallow copy of ``vllm_config`` whose connector extra config is ``extra``."""
     view = copy.copy(vllm_config)
     transfer = copy.copy(vllm_config.kv_transfer_config)
@@ -209,7 +207,7 @@ def build_geometry(vllm_config: Any, kv_cache_config: Any) -> ConnectorGeometry:
     upstream_extra = {k: v for k, v in extra.items() if k != "block_size"}
     upstream_extra["blocks_per_chunk"] = span // virtual
     offloading_config = build_offloading_config(
-        _with_extra(vllm_config, upstream_extra), scheduler_kv_cache_config
+        with_extra_config(vllm_config, upstream_extra), scheduler_kv_cache_config
     )
     # vLLM sized windows in chunks with the virtual blocks; recheck with the true span.
     offloading_config = replace(
@@ -291,16 +289,17 @@ def build_geometry(vllm_config: Any, kv_cache_config: Any) -> ConnectorGeometry:
 # ------------------------------------------------------------ virtual block ids
 
 
-def expand_block_ids(
-    block_ids: Sequence[Sequence[int]] | None, expansion: Mapping[int, int]
-) -> tuple[list[int], ...] | None:
-    """Per-group block id lists with each real id repeated ``m`` times where expanded."""
-    if block_ids is None or not expansion:
-        return block_ids if block_ids is None else tuple(block_ids)  # type: ignore[arg-type]
+def expand_blocks(
+    groups: Sequence[Sequence[Any]] | None, expansion: Mapping[int, int]
+) -> tuple[Sequence[Any], ...] | None:
+    """Per-group block lists (ids or vLLM's block objects) with each real block repeated
+    ``m`` times in the groups the scheduler sees in virtual blocks."""
+    if groups is None:
+        return None
     return tuple(
-        [b for b in ids for _ in range(expansion[gid])] if gid in expansion else ids
-        for gid, ids in enumerate(block_ids)
-    )  # type: ignore[misc]
+        [b for b in blocks for _ in range(expansion[gid])] if gid in expansion else blocks
+        for gid, blocks in enumerate(groups)
+    )
 
 
 def contract_runs(block_ids: Sequence[int], first_index: int, m: int) -> tuple[list[int], int]:

@@ -26,6 +26,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.cpu.common import CPUOffloadingInfo
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
+from spillway_engine.offload import unit_pool_gauge_tokens
 from spillway_engine.offloader.geometry import ConnectorGeometry, contract_runs
 from spillway_engine.offloader.layout import HostLayout
 from spillway_engine.offloader.manager import (
@@ -70,18 +71,19 @@ def host_info(config: Any, layout: HostLayout) -> CPUOffloadingInfo:
     """vLLM's ``kv_offload_config_info`` facts for the unit pool."""
     sets = sum(g.units for g in layout.groups)
     max_len = config.model.max_model_len
-    per_request = 0
-    for group, slots in zip(config.groups, layout.groups, strict=True):
-        chunks = -(-max_len // layout.chunk_tokens)
-        if group.sliding_window_size_in_chunks is not None:
-            chunks = min(chunks, group.sliding_window_size_in_chunks)
-        per_request += chunks * slots.units
     return CPUOffloadingInfo(
         cpu_num_chunks=layout.num_units // sets,
         cpu_blocks_per_chunk=max(g.blocks_per_chunk for g in layout.groups),
         cpu_kv_cache_size_bytes=layout.region_bytes,
         cpu_kv_cache_size_tokens=(
-            layout.num_units * max_len // per_request if max_len > 0 and per_request else None
+            unit_pool_gauge_tokens(
+                layout.num_units,
+                max_len,
+                layout.chunk_tokens,
+                ((g.window_chunks, g.units) for g in layout.groups),
+            )
+            if max_len > 0
+            else None
         ),
     )
 
@@ -166,7 +168,7 @@ def contract_gpu_spec(
         start += size
         m = expansion.get(group.group_id, 1)
         if m == 1 or size == 0:
-            real, real_first = chunk, (first // m if size == 0 else first)
+            real, real_first = chunk, first // m
         else:
             real, real_first = contract_runs(chunk, first, m)
         out_ids.extend(real)
