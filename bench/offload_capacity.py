@@ -83,7 +83,6 @@ import tests.contract.vllm_harness  # noqa: F401  (first: sets VLLM_TARGET_DEVIC
 
 # isort: on
 import argparse
-import copy
 import math
 import random
 import sys
@@ -102,7 +101,13 @@ from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 from spillway_engine.offloader.geometry import true_bytes_per_block
 from spillway_engine.plan import PlanRequest, make_plan
 from tests.contract.conftest import load_model
-from tests.contract.offload_loop import SPILLWAY, UPSTREAM, EngineLoop
+from tests.contract.offload_loop import (
+    SPILLWAY,
+    UPSTREAM,
+    EngineLoop,
+    gemma4_style_config,
+    shrunk_config,
+)
 from tests.contract.vllm_harness import Case, build_layout
 
 GPU = "h100"
@@ -118,41 +123,12 @@ VOCAB = (100, 30_000)
 # ------------------------------------------------------------------ architectures
 
 
-def _shrunk(name: str, layers: int, **override: Any) -> Callable[[], dict[str, Any]]:
-    def make() -> dict[str, Any]:
-        config = copy.deepcopy(load_model(name))
-        config["num_hidden_layers"] = layers
-        if isinstance(config.get("layer_types"), list):
-            config["layer_types"] = config["layer_types"][:layers]
-        config.update(override)
-        return config
-
-    return make
+def _shrunk(name: str, layers: int) -> Callable[[], dict[str, Any]]:
+    return lambda: shrunk_config(name, layers)
 
 
 def _fixture(name: str) -> Callable[[], dict[str, Any]]:
     return lambda: load_model(name)
-
-
-def _gemma4_style() -> dict[str, Any]:
-    from transformers import Gemma4TextConfig
-
-    config = Gemma4TextConfig(
-        num_hidden_layers=6,
-        hidden_size=512,
-        intermediate_size=1024,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=128,
-        layer_types=["sliding_attention"] * 5 + ["full_attention"],
-        sliding_window=256,
-        per_layer_config={"05": {"head_dim": 256}},
-        vocab_size=32000,
-        vocab_size_per_layer_input=32000,
-        hidden_size_per_layer_input=64,
-    ).to_dict()
-    config["architectures"] = ["Gemma4ForCausalLM"]
-    return config
 
 
 @dataclass(frozen=True)
@@ -176,7 +152,7 @@ ARCHS = [
         1728,
     ),
     Arch("deepseek-v2-lite", "MLA, 4 layers", _shrunk("deepseek-v2-lite", 4), 256, 2048),
-    Arch("gemma-4-style", "SWA 5:1, 2 block sizes", _gemma4_style, 256, 2048),
+    Arch("gemma-4-style", "SWA 5:1, 2 block sizes", gemma4_style_config, 256, 2048),
     Arch("jamba-mini-1.5", "Mamba hybrid, 8 layers", _shrunk("jamba-mini-1.5", 8), 160, 1600),
 ]
 

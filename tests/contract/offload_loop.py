@@ -17,7 +17,7 @@ upstream's connector (whose worker needs CUDA).
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 import hashlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -40,7 +40,7 @@ from vllm.v1.core.kv_cache_utils import (
     resolve_kv_cache_block_sizes,
 )
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec, UniformTypeKVCacheSpecs
+from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
 from vllm.v1.kv_offload.base import (
     CanonicalKVCacheRef,
     CanonicalKVCaches,
@@ -52,7 +52,9 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 from spillway_engine.offloader import register_connector
+from spillway_engine.offloader.geometry import unpadded_page_bytes
 
+from .conftest import load_model
 from .vllm_harness import Case, build_layout
 
 UPSTREAM = "OffloadingConnector"
@@ -61,11 +63,36 @@ SPILLWAY = "SpillwayOffloadingConnector"
 PATTERN = 4093
 
 
-def _unpadded(spec: Any) -> int:
-    if isinstance(spec, AttentionSpec):
-        return spec.unpadded_page_size_bytes
-    assert isinstance(spec, MambaSpec)
-    return dataclasses.replace(spec, page_size_padded=None).page_size_bytes
+def shrunk_config(name: str, layers: int) -> dict[str, Any]:
+    """A real config.json with fewer layers; its KV-group structure stays the same."""
+    config = copy.deepcopy(load_model(name))
+    config["num_hidden_layers"] = layers
+    if isinstance(config.get("layer_types"), list):
+        config["layer_types"] = config["layer_types"][:layers]
+    return config
+
+
+def gemma4_style_config() -> dict[str, Any]:
+    """Full layers with twice the sliding layers' head size: vLLM gives the sliding
+    groups 32-token blocks and the full group 16-token ones (mixed block sizes)."""
+    from transformers import Gemma4TextConfig
+
+    config = Gemma4TextConfig(
+        num_hidden_layers=6,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=128,
+        layer_types=["sliding_attention"] * 5 + ["full_attention"],
+        sliding_window=256,
+        per_layer_config={"05": {"head_dim": 256}},
+        vocab_size=32000,
+        vocab_size_per_layer_input=32000,
+        hidden_size_per_layer_input=64,
+    ).to_dict()
+    config["architectures"] = ["Gemma4ForCausalLM"]
+    return config
 
 
 @dataclass
@@ -193,7 +220,9 @@ class EngineLoop:
         self.offloaded_groups = list(get_offloading_group_ids(kv))
         refs = [
             [
-                CanonicalKVCacheRef(self._layer_tensor[name], _unpadded(self._layer_spec[name]))
+                CanonicalKVCacheRef(
+                    self._layer_tensor[name], unpadded_page_bytes(self._layer_spec[name])
+                )
                 for name in kv.kv_cache_groups[gid].layer_names
             ]
             for gid in self.offloaded_groups
@@ -325,13 +354,13 @@ class EngineLoop:
         return self.kv_cache_config.kv_cache_groups[gid].kv_cache_spec.block_size
 
     def _expected(self, name: str, request: Request, index: int, end: int) -> torch.Tensor:
-        page = _unpadded(self._layer_spec[name])
+        page = unpadded_page_bytes(self._layer_spec[name])
         return self._pattern(name, request.all_token_ids[:end], page)
 
     def _apply_copies(self, out: Any) -> None:
-        for copy in out.kv_cache_block_copies or ():
+        for block_copy in out.kv_cache_block_copies or ():
             for t in self.tensors:
-                t[copy.dst_block_id].copy_(t[copy.src_block_id].clone())
+                t[block_copy.dst_block_id].copy_(t[block_copy.src_block_id].clone())
 
     def _forward(self, out: Any) -> None:
         """Write every block the scheduled tokens touch, as the model would."""

@@ -506,16 +506,23 @@ def plan_info_samples() -> list[Any]:
     ]
 
 
-def test_stat_logger_exports_the_plan_metrics(vllm_layouts, plugin_with):
+def stat_logger_for(
+    offloader: str, vllm_layouts: LayoutCache, plugin_with: Any
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """Build vLLM's stat logger with the plugin active for a plan; its metric labels."""
     case = CASES[0]
-    plan = plan_for(case, "upstream")
+    plan = plan_for(case, offloader)
     layout = layout_for(vllm_layouts, case, plan)
     transfer, _ = engine_cli.transfer_config(plan, OPTIONS)
     plugin_with(plan)
     with serving(layout, transfer) as vc:
         PrometheusStatLogger(vc, [0])
         served = str(vc.model_config.served_model_name)
-    labels = {"model_name": served, "engine": "0"}
+    return plan, {"model_name": served, "engine": "0"}
+
+
+def test_stat_logger_exports_the_plan_metrics(vllm_layouts, plugin_with):
+    plan, labels = stat_logger_for("upstream", vllm_layouts, plugin_with)
     # served with vLLM's offloader, the pool is the plan's upstream one
     assert REGISTRY.get_sample_value("spillway_host_pool_capacity_chunks", labels) == (
         plan["upstream"]["num_chunks"]
@@ -534,15 +541,7 @@ def test_stat_logger_exports_the_plan_metrics(vllm_layouts, plugin_with):
 
 
 def test_stat_logger_leaves_the_pool_series_to_spillways_connector(vllm_layouts, plugin_with):
-    case = CASES[0]
-    plan = plan_for(case, "spillway")
-    layout = layout_for(vllm_layouts, case, plan)
-    transfer, _ = engine_cli.transfer_config(plan, OPTIONS)
-    plugin_with(plan)
-    with serving(layout, transfer) as vc:
-        PrometheusStatLogger(vc, [0])
-        served = str(vc.model_config.served_model_name)
-    labels = {"model_name": served, "engine": "0"}
+    plan, labels = stat_logger_for("spillway", vllm_layouts, plugin_with)
     [metrics] = vllm_plugin._state["metrics"].values()
     assert metrics.dynamic_families == []  # the connector's own metrics export those
     assert REGISTRY.get_sample_value("spillway_host_pool_capacity_chunks", labels) == (

@@ -30,42 +30,11 @@ from spillway_engine.offloader.geometry import SpillwayConfigError
 from spillway_engine.plan import PlanRefused, PlanRequest, make_plan
 
 from .conftest import load_model
-from .offload_loop import SPILLWAY, UPSTREAM, EngineLoop
+from .offload_loop import SPILLWAY, UPSTREAM, EngineLoop, gemma4_style_config, shrunk_config
 from .vllm_harness import Case
 
 POOL = 1 << 30
 PREFIX_CHUNKS = 4
-
-
-def shrink(name: str, layers: int) -> dict[str, Any]:
-    """A real config with fewer layers; its KV-group structure stays the same."""
-    config = dict(load_model(name), num_hidden_layers=layers)
-    if "layer_types" in config:
-        config["layer_types"] = config["layer_types"][:layers]
-    return config
-
-
-def gemma4_style() -> dict[str, Any]:
-    """Full layers with twice the sliding layers' head size: vLLM gives the sliding
-    groups 32-token blocks and the full group 16-token ones (mixed block sizes)."""
-    from transformers import Gemma4TextConfig
-
-    config = Gemma4TextConfig(
-        num_hidden_layers=6,
-        hidden_size=512,
-        intermediate_size=1024,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=128,
-        layer_types=["sliding_attention"] * 5 + ["full_attention"],
-        sliding_window=256,
-        per_layer_config={"05": {"head_dim": 256}},
-        vocab_size=32000,
-        vocab_size_per_layer_input=32000,
-        hidden_size_per_layer_input=64,
-    ).to_dict()
-    config["architectures"] = ["Gemma4ForCausalLM"]
-    return config
 
 
 @dataclass(frozen=True)
@@ -90,17 +59,23 @@ ARCHS = [
     Arch(
         "gemma-3-1b-it", lambda: load_model("gemma-3-1b-it"), "FLASH_ATTN", 1000, max_model_len=2048
     ),
-    Arch("gpt-oss", lambda: shrink("gpt-oss-120b", 4), "FLASH_ATTN", 600),
-    Arch("qwen3-next", lambda: shrink("qwen3-next-80b-a3b-instruct", 8), "FLASH_ATTN", 60),
+    Arch("gpt-oss", lambda: shrunk_config("gpt-oss-120b", 4), "FLASH_ATTN", 600),
+    Arch("qwen3-next", lambda: shrunk_config("qwen3-next-80b-a3b-instruct", 8), "FLASH_ATTN", 60),
     Arch(
         "deepseek-v2-lite-mla",
-        lambda: shrink("deepseek-v2-lite", 3),
+        lambda: shrunk_config("deepseek-v2-lite", 3),
         "FLASH_ATTN_MLA",
         600,
         single_group=True,
     ),
-    Arch("gemma-4-style", gemma4_style, "FLASH_ATTN", 800, planned=False),
-    Arch("llama-3.2-1b", lambda: shrink("llama-3.2-1b", 4), "FLASH_ATTN", 600, single_group=True),
+    Arch("gemma-4-style", gemma4_style_config, "FLASH_ATTN", 800, planned=False),
+    Arch(
+        "llama-3.2-1b",
+        lambda: shrunk_config("llama-3.2-1b", 4),
+        "FLASH_ATTN",
+        600,
+        single_group=True,
+    ),
 ]
 
 
