@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Collection, Iterable
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -57,6 +58,54 @@ def make_manager_class() -> type:
     from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
     from vllm.v1.kv_offload.cpu.policies.base import ChunkStatus
 
+    class _StoreRefused(Exception):
+        """Raised inside vLLM's ``prepare_store`` when the admitted keys cannot fit."""
+
+    class _EvictableUnits:
+        """vLLM's cache policy, plus a count of the units its evictable keys hold.
+
+        The manager calls ``mark_evictable`` / ``mark_non_evictable`` on every ref-count
+        change to or from 0, so the count is exact; it lets a store be refused before
+        anything is evicted.
+        """
+
+        def __init__(self, policy: Any, units_of: Any):
+            self._policy = policy
+            self._units_of = units_of
+            self.units = 0
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._policy, name)
+
+        def mark_evictable(self, key: OffloadKey) -> None:
+            self._policy.mark_evictable(key)
+            self.units += self._units_of(key)
+
+        def mark_non_evictable(self, key: OffloadKey) -> None:
+            self._policy.mark_non_evictable(key)
+            self.units -= self._units_of(key)
+
+        def insert(self, key: OffloadKey, chunk: ChunkStatus, req_context: ReqContext) -> None:
+            self._policy.insert(key, chunk, req_context)
+            if chunk.ref_cnt == 0:
+                self.units += self._units_of(key)
+
+        def remove(self, key: OffloadKey) -> None:
+            chunk = self._policy.get(key)
+            if chunk is not None and chunk.ref_cnt == 0:
+                self.units -= self._units_of(key)
+            self._policy.remove(key)
+
+        def evict(self, n: int, protected: set[OffloadKey]) -> Any:
+            evicted = self._policy.evict(n, protected)
+            for key, _ in evicted or ():
+                self.units -= self._units_of(key)
+            return evicted
+
+        def clear(self) -> None:
+            self._policy.clear()
+            self.units = 0
+
     class SpillwayHostManager(CPUOffloadingManager):
         def __init__(self, layout: HostLayout, **kwargs: Any):
             self.layout = layout
@@ -65,12 +114,19 @@ def make_manager_class() -> type:
             min_units = min(self._group_units.values())
             # The policy and vLLM's bookkeeping count keys; at most this many fit.
             super().__init__(num_chunks=layout.num_units // min_units, **kwargs)
-            self._min_units = min_units
-            self._free_units: list[int] = list(range(layout.num_units - 1, -1, -1))
+            self._policy = _EvictableUnits(self._policy, self.units_of)
+            self._max_units = max(self._group_units.values())
+            # Units are handed out like vLLM hands out rows: never-used ones in order,
+            # then freed ones last-in first-out (single-group pools match slot for slot).
+            self._fresh_units = 0
+            self._free_units: list[int] = []
             self._units: dict[int, np.ndarray] = {}
             self._handle_group: dict[int, int] = {}
             self._free_handles: list[int] = []
             self._next_handle = 0
+            #: the store being prepared: its offer (never evicted for it) and evictions
+            self._offer: set[OffloadKey] = set()
+            self._store_evicted: list[OffloadKey] = []
             # pool statistics (cumulative counters, current gauges)
             self.used_units = 0
             self.stored_bytes = 0
@@ -87,22 +143,29 @@ def make_manager_class() -> type:
         def units_of(self, key: OffloadKey) -> int:
             return self._group_units[get_offload_group_idx(key)]
 
+        @property
+        def free_units(self) -> int:
+            return self.layout.num_units - self._fresh_units + len(self._free_units)
+
         def _get_num_free_chunks(self) -> int:
-            # A lower bound vLLM's prepare_store compares with the keys it must place;
-            # prepare_store below has already freed units for all of them.
-            return len(self._free_units) // self._min_units
+            # vLLM's prepare_store counts slots in keys; here a key takes its group's
+            # units, so admission is decided in _allocate_chunks, which vLLM calls with
+            # exactly the keys it admitted. Tell it every key has a slot, so that it
+            # never evicts by key count itself.
+            return 1 << 62
 
         def _allocate_chunks(self, keys: list[OffloadKey]) -> list[ChunkStatus]:
-            need = sum(self.units_of(k) for k in keys)
-            assert need <= len(self._free_units), "units were not reserved before allocation"
+            self._make_room(sum(self.units_of(k) for k in keys))
             chunks = []
             for key in keys:
                 k = self.units_of(key)
-                units = np.array(self._free_units[-k:][::-1], dtype=np.int64)
-                del self._free_units[-k:]
+                fresh = min(k, self.layout.num_units - self._fresh_units)
+                units = list(range(self._fresh_units, self._fresh_units + fresh))
+                self._fresh_units += fresh
+                units.extend(self._free_units.pop() for _ in range(k - fresh))
                 handle = self._free_handles.pop() if self._free_handles else self._new_handle()
                 group = get_offload_group_idx(key)
-                self._units[handle] = units
+                self._units[handle] = np.array(units, dtype=np.int64)
                 self._handle_group[handle] = group
                 self.used_units += k
                 self.stored_bytes += self._group_chunk_bytes[group]
@@ -118,6 +181,7 @@ def make_manager_class() -> type:
             units = self._units.pop(chunk.chunk_id)
             group = self._handle_group.pop(chunk.chunk_id)
             self._free_handles.append(chunk.chunk_id)
+            # reversed, so popping hands a multi-unit slot back in its own order
             self._free_units.extend(units[::-1].tolist())
             self.used_units -= len(units)
             self.stored_bytes -= self._group_chunk_bytes[group]
@@ -132,31 +196,42 @@ def make_manager_class() -> type:
 
         # ------------------------------------------------------------- eviction
 
-        def _make_room(self, keys: list[OffloadKey]) -> bool:
-            """Evict LRU keys until the keys not yet stored fit; False if they cannot."""
-            missing = [k for k in keys if self._policy.get(k) is None]
-            short = sum(self.units_of(k) for k in missing) - len(self._free_units)
+        def _make_room(self, need: int) -> None:
+            """Free ``need`` units by evicting LRU keys, or refuse having evicted nothing.
+
+            The store's own offer is never evicted for it (vLLM's rule), so keys of the
+            offer that sit evictable in the pool do not count towards the room.
+            """
+            short = need - self.free_units
             if short <= 0:
-                return True
-            protected = set(keys)
-            evicted_keys = []
+                return
+            offered_idle = 0
+            for key in self._offer:
+                chunk = self._policy.get(key)
+                if chunk is not None and chunk.ref_cnt == 0:
+                    offered_idle += self.units_of(key)
+            if short > self._policy.units - offered_idle:
+                raise _StoreRefused
+            # As many keys as surely needed in one call (vLLM's single call when every
+            # key takes the same units), then one at a time until the units are free.
+            batch = -(-short // self._max_units)
             while short > 0:
-                evicted = self._policy.evict(1, protected)
-                if not evicted:
-                    break
+                evicted = self._policy.evict(batch, self._offer)
+                assert evicted, "evictable units were counted but could not be evicted"
+                self._num_evictable_cache_chunks -= len(evicted)
                 for key, chunk in evicted:
-                    self._num_evictable_cache_chunks -= 1
                     short -= len(self._units[chunk.chunk_id])
                     self._free_chunk(chunk)
-                    evicted_keys.append(key)
+                    self._store_evicted.append(key)
                     if get_offload_group_idx(key) == self.anchor_group:
                         self._remember_evicted(key)
                 self.evicted_keys += len(evicted)
-            if evicted_keys and self.events is not None:
+                batch = 1
+            if self.events is not None:
+                removed = list(self._store_evicted)
                 self.events.append(
-                    OffloadingEvent(keys=evicted_keys, medium=self.medium, removed=True)
+                    OffloadingEvent(keys=removed, medium=self.medium, removed=True)
                 )
-            return short <= 0
 
         def _remember_evicted(self, key: OffloadKey) -> None:
             self._recently_evicted[key] = None
@@ -168,9 +243,18 @@ def make_manager_class() -> type:
             self, keys: Collection[OffloadKey], req_context: ReqContext
         ) -> PrepareStoreOutput | None:
             keys = list(keys)
-            if not self._make_room(keys):
+            self._offer, self._store_evicted = set(keys), []
+            try:
+                output = super().prepare_store(keys, req_context)
+            except _StoreRefused:
+                # vLLM's own refusal point: its bookkeeping of the offer is done, nothing
+                # was evicted or allocated.
                 return None
-            return super().prepare_store(keys, req_context)
+            finally:
+                self._offer = set()
+            if output is not None and self._store_evicted:
+                output = replace(output, evicted_keys=self._store_evicted)
+            return output
 
         def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
             result = super().lookup(key, req_context)
@@ -181,7 +265,8 @@ def make_manager_class() -> type:
 
         def reset_cache(self) -> None:
             super().reset_cache()
-            self._free_units = list(range(self.layout.num_units - 1, -1, -1))
+            self._fresh_units = 0
+            self._free_units = []
             self._units.clear()
             self._handle_group.clear()
             self.keys_per_group = dict.fromkeys(self._group_units, 0)
