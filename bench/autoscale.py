@@ -128,7 +128,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "engine"))
 sys.path.insert(0, str(ROOT / "operator"))
 
-from spillway_engine.loadgen import (  # noqa: E402
+from spillway_cli.loadgen import (  # noqa: E402
     TraceSpec,
     generate_trace,
     percentile,
@@ -141,7 +141,7 @@ from spillway_engine.simulator.plan_input import (  # noqa: E402
     gpu_blocks_for_tokens,
     load_plan,
 )
-from spillway_operator.autoscale import (  # noqa: E402
+from spillway_operator.pressure import (  # noqa: E402
     COUNTERS,
     GAUGES,
     HOST_HITS,

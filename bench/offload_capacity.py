@@ -99,7 +99,7 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
 from spillway_engine.offloader.geometry import true_bytes_per_block
-from spillway_engine.plan import PlanRequest, make_plan
+from spillway_engine.planner.plan import PlanRequest, make_plan
 from tests.contract.conftest import load_model
 from tests.contract.offload_loop import (
     SPILLWAY,

@@ -32,7 +32,7 @@ from e2e.cluster.controlplane import (
     locate_binaries,
 )
 from e2e.operator_process import start_operator
-from spillway_engine.model_config import load_local
+from spillway_engine.planner.model_config import load_local
 from spillway_operator.spec import GROUP, PLURAL, VERSION
 
 CONFIG = REPO_ROOT / "tests" / "fixtures" / "models" / "llama-3.2-1b.json"

@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from spillway_engine.plan import PlanRequest, make_plan
+from spillway_engine.planner.plan import PlanRequest, make_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "tests" / "fixtures" / "models"
@@ -47,7 +47,7 @@ def bench_cli(repeat: int) -> float:
     cmd = [
         sys.executable,
         "-m",
-        "spillway_engine.cli",
+        "spillway_cli.main",
         "plan",
         "--model-config",
         str(MODELS / "gemma-3-27b-it.json"),

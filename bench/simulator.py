@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "engine"))
 
-from spillway_engine.loadgen import TraceSpec, generate_trace, to_replay_items  # noqa: E402
+from spillway_cli.loadgen import TraceSpec, generate_trace, to_replay_items  # noqa: E402
 from spillway_engine.simulator.core import EngineCore, replay  # noqa: E402
 from spillway_engine.simulator.plan_input import gpu_blocks_for_tokens, parse_plan  # noqa: E402
 from spillway_engine.simulator.prom import SimulatorMetrics  # noqa: E402

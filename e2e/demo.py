@@ -34,7 +34,7 @@ from e2e.cluster.controlplane import (
 )
 from e2e.operator_process import start_operator
 from e2e.simfleet import SimulatorFleet
-from spillway_engine.model_config import load_local
+from spillway_engine.planner.model_config import load_local
 from spillway_operator.spec import GROUP, PLURAL, VERSION
 
 SAMPLE = REPO_ROOT / "config" / "samples" / "qwen3-next-hybrid.yaml"
@@ -140,7 +140,7 @@ def main() -> int:
             if in_burst and (load is None or load.poll() is not None):
                 url_args = [arg for u in urls for arg in ("--url", u)]
                 load = subprocess.Popen(
-                    [sys.executable, "-m", "spillway_engine.cli", "loadgen", *url_args,
+                    [sys.executable, "-m", "spillway_cli.main", "loadgen", *url_args,
                      "--trace", "mixed", "--rate", str(args.rate), "--duration", "10",
                      "--seed", str(int(now))],
                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

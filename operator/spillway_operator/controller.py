@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from spillway_operator import metrics
-from spillway_operator.autoscaler import Autoscaler
 from spillway_operator.kube import TemporaryError
 from spillway_operator.reconciler import Reconciler
+from spillway_operator.scaler import Autoscaler
 
 log = logging.getLogger("spillway.controller")
 

@@ -14,11 +14,11 @@ from typing import Any
 import kopf
 from kubernetes import client, config
 
-from spillway_operator.autoscaler import Autoscaler
 from spillway_operator.controller import Controller
 from spillway_operator.kube import Kube
 from spillway_operator.reconciler import Reconciler
 from spillway_operator.render import FIELD_MANAGER
+from spillway_operator.scaler import Autoscaler
 from spillway_operator.spec import GROUP, PLURAL, VERSION
 
 OWNER_LABEL = f"{GROUP}/inference-deployment"

@@ -17,8 +17,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from spillway_engine.model_config import ModelConfigSourceError, load_hub, parse_config_text
-from spillway_engine.plan import PlanRefused, PlanRequest, make_plan
+from spillway_engine.planner.model_config import ModelConfigSourceError, load_hub, parse_config_text
+from spillway_engine.planner.plan import PlanRefused, PlanRequest, make_plan
 from spillway_engine.quantity import parse_bytes
 from spillway_operator import metrics, render
 from spillway_operator.kube import Kube, TemporaryError

@@ -47,10 +47,10 @@ from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 from vllm.v1.metrics.loggers import PrometheusStatLogger
 
-from spillway_engine import engine_cli, plan_check, vllm_plugin
-from spillway_engine.engine_cli import EngineOptions
-from spillway_engine.plan import PlanRequest, make_plan
-from spillway_engine.plan_check import PlanMismatch
+from spillway_engine.launcher import plan_check, plugin, serve
+from spillway_engine.launcher.plan_check import PlanMismatch
+from spillway_engine.launcher.serve import EngineOptions
+from spillway_engine.planner.plan import PlanRequest, make_plan
 
 from .conftest import LayoutCache, load_model
 from .vllm_harness import Case, VllmLayout
@@ -105,7 +105,7 @@ def dry_run(tmp_path: Path, plan: dict[str, Any], capsys, weights: str | None = 
     (tmp_path / "plan.json").write_text(json.dumps(plan))
     options = {"model": "org/model", "served_model_name": "served", "weights_path": weights}
     (tmp_path / "engine.json").write_text(json.dumps(options))
-    code = engine_cli.main(["serve", "--plan", str(tmp_path / "plan.json"), "--dry-run"])
+    code = serve.main(["serve", "--plan", str(tmp_path / "plan.json"), "--dry-run"])
     out, err = capsys.readouterr()
     assert code == 0, err
     assert err == ""  # no notes: the plan is served as it is
@@ -227,7 +227,7 @@ def test_dry_run_spillway_transfer_config_builds_the_planned_geometry(
 def test_plan_check_passes_the_right_plan(case: Case, offloader: str, vllm_layouts):
     plan = plan_for(case, offloader)
     layout = layout_for(vllm_layouts, case, plan)
-    transfer, _ = engine_cli.transfer_config(plan, OPTIONS)
+    transfer, _ = serve.transfer_config(plan, OPTIONS)
     with serving(layout, transfer) as vc:
         observed = plan_check.check(plan, vc, layout.kv_cache_config)
     assert [g.kind for g in observed.groups] == [g["kind"] for g in plan["kv_groups"]]
@@ -254,7 +254,7 @@ def test_plan_check_catches_wrong_page_bytes(case: Case, vllm_layouts):
     last = len(wrong["kv_groups"]) - 1
     real_page = wrong["kv_groups"][last]["page_bytes"]
     wrong["kv_groups"][last]["page_bytes"] = real_page // 2
-    transfer, _ = engine_cli.transfer_config(plan, OPTIONS)
+    transfer, _ = serve.transfer_config(plan, OPTIONS)
     with serving(layout, transfer) as vc, pytest.raises(PlanMismatch) as e:
         plan_check.check(wrong, vc, layout.kv_cache_config)
     found = {m.field: (m.plan, m.vllm) for m in e.value.mismatches}
@@ -267,7 +267,7 @@ def test_plan_check_catches_wrong_blocks_per_chunk(case: Case, vllm_layouts):
     plan = plan_for(case, "upstream")
     layout = layout_for(vllm_layouts, case, plan)
     bpc = plan["upstream"]["blocks_per_chunk"]
-    transfer, _ = engine_cli.transfer_config(plan, OPTIONS)
+    transfer, _ = serve.transfer_config(plan, OPTIONS)
     # vLLM is started with another chunk size than the pod was sized for
     transfer["kv_connector_extra_config"]["blocks_per_chunk"] = bpc * 2
     with serving(layout, transfer) as vc, pytest.raises(PlanMismatch) as e:
@@ -280,7 +280,7 @@ def test_plan_check_catches_wrong_blocks_per_chunk(case: Case, vllm_layouts):
     # and the other way round: a plan that says another bpc than vLLM runs
     wrong = copy.deepcopy(plan)
     wrong["upstream"]["blocks_per_chunk"] = bpc + 1
-    transfer, _ = engine_cli.transfer_config(plan, OPTIONS)
+    transfer, _ = serve.transfer_config(plan, OPTIONS)
     with serving(layout, transfer) as vc, pytest.raises(PlanMismatch) as e:
         plan_check.check(wrong, vc, layout.kv_cache_config)
     assert [m.field for m in e.value.mismatches] == ["blocks_per_chunk"]
@@ -290,7 +290,7 @@ def test_plan_check_catches_wrong_blocks_per_chunk(case: Case, vllm_layouts):
 def test_spillway_plan_runs_spillways_connector_as_planned(case: Case, vllm_layouts):
     plan = plan_for(case, "spillway")
     layout = layout_for(vllm_layouts, case, plan)
-    transfer, notes = engine_cli.transfer_config(plan, OPTIONS)
+    transfer, notes = serve.transfer_config(plan, OPTIONS)
     assert transfer["kv_connector"] == "SpillwayOffloadingConnector", notes
     with serving(layout, transfer) as vc:
         connector_cls = KVConnectorFactory.get_connector_class(vc.kv_transfer_config)
@@ -307,7 +307,7 @@ def test_plan_check_catches_a_spillway_pool_other_than_planned(vllm_layouts):
     case = CASES[0]
     plan = plan_for(case, "spillway")
     layout = layout_for(vllm_layouts, case, plan)
-    transfer, _ = engine_cli.transfer_config(plan, OPTIONS)
+    transfer, _ = serve.transfer_config(plan, OPTIONS)
     transfer["kv_connector_extra_config"]["cpu_bytes_to_use"] = POOL * 2
     with serving(layout, transfer) as vc, pytest.raises(PlanMismatch) as e:
         plan_check.check(plan, vc, layout.kv_cache_config)
@@ -316,7 +316,7 @@ def test_plan_check_catches_a_spillway_pool_other_than_planned(vllm_layouts):
     units = plan["spillway"]["num_units"]
     assert found["spillway.num_units"] == (units, units * 2)
     # an engine cut into other chunks than the plan's is refused by the connector itself
-    transfer, _ = engine_cli.transfer_config(plan, OPTIONS)
+    transfer, _ = serve.transfer_config(plan, OPTIONS)
     transfer["kv_connector_extra_config"]["spillway_chunk_tokens"] = 512
     with serving(layout, transfer) as vc, pytest.raises(PlanMismatch) as e:
         plan_check.check(plan, vc, layout.kv_cache_config)
@@ -328,7 +328,7 @@ def test_plan_check_reports_vllm_refusing_the_chunk_size(vllm_layouts):
     case = CASES[0]
     plan = plan_for(case, "upstream")
     layout = layout_for(vllm_layouts, case, plan)
-    transfer, _ = engine_cli.transfer_config(plan, OPTIONS)
+    transfer, _ = serve.transfer_config(plan, OPTIONS)
     transfer["kv_connector_extra_config"] = {"cpu_bytes_to_use": POOL, "blocks_per_chunk": 0}
     with serving(layout, transfer) as vc, pytest.raises(PlanMismatch) as e:
         plan_check.check(plan, vc, layout.kv_cache_config)
@@ -344,13 +344,13 @@ def test_vllm_loads_the_plugin_from_the_entry_point(tmp_path, monkeypatch):
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: spillway-probe\nVersion: 0.0\n")
     (dist / "entry_points.txt").write_text(
-        f"[{vllm_plugin.ENTRY_POINT_GROUP}]\n"
-        f"{vllm_plugin.ENTRY_POINT_NAME} = {vllm_plugin.ENTRY_POINT_VALUE}\n"
+        f"[{plugin.ENTRY_POINT_GROUP}]\n"
+        f"{plugin.ENTRY_POINT_NAME} = {plugin.ENTRY_POINT_VALUE}\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delenv("VLLM_PLUGINS", raising=False)
-    plugins = load_plugins_by_group(vllm_plugin.ENTRY_POINT_GROUP)
-    assert plugins[vllm_plugin.ENTRY_POINT_NAME] is vllm_plugin.register
+    plugins = load_plugins_by_group(plugin.ENTRY_POINT_GROUP)
+    assert plugins[plugin.ENTRY_POINT_NAME] is plugin.register
 
 
 _FRESH_PROCESS = """
@@ -360,11 +360,11 @@ from vllm.v1.executor.abstract import Executor
 from vllm.v1.metrics.loggers import PrometheusStatLogger
 
 EngineArgs(model=sys.argv[1], skip_tokenizer_init=True)  # vLLM's first plugin call
-from spillway_engine import vllm_plugin
+from spillway_engine.launcher import plugin
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
 print(json.dumps({
-    "plan": vllm_plugin._state["plan"]["model"]["name"],
+    "plan": plugin._state["plan"]["model"]["name"],
     "connector": KVConnectorFactory.get_connector_class_by_name(
         "SpillwayOffloadingConnector"
     ).__name__,
@@ -381,12 +381,12 @@ def test_plugin_activates_in_a_fresh_vllm_process(tmp_path):
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: spillway-probe\nVersion: 0.0\n")
     (dist / "entry_points.txt").write_text(
-        f"[{vllm_plugin.ENTRY_POINT_GROUP}]\n"
-        f"{vllm_plugin.ENTRY_POINT_NAME} = {vllm_plugin.ENTRY_POINT_VALUE}\n"
+        f"[{plugin.ENTRY_POINT_GROUP}]\n"
+        f"{plugin.ENTRY_POINT_NAME} = {plugin.ENTRY_POINT_VALUE}\n"
     )
     plan = plan_for(CASES[1], "upstream")
     (tmp_path / "plan.json").write_text(json.dumps(plan))
-    engine_dir = Path(vllm_plugin.__file__).resolve().parents[1]
+    engine_dir = Path(plugin.__file__).resolve().parents[1]
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(tmp_path), str(engine_dir)]),
@@ -432,18 +432,18 @@ def plugin_with(monkeypatch, tmp_path):
     """Run the plugin entry as vLLM would, with a given plan; undo its patches after."""
     monkeypatch.setattr(Executor, "initialize_from_config", Executor.initialize_from_config)
     monkeypatch.setattr(PrometheusStatLogger, "__init__", PrometheusStatLogger.__init__)
-    monkeypatch.setitem(vllm_plugin._state, "plan", None)
-    monkeypatch.setitem(vllm_plugin._state, "metrics", {})
+    monkeypatch.setitem(plugin._state, "plan", None)
+    monkeypatch.setitem(plugin._state, "metrics", {})
 
     def activate(plan: dict[str, Any]) -> None:
         path = tmp_path / "plan.json"
         path.write_text(json.dumps(plan))
-        monkeypatch.setenv(vllm_plugin.ENV_PLAN, str(path))
-        vllm_plugin.register()
-        vllm_plugin.register()  # idempotent: vLLM calls it in every process, maybe twice
+        monkeypatch.setenv(plugin.ENV_PLAN, str(path))
+        plugin.register()
+        plugin.register()  # idempotent: vLLM calls it in every process, maybe twice
 
     yield activate
-    for metrics in vllm_plugin._state["metrics"].values():
+    for metrics in plugin._state["metrics"].values():
         # the dynamic families are absent where Spillway's connector exports them
         for family in (
             metrics.capacity_chunks,
@@ -469,7 +469,7 @@ def test_hook_stops_a_wrong_plan_before_the_workers_allocate(
 ):
     plan = plan_for(case, "spillway")
     layout = layout_for(vllm_layouts, case, plan)
-    transfer, _ = engine_cli.transfer_config(plan, OPTIONS)
+    transfer, _ = serve.transfer_config(plan, OPTIONS)
     assert transfer["kv_connector"] == "SpillwayOffloadingConnector"
     records = Records()
     logger = logging.getLogger("vllm.spillway")
@@ -489,7 +489,7 @@ def test_hook_stops_a_wrong_plan_before_the_workers_allocate(
             assert "plan check FAILED" in table
             assert "tokens_per_hash" in table and "field" in table and "vLLM" in table
 
-            monkeypatch.setitem(vllm_plugin._state, "plan", plan)
+            monkeypatch.setitem(plugin._state, "plan", plan)
             executor.initialize_from_config([layout.kv_cache_config])
             assert executor.calls == ["initialize_from_config"]
             assert "plan check passed" in records.messages[-1]
@@ -513,7 +513,7 @@ def stat_logger_for(
     case = CASES[0]
     plan = plan_for(case, offloader)
     layout = layout_for(vllm_layouts, case, plan)
-    transfer, _ = engine_cli.transfer_config(plan, OPTIONS)
+    transfer, _ = serve.transfer_config(plan, OPTIONS)
     plugin_with(plan)
     with serving(layout, transfer) as vc:
         PrometheusStatLogger(vc, [0])
@@ -542,7 +542,7 @@ def test_stat_logger_exports_the_plan_metrics(vllm_layouts, plugin_with):
 
 def test_stat_logger_leaves_the_pool_series_to_spillways_connector(vllm_layouts, plugin_with):
     plan, labels = stat_logger_for("spillway", vllm_layouts, plugin_with)
-    [metrics] = vllm_plugin._state["metrics"].values()
+    [metrics] = plugin._state["metrics"].values()
     assert metrics.dynamic_families == []  # the connector's own metrics export those
     assert REGISTRY.get_sample_value("spillway_host_pool_capacity_chunks", labels) == (
         plan["num_chunks"]

@@ -20,7 +20,7 @@ from vllm.v1.kv_offload.base import ReqContext, make_offload_key
 from vllm.v1.kv_offload.cpu.common import CPUOffloadingMetrics
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
-from spillway_engine.offloader.layout import GroupSlots, HostLayout
+from spillway_engine.offloader.host_layout import GroupSlots, HostLayout
 from spillway_engine.offloader.manager import make_manager_class
 
 SpillwayHostManager = make_manager_class()

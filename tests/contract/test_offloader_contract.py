@@ -27,7 +27,7 @@ from vllm.v1.kv_offload.base import get_offload_group_idx
 
 from spillway_engine.offloader.connector import SpillwayOffloadingConnector
 from spillway_engine.offloader.geometry import SpillwayConfigError
-from spillway_engine.plan import PlanRefused, PlanRequest, make_plan
+from spillway_engine.planner.plan import PlanRefused, PlanRequest, make_plan
 
 from .conftest import load_model
 from .offload_loop import SPILLWAY, UPSTREAM, EngineLoop, gemma4_style_config, shrunk_config

@@ -26,7 +26,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
-from spillway_engine.offloader.layout import GroupSlots, HostLayout
+from spillway_engine.offloader.host_layout import GroupSlots, HostLayout
 from spillway_engine.offloader.worker import (
     CopyPlan,
     SpillwayHostWorker,

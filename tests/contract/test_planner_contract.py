@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from spillway_engine.plan import Plan, PlanRefused, PlanRequest, make_plan
+from spillway_engine.planner.plan import Plan, PlanRefused, PlanRequest, make_plan
 
 from .conftest import LayoutCache, load_model
 from .vllm_harness import VLLM_VERSION, Case, vllm_default_max_model_len

@@ -187,7 +187,7 @@ def vllm_metrics(vllm_root: Path) -> dict[str, tuple[str, list[str] | None]]:
 @pytest.fixture(scope="module")
 def simulator_registry():
     """The registry behind /metrics of a simulator that served traffic with host hits."""
-    from spillway_engine.loadgen import TraceSpec, generate_trace, to_replay_items
+    from spillway_cli.loadgen import TraceSpec, generate_trace, to_replay_items
     from spillway_engine.simulator.core import EngineCore, replay
     from spillway_engine.simulator.plan_input import gpu_blocks_for_tokens, load_plan
     from spillway_engine.simulator.prom import SimulatorMetrics

@@ -16,8 +16,8 @@ from kubernetes import client
 
 from e2e.cluster.controlplane import REPO_ROOT
 from e2e.simfleet import SimulatorFleet
-from spillway_engine.model_config import load_local
-from spillway_operator.autoscale import parse_metrics
+from spillway_engine.planner.model_config import load_local
+from spillway_operator.pressure import parse_metrics
 from spillway_operator.spec import GROUP, PLURAL, VERSION
 from tests.helpers import fresh_namespace, wait_for
 
@@ -76,7 +76,7 @@ def test_scales_up_on_pressure_and_waits_for_starting_pods(api, gated_namespace)
                  "the first pod to load and turn Ready")
         url = wait_for(lambda: fleet.urls() and fleet.urls()[0], 30, "the first simulator")
         load = subprocess.Popen(
-            [sys.executable, "-m", "spillway_engine.cli", "loadgen", "--url", url, "--trace",
+            [sys.executable, "-m", "spillway_cli.main", "loadgen", "--url", url, "--trace",
              "chat", "--rate", "30", "--duration", "40", "--arrival", "constant"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:

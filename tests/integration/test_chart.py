@@ -61,7 +61,7 @@ NAMESPACE_READS = {("", "namespaces", v) for v in ("list", "watch")}
 
 
 def model_configmap(core: client.CoreV1Api, ns: str, name: str, fixture: str) -> None:
-    from spillway_engine.model_config import load_local
+    from spillway_engine.planner.model_config import load_local
 
     core.create_namespaced_config_map(ns, client.V1ConfigMap(
         metadata=client.V1ObjectMeta(name=name),

@@ -20,7 +20,7 @@ MODELS = REPO_ROOT / "tests" / "fixtures" / "models"
 
 
 def model_configmap(core: client.CoreV1Api, ns: str, name: str, fixture: str) -> None:
-    from spillway_engine.model_config import load_local
+    from spillway_engine.planner.model_config import load_local
 
     config = load_local(MODELS / fixture)
     core.create_namespaced_config_map(

@@ -169,7 +169,7 @@ def test_dockerignore_keeps_the_context_small():
                  ".pytest_cache", "spillway.egg-info"):
         assert _ignored(path, patterns), path
     for path in ("pyproject.toml", "README.md", "operator/spillway_operator/main.py",
-                 "engine/spillway_engine/cli.py"):
+                 "operator/spillway_cli/main.py"):
         assert not _ignored(path, patterns), path
 
 

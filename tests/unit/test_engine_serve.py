@@ -14,10 +14,8 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from spillway_engine import engine_cli, vllm_plugin
-from spillway_engine.engine_cli import EngineCliError, EngineOptions, build_command, main
-from spillway_engine.plan import PlanRequest, make_plan
-from spillway_engine.plan_check import (
+from spillway_engine.launcher import plugin, serve
+from spillway_engine.launcher.plan_check import (
     Mismatch,
     ObservedGeometry,
     ObservedGroup,
@@ -26,6 +24,8 @@ from spillway_engine.plan_check import (
     effective_plan,
     format_table,
 )
+from spillway_engine.launcher.serve import EngineCliError, EngineOptions, build_command, main
+from spillway_engine.planner.plan import PlanRequest, make_plan
 
 from .planner_fixtures import load_model
 
@@ -292,7 +292,7 @@ def test_dry_run_prints_the_exact_command(tmp_path, capsys):
     code, out, err = run(capsys, "serve", "--plan", str(path), "--port", "9000", "--dry-run")
     assert code == 0
     expected, _ = build_command(
-        plan, engine_cli.load_engine_options(tmp_path / "engine.json"), port=9000
+        plan, serve.load_engine_options(tmp_path / "engine.json"), port=9000
     )
     assert shlex.split(out) == expected
     assert out.count("\n") == 1
@@ -413,9 +413,9 @@ def test_serve_execs_vllm_with_the_plugin_env(tmp_path, capsys, monkeypatch):
     plan = plan_for(LLAMA, offloader="upstream")
     path = write(tmp_path, plan, {"model": "m"})
     fake = Exec()
-    monkeypatch.setattr(engine_cli.os, "execve", fake)
-    monkeypatch.setattr(engine_cli, "installed_vllm_version", lambda: "0.33.0")
-    monkeypatch.setattr(engine_cli, "plugin_registered", lambda: True)
+    monkeypatch.setattr(serve.os, "execve", fake)
+    monkeypatch.setattr(serve, "installed_vllm_version", lambda: "0.33.0")
+    monkeypatch.setattr(serve, "plugin_registered", lambda: True)
     monkeypatch.setenv("VLLM_PLUGINS", "other")
     code, out, err = run(capsys, "serve", "--plan", str(path))
     assert code == 0 and out == ""
@@ -436,18 +436,18 @@ def test_serve_execs_vllm_with_the_plugin_env(tmp_path, capsys, monkeypatch):
 )
 def test_serve_refuses_another_vllm(tmp_path, capsys, monkeypatch, found, match):
     path = write(tmp_path, plan_for(LLAMA, offloader="upstream"), {"model": "m"})
-    monkeypatch.setattr(engine_cli, "installed_vllm_version", lambda: found)
-    monkeypatch.setattr(engine_cli.os, "execve", Exec())
+    monkeypatch.setattr(serve, "installed_vllm_version", lambda: found)
+    monkeypatch.setattr(serve.os, "execve", Exec())
     code, _, err = run(capsys, "serve", "--plan", str(path))
     assert code == 2 and match in one_error_line(err)
 
 
 def test_serve_refuses_without_the_plugin(tmp_path, capsys, monkeypatch):
     path = write(tmp_path, plan_for(LLAMA, offloader="upstream"), {"model": "m"})
-    monkeypatch.setattr(engine_cli, "installed_vllm_version", lambda: "0.33.0")
-    monkeypatch.setattr(engine_cli, "plugin_registered", lambda: False)
+    monkeypatch.setattr(serve, "installed_vllm_version", lambda: "0.33.0")
+    monkeypatch.setattr(serve, "plugin_registered", lambda: False)
     fake = Exec()
-    monkeypatch.setattr(engine_cli.os, "execve", fake)
+    monkeypatch.setattr(serve.os, "execve", fake)
     code, _, err = run(capsys, "serve", "--plan", str(path))
     assert code == 2 and "plugin is not registered" in one_error_line(err)
     assert fake.calls == []
@@ -578,24 +578,24 @@ def test_mismatch_table_is_side_by_side():
 
 def test_plugin_is_inert_without_a_plan(monkeypatch):
     monkeypatch.delenv("SPILLWAY_PLAN", raising=False)
-    monkeypatch.setitem(vllm_plugin._state, "plan", None)
-    vllm_plugin.register()
-    assert vllm_plugin._state["plan"] is None
+    monkeypatch.setitem(plugin._state, "plan", None)
+    plugin.register()
+    assert plugin._state["plan"] is None
 
 
 def test_plugin_refuses_an_unreadable_plan(monkeypatch, tmp_path):
-    monkeypatch.setitem(vllm_plugin._state, "plan", None)
+    monkeypatch.setitem(plugin._state, "plan", None)
     monkeypatch.setenv("SPILLWAY_PLAN", str(tmp_path / "missing.json"))
-    with pytest.raises(vllm_plugin.PluginError, match="cannot read the plan"):
-        vllm_plugin.register()
+    with pytest.raises(plugin.PluginError, match="cannot read the plan"):
+        plugin.register()
 
 
 def test_plan_metrics_published(monkeypatch):
-    monkeypatch.setitem(vllm_plugin._state, "metrics", {})
+    monkeypatch.setitem(plugin._state, "metrics", {})
     registry = CollectorRegistry()
     plan = effective_plan(plan_for(GEMMA), "OffloadingConnector")
     for _ in range(2):  # vLLM may build its stat logger more than once
-        vllm_plugin.publish_plan_metrics(copy.deepcopy(plan), "gemma", [0, 1], registry)
+        plugin.publish_plan_metrics(copy.deepcopy(plan), "gemma", [0, 1], registry)
     value = registry.get_sample_value
     for engine in ("0", "1"):
         labels = {"model_name": "gemma", "engine": engine}
@@ -616,7 +616,7 @@ def test_dry_run_never_imports_vllm(tmp_path):
     path = write(tmp_path, plan_for(LLAMA, offloader="upstream"), {"model": "m"})
     code = (
         "import sys\n"
-        "from spillway_engine.engine_cli import main\n"
+        "from spillway_engine.launcher.serve import main\n"
         f"assert main(['serve', '--plan', {str(path)!r}, '--dry-run']) == 0\n"
         "assert 'vllm' not in sys.modules and 'torch' not in sys.modules\n"
     )

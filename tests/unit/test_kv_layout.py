@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spillway_engine.gpus import UnknownGpu, get_gpu
-from spillway_engine.kv_layout import (
+from spillway_engine.planner.gpus import UnknownGpu, get_gpu
+from spillway_engine.planner.kv_layout import (
     LayoutRequest,
     ModelConfigError,
     UnsupportedModel,

@@ -10,8 +10,8 @@ import statistics
 
 import pytest
 
-from spillway_engine import loadgen
-from spillway_engine.loadgen import (
+from spillway_cli import loadgen
+from spillway_cli.loadgen import (
     Result,
     Router,
     TraceRequest,

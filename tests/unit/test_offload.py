@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spillway_engine.gpus import get_gpu
-from spillway_engine.kv_layout import KVGroup, LayoutRequest, compute_layout, model_shape
-from spillway_engine.offload import (
+from spillway_engine.planner.gpus import get_gpu
+from spillway_engine.planner.kv_layout import KVGroup, LayoutRequest, compute_layout, model_shape
+from spillway_engine.planner.offload_geometry import (
     OffloadRefused,
     OffloadRequest,
     host_units,

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from spillway_engine.model_config import load_local
-from spillway_engine.plan import make_plan
+from spillway_engine.planner.model_config import load_local
+from spillway_engine.planner.plan import make_plan
 from spillway_engine.quantity import format_bytes, parse_bytes
 from spillway_operator import render
 from spillway_operator.kube import contains

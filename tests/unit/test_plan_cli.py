@@ -6,8 +6,9 @@ import sys
 
 import pytest
 
-from spillway_engine import cli, engine_cli
-from spillway_engine.plan import Plan, PlanRefused, PlanRequest, make_plan
+from spillway_cli import main as cli
+from spillway_engine.launcher import serve
+from spillway_engine.planner.plan import Plan, PlanRefused, PlanRequest, make_plan
 
 from .planner_fixtures import MODELS, load_model
 
@@ -170,7 +171,7 @@ def test_hub_offline_is_a_clear_error(capsys, monkeypatch, tmp_path):
 
 
 def test_hub_download_uses_cache_and_token(monkeypatch, tmp_path):
-    from spillway_engine import model_config
+    from spillway_engine.planner import model_config
 
     (tmp_path / "config.json").write_text(json.dumps(load_model("llama-3.2-1b")))
     calls = []
@@ -210,7 +211,7 @@ def test_plan_request_validation():
 
 def test_engine_cli_without_a_command(capsys):
     # the launcher itself is tested in test_engine_serve.py
-    assert engine_cli.main([]) == 2
+    assert serve.main([]) == 2
     assert "usage: spillway-engine" in capsys.readouterr().err
 
 
@@ -221,7 +222,7 @@ def test_no_subcommand(capsys):
 def test_planner_never_imports_vllm():
     code = (
         "import sys, json\n"
-        "from spillway_engine.cli import main\n"
+        "from spillway_cli.main import main\n"
         f"main(['plan', '--model-config', {GEMMA!r}, '--cpu-memory', '1Gi', '--format', 'json'])\n"
         "assert 'vllm' not in sys.modules and 'torch' not in sys.modules\n"
     )

@@ -2,7 +2,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spillway_engine.pod_sizing import (
+from spillway_engine.planner.pod_sizing import (
     ENGINE_PROCESS_BYTES,
     GIB,
     MIN_HEADROOM_BYTES,

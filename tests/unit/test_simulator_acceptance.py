@@ -12,7 +12,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from spillway_engine.loadgen import TraceSpec, generate_trace, to_replay_items
+from spillway_cli.loadgen import TraceSpec, generate_trace, to_replay_items
 from spillway_engine.simulator.core import replay
 from spillway_engine.simulator.prom import SimulatorMetrics
 from tests.unit.simulator_support import make_core

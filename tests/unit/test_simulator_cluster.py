@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from spillway_engine.loadgen import TraceSpec, generate_trace, to_replay_items
+from spillway_cli.loadgen import TraceSpec, generate_trace, to_replay_items
 from spillway_engine.simulator.cluster import VirtualCluster
 from spillway_engine.simulator.plan_input import gpu_blocks_for_tokens
 from tests.unit.simulator_support import sim_plan

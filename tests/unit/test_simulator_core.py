@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from spillway_engine.loadgen import TraceSpec, generate_trace, to_replay_items
+from spillway_cli.loadgen import TraceSpec, generate_trace, to_replay_items
 from spillway_engine.simulator.core import EngineCore, LatencyModel, RequestRejected, replay
 from tests.unit.simulator_support import (
     GEMMA,

@@ -13,7 +13,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from spillway_engine.loadgen import TraceSpec, generate_trace, run_load, summarize
+from spillway_cli.loadgen import TraceSpec, generate_trace, run_load, summarize
 from spillway_engine.simulator.__main__ import simulate_main
 from tests.helpers import wait_for
 from tests.unit.simulator_support import LLAMA, PLANS, plan_dict

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from spillway_engine import plan as plan_module
-from spillway_engine.loadgen import TraceSpec, generate_trace, to_replay_items
+from spillway_cli.loadgen import TraceSpec, generate_trace, to_replay_items
+from spillway_engine.planner import plan as plan_module
 from spillway_engine.simulator.core import EngineCore, replay
 from spillway_engine.simulator.plan_input import gpu_blocks_for_tokens, merge_groups, parse_plan
 

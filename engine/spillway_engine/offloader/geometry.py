@@ -1,6 +1,6 @@
 """Spillway's chunk geometry for a live engine, read off vLLM's own KV-cache config.
 
-The arithmetic is :mod:`spillway_engine.offload`'s (the planner's), so the plan and
+The arithmetic is :mod:`spillway_engine.planner.offload_geometry`'s (the planner's), so the plan and
 the engine agree by construction; this module only gathers its inputs from vLLM's
 objects and builds the two views vLLM's scheduler-side code needs.
 
@@ -27,8 +27,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from spillway_engine.offload import OffloadRefused, chunk_span, host_units, pool_too_small
-from spillway_engine.offloader.layout import GroupSlots, HostLayout
+from spillway_engine.offloader.host_layout import GroupSlots, HostLayout
+from spillway_engine.planner.offload_geometry import (
+    OffloadRefused,
+    chunk_span,
+    host_units,
+    pool_too_small,
+)
 
 #: vLLM offloading options whose host layout Spillway's pool does not implement.
 UNSUPPORTED_OPTIONS = {

@@ -3,7 +3,7 @@
 vLLM's ``CPUOffloadingManager`` keeps the LRU, reference counts, events and request
 accounting; Spillway only changes what a slot is. Upstream, every (chunk, group) key
 takes one row sized for the largest group. Here a key of group ``g`` takes
-``units_g`` units of the shared pool (:mod:`spillway_engine.offloader.layout`), so a
+``units_g`` units of the shared pool (:mod:`spillway_engine.offloader.host_layout`), so a
 small group's chunk costs only its own bytes and all groups share one LRU.
 
 The manager's ``chunk_id`` is a handle; ``self._units[handle]`` lists its units, and
@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from spillway_engine.offloader.layout import HostLayout
+from spillway_engine.offloader.host_layout import HostLayout
 
 #: Spillway's pool series, carried in vLLM's offloading stats payload (names as exported).
 POOL_USED_CHUNKS = "spillway_host_pool_used_chunks"

@@ -26,9 +26,8 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.cpu.common import CPUOffloadingInfo
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
-from spillway_engine.offload import unit_pool_gauge_tokens
 from spillway_engine.offloader.geometry import ConnectorGeometry, contract_runs
-from spillway_engine.offloader.layout import HostLayout
+from spillway_engine.offloader.host_layout import HostLayout
 from spillway_engine.offloader.manager import (
     HIT_TOKENS,
     LOOKUP_TOKENS,
@@ -38,6 +37,7 @@ from spillway_engine.offloader.manager import (
     POOL_USED_CHUNKS,
     make_manager_class,
 )
+from spillway_engine.planner.offload_geometry import unit_pool_gauge_tokens
 
 SPEC_NAME = "SpillwayHostSpec"
 SPEC_MODULE = __name__

@@ -40,7 +40,7 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 
-from .layout import GroupSlots, HostLayout
+from spillway_engine.offloader.host_layout import GroupSlots, HostLayout
 
 logger = logging.getLogger(__name__)
 

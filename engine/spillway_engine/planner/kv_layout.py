@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from spillway_engine.gpus import Backend, Gpu
+from spillway_engine.planner.gpus import Backend, Gpu
 
 Kind = Literal["full_attention", "sliding_window", "chunked_local", "mla", "mamba"]
 

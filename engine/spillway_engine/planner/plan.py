@@ -16,8 +16,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from spillway_engine import VLLM_VERSION
-from spillway_engine.gpus import DEFAULT_GPU, UnknownGpu, get_gpu
-from spillway_engine.kv_layout import (
+from spillway_engine.planner.gpus import DEFAULT_GPU, UnknownGpu, get_gpu
+from spillway_engine.planner.kv_layout import (
     KVLayout,
     LayoutRequest,
     ModelConfigError,
@@ -25,7 +25,7 @@ from spillway_engine.kv_layout import (
     compute_layout,
     model_shape,
 )
-from spillway_engine.offload import (
+from spillway_engine.planner.offload_geometry import (
     OffloadRefused,
     OffloadRequest,
     SpillwayGeometry,
@@ -33,7 +33,7 @@ from spillway_engine.offload import (
     spillway_geometry,
     upstream_geometry,
 )
-from spillway_engine.pod_sizing import PodSizingError, max_pool_bytes, size_pod
+from spillway_engine.planner.pod_sizing import PodSizingError, max_pool_bytes, size_pod
 
 #: Connector names the engine passes to vLLM for each offloader.
 UPSTREAM_CONNECTOR = "OffloadingConnector"
@@ -83,7 +83,7 @@ class PlanRequest(_Model):
     offloader: Literal["upstream", "spillway"] = Field(
         "spillway", description="Which offloader's geometry sizes the pool."
     )
-    gpu: str = Field(DEFAULT_GPU, description="GPU model (see spillway_engine.gpus).")
+    gpu: str = Field(DEFAULT_GPU, description="GPU model (see spillway_engine.planner.gpus).")
 
 
 class GpuInfo(_Model):

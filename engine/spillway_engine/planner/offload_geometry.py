@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Literal
 
-from spillway_engine.kv_layout import KVGroup, KVLayout
+from spillway_engine.planner.kv_layout import KVGroup, KVLayout
 
 #: ``SharedOffloadRegion.BLOCK_SIZE_ALIGNMENT`` (``mmap.PAGESIZE`` on x86-64 Linux).
 ROW_ALIGNMENT = 4096

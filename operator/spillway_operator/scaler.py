@@ -1,7 +1,7 @@
 """The autoscaler loop: one task per InferenceDeployment.
 
 Every ``intervalSeconds`` it scrapes the ready pods' /metrics concurrently
-(bounded, with timeouts), computes offload pressure (``autoscale``), exports it as
+(bounded, with timeouts), computes offload pressure (``pressure``), exports it as
 ``spillway_offload_pressure`` on the operator's /metrics, and - only when
 ``spec.autoscaling.enabled`` - decides and writes the replica count through the
 InferenceDeployment's scale subresource (the one writer of spec.replicas; the
@@ -19,7 +19,8 @@ import aiohttp
 from pydantic import ValidationError
 
 from spillway_operator import metrics, render
-from spillway_operator.autoscale import (
+from spillway_operator.kube import Kube
+from spillway_operator.pressure import (
     Aggregate,
     Policy,
     Sample,
@@ -29,7 +30,6 @@ from spillway_operator.autoscale import (
     parse_metrics,
     pod_pressure,
 )
-from spillway_operator.kube import Kube
 from spillway_operator.spec import InferenceDeploymentSpec
 from spillway_operator.status import now_rfc3339
 

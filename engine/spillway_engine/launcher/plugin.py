@@ -1,7 +1,7 @@
 """Spillway's vLLM general plugin: the start-up plan check and the plan metrics.
 
 Registered in the ``vllm.general_plugins`` entry-point group (name ``spillway``, value
-``spillway_engine.vllm_plugin:register``). vLLM calls :func:`register` once in every
+``spillway_engine.launcher.plugin:register``). vLLM calls :func:`register` once in every
 process it starts -- the API server, each engine core, each GPU worker -- so it is
 idempotent, and it does nothing unless ``SPILLWAY_PLAN`` names a plan file
 (``spillway-engine serve`` sets it before it execs ``vllm serve``).
@@ -19,9 +19,9 @@ pool in ``/dev/shm``; warm-up and CUDA-graph capture follow. So
 ``vllm.v1.executor.abstract.Executor``; the mp, uni-process and Ray executors inherit
 it) is the first moment the *final* per-worker ``KVCacheConfig`` exists and the last
 one before memory is committed. The plugin wraps it: the wrapper runs
-:func:`spillway_engine.plan_check.check` on the executor's ``vllm_config`` and the
+:func:`spillway_engine.launcher.plan_check.check` on the executor's ``vllm_config`` and the
 first worker's config, and on a mismatch logs the side-by-side table and raises
-:class:`~spillway_engine.plan_check.PlanMismatch`. vLLM's engine-core start-up then
+:class:`~spillway_engine.launcher.plan_check.PlanMismatch`. vLLM's engine-core start-up then
 fails the normal way ("EngineCore failed to start", "Engine core initialization
 failed"), the workers are torn down, and ``vllm serve`` -- hence the pod -- exits
 non-zero. A wrapper around ``vllm serve`` itself could not do this: the engine core
@@ -56,7 +56,7 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from spillway_engine.plan_check import (
+from spillway_engine.launcher.plan_check import (
     SPILLWAY_CONNECTOR,
     PlanMismatch,
     check,
@@ -69,7 +69,7 @@ ENV_PLAN = "SPILLWAY_PLAN"
 #: The entry point (group ``vllm.general_plugins``) pyproject.toml must declare.
 ENTRY_POINT_GROUP = "vllm.general_plugins"
 ENTRY_POINT_NAME = "spillway"
-ENTRY_POINT_VALUE = "spillway_engine.vllm_plugin:register"
+ENTRY_POINT_VALUE = "spillway_engine.launcher.plugin:register"
 
 # A child of vLLM's logger, so it shares vLLM's handlers and format.
 logger = logging.getLogger("vllm.spillway")

@@ -4,7 +4,7 @@
 plan and the serving options beside it (``engine.json``), builds the exact vLLM
 0.33.0 ``vllm serve`` command the plan was made for, refuses extra arguments that
 would change the planned geometry, and execs vLLM with ``SPILLWAY_PLAN`` set so the
-Spillway plugin (:mod:`spillway_engine.vllm_plugin`) checks vLLM's real KV-cache
+Spillway plugin (:mod:`spillway_engine.launcher.plugin`) checks vLLM's real KV-cache
 config against the plan at start-up and publishes the plan metrics. ``--dry-run``
 prints the command instead.
 
@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from spillway_engine import VLLM_VERSION
-from spillway_engine.vllm_plugin import (
+from spillway_engine.launcher.plugin import (
     ENTRY_POINT_GROUP,
     ENTRY_POINT_NAME,
     ENTRY_POINT_VALUE,
@@ -313,7 +313,7 @@ def check_extra_args(extra_args: Sequence[str]) -> None:
 # ------------------------------------------------------------------ the command
 
 #: ``AttentionBackend.get_preferred_block_size`` of the backends the planner picks:
-#: 16 unless the kernel takes one fixed size (spillway_engine.gpus).
+#: 16 unless the kernel takes one fixed size (spillway_engine.planner.gpus).
 _FIXED_BLOCK_BACKENDS = {"FLASHMLA": 64}
 
 

@@ -13,8 +13,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from spillway_engine.model_config import ModelConfigSourceError, load_hub, load_local
-from spillway_engine.plan import Plan, PlanRefused, PlanRequest, make_plan
+from spillway_engine.planner.model_config import ModelConfigSourceError, load_hub, load_local
+from spillway_engine.planner.plan import Plan, PlanRefused, PlanRequest, make_plan
 from spillway_engine.quantity import QuantityError, human_bytes, parse_bytes
 
 EXIT_REFUSED = 2
@@ -237,7 +237,7 @@ def _add_operator(sub: Any) -> None:
 
 
 def _add_loadgen(sub: Any) -> None:
-    from spillway_engine import loadgen
+    from spillway_cli import loadgen
 
     loadgen.add_parser(sub).set_defaults(handler=loadgen.run)
 
