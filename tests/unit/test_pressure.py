@@ -1,4 +1,5 @@
-"""Offload pressure and the scaling decision (pure, property-tested)."""
+"""spillway_operator.pressure: offload pressure and the scaling decision (pure,
+property-tested)."""
 
 from __future__ import annotations
 
@@ -202,7 +203,7 @@ def test_aggregate_is_the_mean_of_known_pods(values):
     assert agg.unknown == 1 and agg.measured == len(values)
 
 
-def test_fresh_autoscaler_observes_a_whole_window_before_scaling_down():
+def test_fresh_scaler_observes_a_whole_window_before_scaling_down():
     """After an operator restart there is no history: no instant scale-down."""
     d = decide(POLICY, 1_000.0, 4, 4, 0, agg_of(0.1), State())
     assert d.action == "hold" and "stabilizing" in d.reason
