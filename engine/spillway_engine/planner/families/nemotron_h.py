@@ -1,0 +1,72 @@
+"""Nemotron-H: Mamba-2 and attention layers in a per-layer pattern."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from spillway_engine.planner.shape import (
+    TORCH_DTYPE_NAMES,
+    LayerKind,
+    MambaState,
+    ModelConfigError,
+    ModelShape,
+    ShapeRule,
+    UnsupportedModel,
+    attention_heads,
+    derived_max_len,
+    divide_for_tp,
+    model_dtype,
+    text_config,
+)
+
+
+def _nemotron_h(config: dict[str, Any], arch: str) -> ModelShape:
+    """Nemotron-H: ``hybrid_override_pattern`` of M (Mamba-2), * (attention), - / E (MLP)."""
+    cfg = text_config(config, {})
+    pattern = cfg.get("hybrid_override_pattern")
+    if not isinstance(pattern, str) or not pattern:
+        raise ModelConfigError("config.json: missing 'hybrid_override_pattern'")
+    unknown = set(pattern) - set("M*-E")
+    if unknown:
+        raise UnsupportedModel(f"{arch}: layer codes {sorted(unknown)} are not modelled")
+    heads, kv_heads, head = attention_heads(cfg)
+    layers = tuple(
+        LayerKind("mamba") if c == "M" else LayerKind("full_attention")
+        for c in pattern
+        if c in "M*"
+    )
+    m_heads, head_dim = cfg.int("mamba_num_heads"), cfg.int("mamba_head_dim")
+    groups, d_state = cfg.int("n_groups"), cfg.int("ssm_state_size")
+    kernel = cfg.int("conv_kernel")
+    dtype = model_dtype(config, cfg.data)
+    # NemotronHForCausalLMConfig: the SSM state defaults to float32 (accuracy).
+    ssm_dtype = TORCH_DTYPE_NAMES.get(str(cfg.get("mamba_ssm_cache_dtype", "float32")))
+    if ssm_dtype is None:
+        raise ModelConfigError("config.json: unknown mamba_ssm_cache_dtype")
+
+    def states(tp: int, dtype: str) -> list[tuple[int, str]]:
+        # MambaStateShapeCalculator.mamba2_state_shape: groups grow to cover head shards.
+        n_groups = groups if groups % tp == 0 else tp
+        conv_dim = m_heads * head_dim + 2 * n_groups * d_state
+        return [
+            (divide_for_tp(conv_dim, tp, "Mamba-2 conv dim") * (kernel - 1), dtype),
+            (divide_for_tp(m_heads, tp, "mamba_num_heads") * head_dim * d_state, ssm_dtype),
+        ]
+
+    return ModelShape(
+        architecture=arch,
+        model_type="nemotron_h",
+        dtype=dtype,
+        layers=layers,
+        num_attention_heads=heads,
+        num_kv_heads=kv_heads,
+        head_size=head,
+        head_size_v=head,
+        mamba=MambaState("mamba2", states),
+        derived_max_model_len=derived_max_len(cfg),
+    )
+
+
+ARCHITECTURES: dict[str, ShapeRule] = {
+    "NemotronHForCausalLM": _nemotron_h,
+}

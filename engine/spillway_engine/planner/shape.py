@@ -1,0 +1,215 @@
+"""A model's layout-relevant facts (``ModelShape``) and typed reads of its config.json.
+
+Each architecture family's rule (``planner/families/``) turns a config.json into a
+``ModelShape``: what every cache-holding layer stores, the heads, the dtype and the
+derived context length. ``planner/kv_layout.py`` turns a shape into vLLM's KV-cache
+groups. Nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+Kind = Literal["full_attention", "sliding_window", "chunked_local", "mla", "mamba"]
+
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1, "fp8_e4m3": 1}
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3")
+TORCH_DTYPE_NAMES = {
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+    "float32": "float32",
+    "fp32": "float32",
+    "float": "float32",
+}
+
+
+class ModelConfigError(ValueError):
+    """The config.json is malformed or misses a field the layout needs."""
+
+
+class UnsupportedModel(ValueError):
+    """vLLM may run this model, but Spillway does not reproduce its KV layout."""
+
+
+@dataclass(frozen=True)
+class LayerKind:
+    """What one cache-holding layer stores, in module order."""
+
+    kind: Kind
+    sliding_window: int | None = None
+    attention_chunk_size: int | None = None
+
+
+@dataclass(frozen=True)
+class MambaState:
+    """A Mamba/GDN state: ``(elements, dtype)`` per tensor, as a function of (TP, dtype)."""
+
+    family: str
+    states: Callable[[int, str], list[tuple[int, str]]]
+
+    def page_bytes(self, tp: int, dtype: str) -> int:
+        return sum(n * DTYPE_BYTES[dt] for n, dt in self.states(tp, dtype))
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The facts of a config.json that decide the KV layout."""
+
+    architecture: str
+    model_type: str
+    dtype: str
+    layers: tuple[LayerKind, ...]
+    num_attention_heads: int = 0
+    num_kv_heads: int = 0
+    head_size: int = 0
+    head_size_v: int = 0
+    mla_latent: int = 0
+    mamba: MambaState | None = None
+    gdn: bool = False
+    sinks: bool = False
+    mm_prefix: bool = False
+    derived_max_model_len: int = 2048
+    notes: tuple[str, ...] = ()
+
+
+#: A family rule: (config.json, architecture name) -> the shape.
+ShapeRule = Callable[[dict[str, Any], str], ModelShape]
+
+
+_MISSING = object()
+
+
+class ConfigReader:
+    """Typed reads from a config.json dict with clear errors."""
+
+    def __init__(self, data: dict[str, Any], where: str = "config.json") -> None:
+        self.data = data
+        self.where = where
+
+    def has(self, key: str) -> bool:
+        return self.data.get(key) is not None
+
+    def get(self, key: str, default: Any = None) -> Any:
+        value = self.data.get(key)
+        return default if value is None else value
+
+    def int(self, key: str, default: Any = _MISSING, *, minimum: int = 1) -> int:
+        value = self.data.get(key)
+        if value is None:
+            if default is _MISSING:
+                raise ModelConfigError(f"{self.where}: missing {key!r}")
+            value = default
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                value = int(value)
+            else:
+                raise ModelConfigError(f"{self.where}: {key!r} must be an integer, got {value!r}")
+        if value < minimum:
+            raise ModelConfigError(f"{self.where}: {key!r} must be >= {minimum}, got {value}")
+        return value
+
+    def str_list(self, key: str, length: int) -> list[str] | None:
+        value = self.data.get(key)
+        if value is None:
+            return None
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ModelConfigError(f"{self.where}: {key!r} must be a list of strings")
+        if len(value) < length:
+            raise ModelConfigError(
+                f"{self.where}: {key!r} has {len(value)} entries for {length} layers"
+            )
+        return value[:length]
+
+
+def model_dtype(config: dict[str, Any], text: dict[str, Any]) -> str:
+    """vLLM's ``dtype="auto"`` on CUDA: the checkpoint's dtype, float32 downcast to bf16."""
+    raw = text.get("torch_dtype") or text.get("dtype") or config.get("torch_dtype")
+    raw = raw or config.get("dtype") or "float32"  # transformers' default when absent
+    name = TORCH_DTYPE_NAMES.get(str(raw).removeprefix("torch.").lower())
+    if name is None:
+        raise ModelConfigError(f"config.json: unknown torch_dtype {raw!r}")
+    return "bfloat16" if name == "float32" else name
+
+
+def text_config(config: dict[str, Any], defaults: dict[str, Any]) -> ConfigReader:
+    text = config.get("text_config")
+    if text is not None and not isinstance(text, dict):
+        raise ModelConfigError("config.json: 'text_config' must be an object")
+    merged = dict(defaults)
+    merged.update({k: v for k, v in (text or config).items() if v is not None})
+    return ConfigReader(merged, "config.json text_config" if text else "config.json")
+
+
+def attention_heads(cfg: ConfigReader) -> tuple[int, int, int]:
+    """(query heads, KV heads, head size) like ``ModelConfig``: ``head_dim`` or hidden/heads."""
+    heads = cfg.int("num_attention_heads")
+    kv_heads = cfg.int("num_key_value_heads", heads)
+    if cfg.has("head_dim"):
+        head = cfg.int("head_dim")
+    else:
+        hidden = cfg.int("hidden_size")
+        if hidden % heads:
+            raise ModelConfigError(
+                f"{cfg.where}: hidden_size {hidden} is not divisible by "
+                f"num_attention_heads {heads} and no head_dim is given"
+            )
+        head = hidden // heads
+    return heads, kv_heads, head
+
+
+_MAX_LEN_KEYS = (
+    "max_position_embeddings",
+    "n_positions",
+    "max_seq_len",
+    "seq_length",
+    "model_max_length",
+    "max_target_positions",
+    "max_sequence_length",
+    "max_seq_length",
+    "seq_len",
+)
+# RoPE types whose max_position_embeddings is already the scaled length.
+_ROPE_ALREADY_SCALED = (
+    "su",
+    "longrope",
+    "llama3",
+    "yarn",
+    "deepseek_yarn",
+    "deepseek_llama_scaling",
+)
+
+
+def derived_max_len(cfg: ConfigReader) -> int:
+    """vLLM's derived max_model_len: the smallest length key, times the RoPE factor."""
+    lengths = [cfg.int(k) for k in _MAX_LEN_KEYS if cfg.has(k)]
+    length = cfg.int("model_max_length") if cfg.has("model_max_length") else min(lengths or [2048])
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling")
+    if isinstance(rope, dict) and "gemma3" not in str(cfg.get("model_type", "")):
+        kind = rope.get("rope_type") or rope.get("type") or "default"
+        if kind not in _ROPE_ALREADY_SCALED and kind != "default":
+            factor = rope.get("factor") or 1.0
+            if not isinstance(factor, int | float):
+                raise ModelConfigError(f"{cfg.where}: rope factor {factor!r} is not a number")
+            length = int(length * factor)
+    return length
+
+
+def sliding_window_of(cfg: ConfigReader, key: str = "sliding_window") -> int | None:
+    if not cfg.has(key):
+        return None
+    value = cfg.int(key, minimum=0)
+    return value or None  # vLLM treats 0 as "no sliding window"
+
+
+def divide_for_tp(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator:
+        raise UnsupportedModel(
+            f"{what} ({numerator}) is not divisible by the tensor-parallel size "
+            f"({denominator}); vLLM refuses this split"
+        )
+    return numerator // denominator
