@@ -1,6 +1,7 @@
 """Spillway's engine side: KV geometry planner, vLLM launcher, offloader plugin, simulator."""
 
+from spillway_engine.vllm_pins import VLLM_VERSION
+
 __version__ = "0.1.0"
 
-# The vLLM release whose geometry the planner mirrors and whose plugin API we target.
-VLLM_VERSION = "0.33.0"
+__all__ = ["VLLM_VERSION", "__version__"]

@@ -11,11 +11,12 @@ cache manager on, no speculative decoding, no decode/prefill context parallelism
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from spillway_engine import VLLM_VERSION
+from spillway_engine import __version__
 from spillway_engine.planner.gpus import DEFAULT_GPU, UnknownGpu, get_gpu
 from spillway_engine.planner.kv_layout import (
     KVLayout,
@@ -33,12 +34,18 @@ from spillway_engine.planner.offload_geometry import (
     spillway_geometry,
     upstream_geometry,
 )
-from spillway_engine.planner.pod_sizing import PodSizingError, max_pool_bytes, size_pod
-
-#: Connector names the engine passes to vLLM for each offloader.
-UPSTREAM_CONNECTOR = "OffloadingConnector"
-SPILLWAY_CONNECTOR = "SpillwayOffloadingConnector"
-SPILLWAY_CONNECTOR_MODULE = "spillway_engine.offloader"
+from spillway_engine.planner.pod_sizing import (
+    PodMemory,
+    PodSizingError,
+    max_pool_bytes,
+    size_pod,
+)
+from spillway_engine.vllm_pins import (
+    SPILLWAY_CONNECTOR,
+    SPILLWAY_CONNECTOR_MODULE,
+    UPSTREAM_CONNECTOR,
+    VLLM_VERSION,
+)
 
 
 class PlanRefused(Exception):
@@ -182,6 +189,7 @@ class Plan(_Model):
     """Everything the operator and the engine need to agree on. Stable JSON."""
 
     vllm_version: str = Field(description="vLLM release the geometry mirrors.")
+    spillway_version: str = Field(description="Spillway release that made the plan.")
     gpu: GpuInfo
     model: ModelInfo
     parallelism: Parallelism
@@ -210,6 +218,88 @@ class Plan(_Model):
     kv_transfer_config: dict[str, Any] = Field(description="The whole --kv-transfer-config.")
     pod: PodInfo
     notes: list[str]
+
+
+class PlanReadError(ValueError):
+    """A plan this engine cannot use; the message is one line naming the problem."""
+
+
+class _Stamp(BaseModel):
+    """Only the two versions, read before the whole plan so that a plan of another
+    release is named as such rather than by the first field it spells differently."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    vllm_version: str | None = None
+    spillway_version: str | None = None
+
+
+def read_plan(text: str | bytes, source: str) -> Plan:
+    """The plan in ``text`` (JSON, as ``spillway plan --format json`` writes it).
+
+    Every reader of a plan goes through here. Raises :class:`PlanReadError`, one line
+    naming ``source``: a plan made by another Spillway or for another vLLM names both
+    releases; malformed JSON or a plan that does not fit :class:`Plan` names the field.
+    """
+    try:
+        plan = Plan.model_validate_json(text)
+    except ValidationError as e:
+        stamp = _stamp(text)
+        if stamp is not None and _other_release(stamp):
+            raise PlanReadError(_release_message(stamp, source)) from None
+        raise PlanReadError(_validation_message(e, source)) from None
+    if _other_release(plan):
+        raise PlanReadError(_release_message(plan, source))
+    return plan
+
+
+def _stamp(text: str | bytes) -> _Stamp | None:
+    try:
+        return _Stamp.model_validate_json(text)
+    except ValidationError:
+        return None
+
+
+def _other_release(stamp: _Stamp | Plan) -> bool:
+    """Both versions must be this install's; a missing one is left to validation."""
+    return any(
+        found is not None and found != ours
+        for found, ours in (
+            (stamp.vllm_version, VLLM_VERSION),
+            (stamp.spillway_version, __version__),
+        )
+    )
+
+
+def _release_message(stamp: _Stamp | Plan, source: str) -> str:
+    return (
+        f"plan {source} was made by Spillway {stamp.spillway_version or '(unknown)'} for "
+        f"vLLM {stamp.vllm_version or '(unknown)'}; this engine is Spillway {__version__} "
+        f"with vLLM {VLLM_VERSION} (re-plan with this release)"
+    )
+
+
+def _field_name(loc: tuple[int | str, ...]) -> str:
+    """``('kv_groups', 0, 'kind')`` -> ``kv_groups[0].kind``."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else f".{part}" if out else str(part)
+    return out
+
+
+def _validation_message(error: ValidationError, source: str) -> str:
+    errors = error.errors()
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        return f"plan {source} is not valid JSON: {first['msg'].removeprefix('Invalid JSON: ')}"
+    if not first["loc"]:
+        return f"plan {source} is not a JSON object"
+    if all(e["type"] == "missing" for e in errors):
+        missing = ", ".join(_field_name(e["loc"]) for e in errors)
+        return f"plan {source} is missing {missing} (make it with `spillway plan --format json`)"
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    message = " ".join(str(first["msg"]).split())  # one line whatever pydantic says
+    return f"plan {source}: {_field_name(first['loc'])}: {message}{more}"
 
 
 def _chunks(geometry: UpstreamGeometry | SpillwayGeometry) -> list[GroupChunkInfo]:
@@ -265,73 +355,16 @@ def _make_plan(config: dict[str, Any], request: PlanRequest) -> Plan:
     layout, max_len = _layout(config, request)
     workers = request.tensor_parallel_size * request.pipeline_parallel_size
     dp = request.data_parallel_size
-
-    cpu_bytes = request.cpu_memory_bytes
-    if cpu_bytes is None:
-        if request.memory_limit_bytes is None:
-            raise PlanRefused("give a CPU pool size (--cpu-memory) or a memory limit")
-        cpu_bytes = max_pool_bytes(request.memory_limit_bytes, workers, dp)
-    if cpu_bytes <= 0:
-        raise PlanRefused("the CPU pool size must be positive")
-
-    def offload_request(bytes_: int) -> OffloadRequest:
-        return OffloadRequest(
-            cpu_bytes=bytes_,
-            world_size=workers,
-            max_model_len=max_len,
-            blocks_per_chunk=request.blocks_per_chunk,
-            chunk_block_size_tokens=request.chunk_block_size_tokens,
-        )
-
-    upstream: UpstreamGeometry | None = None
-    upstream_refusal = None
-    try:
-        upstream = upstream_geometry(layout, offload_request(cpu_bytes))
-    except OffloadRefused as e:
-        if request.offloader == "upstream":
-            raise
-        upstream_refusal = str(e)
-    spillway = spillway_geometry(layout, offload_request(cpu_bytes))
-
-    if request.offloader == "upstream":
-        assert upstream is not None
-        chosen_bpc, row = upstream.blocks_per_chunk, upstream.row_bytes
-        num_chunks, capacity = upstream.num_chunks, upstream.capacity_tokens
-        region, extra = upstream.region_bytes, dict(upstream.kv_connector_extra_config)
-        transfer: dict[str, Any] = {"kv_connector": UPSTREAM_CONNECTOR}
-    else:
-        chosen_bpc = max(g.blocks_per_chunk for g in spillway.groups)
-        row, num_chunks = spillway.chunk_set_bytes, spillway.num_chunks
-        capacity, region = spillway.capacity_tokens, spillway.region_bytes
-        extra = dict(spillway.kv_connector_extra_config)
-        transfer = {
-            "kv_connector": SPILLWAY_CONNECTOR,
-            "kv_connector_module_path": SPILLWAY_CONNECTOR_MODULE,
-        }
-    transfer.update(kv_role="kv_both", kv_connector_extra_config=extra)
-
-    pod = size_pod(region, workers, dp)
-    if (
-        request.memory_limit_bytes is not None
-        and pod.memory_limit_bytes > request.memory_limit_bytes
-    ):
-        raise PlanRefused(
-            f"the pod needs a memory limit of {pod.memory_limit_bytes} bytes (pool "
-            f"{region} + processes {pod.process_overhead_bytes} + headroom), above the "
-            f"given limit of {request.memory_limit_bytes}"
-        )
-
-    gpu = layout.gpu
+    cpu_bytes = _pool_bytes(request, workers, dp)
+    upstream, upstream_refusal, spillway = _geometries(
+        layout, request, cpu_bytes, workers, max_len
+    )
+    chosen = _chosen_offload(request.offloader, upstream, spillway)
+    pod = _sized_pod(chosen.region_bytes, workers, dp, request.memory_limit_bytes)
     return Plan(
         vllm_version=VLLM_VERSION,
-        gpu=GpuInfo(
-            name=gpu.name,
-            product=gpu.product,
-            generation=gpu.generation,
-            compute_capability=f"{gpu.compute_capability[0]}.{gpu.compute_capability[1]}",
-            attention_backend=layout.attention_backend,
-            gdn_prefill_kernel=gpu.gdn_prefill_kernel,
-        ),
+        spillway_version=__version__,
+        gpu=_gpu_info(layout),
         model=ModelInfo(
             name=request.model_name,
             architecture=layout.shape.architecture,
@@ -350,62 +383,20 @@ def _make_plan(config: dict[str, Any], request: PlanRequest) -> Plan:
         block_size=layout.block_size,
         enable_prefix_caching=request.enable_prefix_caching,
         mamba_cache_mode=layout.mamba_cache_mode,
-        kv_groups=[
-            KVGroupInfo(
-                kind=g.kind,
-                num_layers=g.num_layers,
-                layer_indices=list(g.layer_indices),
-                tokens_per_block=g.tokens_per_block,
-                page_bytes=g.page_bytes,
-                bytes_per_block=g.bytes_per_block,
-                sliding_window=g.sliding_window,
-                attention_chunk_size=g.attention_chunk_size,
-                padded_layers=g.padded_layers,
-            )
-            for g in layout.groups
-        ],
+        kv_groups=_kv_groups(layout),
         tokens_per_hash=layout.tokens_per_hash,
         worker_bytes_per_block=layout.worker_bytes_per_block,
         offloader=request.offloader,
-        blocks_per_chunk=chosen_bpc,
+        blocks_per_chunk=chosen.blocks_per_chunk,
         cpu_memory_bytes=cpu_bytes,
-        row_bytes=row,
-        num_chunks=num_chunks,
-        capacity_tokens=capacity,
-        upstream=None
-        if upstream is None
-        else UpstreamInfo(
-            blocks_per_chunk=upstream.blocks_per_chunk,
-            copies=upstream.copies,
-            replicated_layout=upstream.replicated_layout,
-            row_bytes=upstream.row_bytes,
-            num_chunks=upstream.num_chunks,
-            region_bytes=upstream.region_bytes,
-            capacity_tokens=upstream.capacity_tokens,
-            gauge_tokens=upstream.gauge_tokens,
-            groups=_chunks(upstream),
-            kv_connector_extra_config=dict(upstream.kv_connector_extra_config),
-        ),
+        row_bytes=chosen.row_bytes,
+        num_chunks=chosen.num_chunks,
+        capacity_tokens=chosen.capacity_tokens,
+        upstream=None if upstream is None else _upstream_info(upstream),
         upstream_refusal=upstream_refusal,
-        spillway=SpillwayInfo(
-            chunk_tokens=spillway.chunk_tokens,
-            copies=spillway.copies,
-            unit_bytes=spillway.unit_bytes,
-            num_units=spillway.num_units,
-            groups=_chunks(spillway),
-            row_layout=(
-                "one pool of num_units units (rows of unit_bytes x copies); a chunk of group "
-                "g takes units(g) of them, anywhere, so all groups share one LRU"
-            ),
-            chunk_set_bytes=spillway.chunk_set_bytes,
-            num_chunks=spillway.num_chunks,
-            region_bytes=spillway.region_bytes,
-            capacity_tokens=spillway.capacity_tokens,
-            gauge_tokens=spillway.gauge_tokens,
-            kv_connector_extra_config=dict(spillway.kv_connector_extra_config),
-        ),
-        kv_connector_extra_config=extra,
-        kv_transfer_config=transfer,
+        spillway=_spillway_info(spillway),
+        kv_connector_extra_config=chosen.extra_config,
+        kv_transfer_config=chosen.transfer_config,
         pod=PodInfo(
             shm_bytes=pod.shm_bytes,
             memory_request_bytes=pod.memory_request_bytes,
@@ -415,4 +406,158 @@ def _make_plan(config: dict[str, Any], request: PlanRequest) -> Plan:
             headroom_bytes=pod.headroom_bytes,
         ),
         notes=list(layout.notes),
+    )
+
+
+def _pool_bytes(request: PlanRequest, workers: int, dp: int) -> int:
+    """The host pool per engine: as asked, or the largest the memory limit allows."""
+    cpu_bytes = request.cpu_memory_bytes
+    if cpu_bytes is None:
+        if request.memory_limit_bytes is None:
+            raise PlanRefused("give a CPU pool size (--cpu-memory) or a memory limit")
+        cpu_bytes = max_pool_bytes(request.memory_limit_bytes, workers, dp)
+    if cpu_bytes <= 0:
+        raise PlanRefused("the CPU pool size must be positive")
+    return cpu_bytes
+
+
+def _geometries(
+    layout: KVLayout, request: PlanRequest, cpu_bytes: int, workers: int, max_len: int
+) -> tuple[UpstreamGeometry | None, str | None, SpillwayGeometry]:
+    """Both offloaders' geometry for the pool. vLLM's may refuse the model; that only
+    stops the plan when vLLM's offloader is the one asked for."""
+    offload = OffloadRequest(
+        cpu_bytes=cpu_bytes,
+        world_size=workers,
+        max_model_len=max_len,
+        blocks_per_chunk=request.blocks_per_chunk,
+        chunk_block_size_tokens=request.chunk_block_size_tokens,
+    )
+    upstream: UpstreamGeometry | None = None
+    refusal = None
+    try:
+        upstream = upstream_geometry(layout, offload)
+    except OffloadRefused as e:
+        if request.offloader == "upstream":
+            raise
+        refusal = str(e)
+    return upstream, refusal, spillway_geometry(layout, offload)
+
+
+@dataclass(frozen=True)
+class _ChosenOffload:
+    """The figures of the offloader the engine will run (the plan's top level)."""
+
+    blocks_per_chunk: int
+    row_bytes: int
+    num_chunks: int
+    capacity_tokens: int
+    region_bytes: int
+    extra_config: dict[str, Any]
+    transfer_config: dict[str, Any]
+
+
+def _chosen_offload(
+    offloader: str, upstream: UpstreamGeometry | None, spillway: SpillwayGeometry
+) -> _ChosenOffload:
+    if offloader == "upstream":
+        assert upstream is not None  # _geometries raised otherwise
+        extra = dict(upstream.kv_connector_extra_config)
+        transfer: dict[str, Any] = {"kv_connector": UPSTREAM_CONNECTOR}
+        figures = (
+            upstream.blocks_per_chunk,
+            upstream.row_bytes,
+            upstream.num_chunks,
+            upstream.capacity_tokens,
+            upstream.region_bytes,
+        )
+    else:
+        extra = dict(spillway.kv_connector_extra_config)
+        transfer = {
+            "kv_connector": SPILLWAY_CONNECTOR,
+            "kv_connector_module_path": SPILLWAY_CONNECTOR_MODULE,
+        }
+        figures = (
+            max(g.blocks_per_chunk for g in spillway.groups),
+            spillway.chunk_set_bytes,
+            spillway.num_chunks,
+            spillway.capacity_tokens,
+            spillway.region_bytes,
+        )
+    transfer.update(kv_role="kv_both", kv_connector_extra_config=extra)
+    return _ChosenOffload(*figures, extra_config=extra, transfer_config=transfer)
+
+
+def _sized_pod(region: int, workers: int, dp: int, memory_limit: int | None) -> PodMemory:
+    pod = size_pod(region, workers, dp)
+    if memory_limit is not None and pod.memory_limit_bytes > memory_limit:
+        raise PlanRefused(
+            f"the pod needs a memory limit of {pod.memory_limit_bytes} bytes (pool "
+            f"{region} + processes {pod.process_overhead_bytes} + headroom), above the "
+            f"given limit of {memory_limit}"
+        )
+    return pod
+
+
+def _gpu_info(layout: KVLayout) -> GpuInfo:
+    gpu = layout.gpu
+    return GpuInfo(
+        name=gpu.name,
+        product=gpu.product,
+        generation=gpu.generation,
+        compute_capability=f"{gpu.compute_capability[0]}.{gpu.compute_capability[1]}",
+        attention_backend=layout.attention_backend,
+        gdn_prefill_kernel=gpu.gdn_prefill_kernel,
+    )
+
+
+def _kv_groups(layout: KVLayout) -> list[KVGroupInfo]:
+    return [
+        KVGroupInfo(
+            kind=g.kind,
+            num_layers=g.num_layers,
+            layer_indices=list(g.layer_indices),
+            tokens_per_block=g.tokens_per_block,
+            page_bytes=g.page_bytes,
+            bytes_per_block=g.bytes_per_block,
+            sliding_window=g.sliding_window,
+            attention_chunk_size=g.attention_chunk_size,
+            padded_layers=g.padded_layers,
+        )
+        for g in layout.groups
+    ]
+
+
+def _upstream_info(upstream: UpstreamGeometry) -> UpstreamInfo:
+    return UpstreamInfo(
+        blocks_per_chunk=upstream.blocks_per_chunk,
+        copies=upstream.copies,
+        replicated_layout=upstream.replicated_layout,
+        row_bytes=upstream.row_bytes,
+        num_chunks=upstream.num_chunks,
+        region_bytes=upstream.region_bytes,
+        capacity_tokens=upstream.capacity_tokens,
+        gauge_tokens=upstream.gauge_tokens,
+        groups=_chunks(upstream),
+        kv_connector_extra_config=dict(upstream.kv_connector_extra_config),
+    )
+
+
+def _spillway_info(spillway: SpillwayGeometry) -> SpillwayInfo:
+    return SpillwayInfo(
+        chunk_tokens=spillway.chunk_tokens,
+        copies=spillway.copies,
+        unit_bytes=spillway.unit_bytes,
+        num_units=spillway.num_units,
+        groups=_chunks(spillway),
+        row_layout=(
+            "one pool of num_units units (rows of unit_bytes x copies); a chunk of group "
+            "g takes units(g) of them, anywhere, so all groups share one LRU"
+        ),
+        chunk_set_bytes=spillway.chunk_set_bytes,
+        num_chunks=spillway.num_chunks,
+        region_bytes=spillway.region_bytes,
+        capacity_tokens=spillway.capacity_tokens,
+        gauge_tokens=spillway.gauge_tokens,
+        kv_connector_extra_config=dict(spillway.kv_connector_extra_config),
     )
