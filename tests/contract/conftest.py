@@ -22,7 +22,7 @@ except importlib.metadata.PackageNotFoundError:
 if _found != REQUIRED_VLLM:
     raise RuntimeError(
         f"tests/contract needs vllm=={REQUIRED_VLLM} importable (found: {_found or 'none'}); "
-        "install it with `pip install -e '.[engine,test]'` (see reference/vllm-cpu.md)"
+        "install it with `pip install -e '.[engine,test]'` (see tests/contract/README.md)"
     )
 
 from .vllm_harness import Case, VllmLayout, build_layout  # noqa: E402

@@ -1,6 +1,6 @@
 """Run vLLM 0.33.0's own KV planning for a config.json on the CPU (no GPU, no weights).
 
-Route (reference/vllm-cpu.md, "gpu" route): build the real model class on the meta
+Route (the planned GPU's, without one): build the real model class on the meta
 device, tell each attention layer it runs the backend the planner says vLLM picks on
 the GPU (the kernels decide block sizes), run the base ``Platform`` block-size hook
 (``CudaPlatform`` does not override it), collect the layers' specs as the GPU worker
