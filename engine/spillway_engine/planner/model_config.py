@@ -10,12 +10,50 @@ import json
 from pathlib import Path
 from typing import Any
 
+#: A real config.json is a few KiB; anything past this is not one (a ConfigMap holds 1 MiB).
+MAX_CONFIG_BYTES = 4 * 2**20
+#: Real configs nest three or four levels (text_config.rope_scaling...); deep nesting is
+#: hostile and would exhaust Python's recursion on the way in or out.
+MAX_CONFIG_DEPTH = 64
+
 
 class ModelConfigSourceError(ValueError):
     """The config could not be read; the message says what to change."""
 
 
+def _depth(text: str) -> int:
+    """Deepest nesting of JSON arrays/objects in ``text``, brackets in strings skipped."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth -= 1
+    return deepest
+
+
 def parse_config_text(text: str, where: str) -> dict[str, Any]:
+    if len(text) > MAX_CONFIG_BYTES:
+        raise ModelConfigSourceError(
+            f"{where} is {len(text)} bytes, more than a config.json can be "
+            f"({MAX_CONFIG_BYTES} bytes at most)"
+        )
+    if _depth(text) > MAX_CONFIG_DEPTH:
+        raise ModelConfigSourceError(
+            f"{where} nests arrays/objects more than {MAX_CONFIG_DEPTH} levels deep; "
+            "it is not a model config.json"
+        )
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
