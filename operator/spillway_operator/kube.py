@@ -22,20 +22,40 @@ from kubernetes.client.exceptions import ApiException
 from spillway_engine.quantity import QuantityError, parse_bytes
 from spillway_operator import metrics
 from spillway_operator.render import FIELD_MANAGER
-from spillway_operator.spec import GROUP, PLURAL, VERSION
+from spillway_operator.spec import GROUP, KIND, PLURAL, VERSION
 from spillway_operator.status import now_rfc3339
 
 # Keys whose values are resource quantities: compared by value ("1Gi" == "1024Mi").
 _QUANTITY_PARENTS = {"requests", "limits", "capacity", "allocatable"}
 _QUANTITY_KEYS = {"sizeLimit"}
 
-_API_PATHS = {
-    ("v1", "ConfigMap"): ("/api/v1", "configmaps"),
-    ("v1", "Service"): ("/api/v1", "services"),
-    ("apps/v1", "Deployment"): ("/apis/apps/v1", "deployments"),
-    ("monitoring.coreos.com/v1", "ServiceMonitor"): ("/apis/monitoring.coreos.com/v1",
-                                                     "servicemonitors"),
+SERVICE_MONITOR_API = "monitoring.coreos.com/v1"
+# The REST resource (plural) of each (apiVersion, kind) the operator touches.
+_PLURALS = {
+    ("v1", "ConfigMap"): "configmaps",
+    ("v1", "Secret"): "secrets",
+    ("v1", "Pod"): "pods",
+    ("v1", "Event"): "events",
+    ("v1", "Service"): "services",
+    ("apps/v1", "Deployment"): "deployments",
+    (SERVICE_MONITOR_API, "ServiceMonitor"): "servicemonitors",
+    (f"{GROUP}/{VERSION}", KIND): PLURAL,
 }
+
+
+def api_path(api_version: str) -> str:
+    """The REST root of an API version: the core group lives under /api."""
+    return "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+
+
+def resource_path(api_version: str, kind: str, namespace: str, name: str = "",
+                  sub: str = "") -> str:
+    """The REST path of a namespaced object (of its collection when name is empty)."""
+    path = f"{api_path(api_version)}/namespaces/{namespace}/{_PLURALS[(api_version, kind)]}"
+    for part in (name, sub):
+        if part:
+            path += f"/{part}"
+    return path
 
 
 class TemporaryError(Exception):
@@ -84,9 +104,7 @@ class Kube:
 
     def __init__(self, api: client.ApiClient):
         self.api = api
-        self.core = client.CoreV1Api(api)
-        self.apps = client.AppsV1Api(api)
-        self.custom = client.CustomObjectsApi(api)
+        # Reconciles run in worker threads and share the discovery cache below.
         self._lock = threading.Lock()
         self._has_service_monitors: bool | None = None
         self._service_monitors_checked = 0.0
@@ -130,9 +148,8 @@ class Kube:
 
     @staticmethod
     def object_path(obj: dict) -> str:
-        base, plural = _API_PATHS[(obj["apiVersion"], obj["kind"])]
         meta = obj["metadata"]
-        return f"{base}/namespaces/{meta['namespace']}/{plural}/{meta['name']}"
+        return resource_path(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
 
     def ensure(self, desired: dict) -> tuple[str, dict]:
         """Apply ``desired`` if the live object lacks any of its fields.
@@ -156,45 +173,51 @@ class Kube:
     def service_monitors_served(self) -> bool:
         """Whether the Prometheus operator's ServiceMonitor API exists (re-checked every
         5 minutes, so installing the Prometheus operator later is noticed)."""
-        if self._has_service_monitors is None or (
-                time.monotonic() - self._service_monitors_checked > 300):
-            self._service_monitors_checked = time.monotonic()
-            found = self.get("/apis/monitoring.coreos.com/v1")
-            self._has_service_monitors = bool(
-                found and any(r.get("name") == "servicemonitors" for r in found["resources"])
-            )
-        return self._has_service_monitors
+        # Held across the one discovery request, so concurrent workers wait for its
+        # answer instead of each asking (and racing on the two fields).
+        with self._lock:
+            if self._has_service_monitors is None or (
+                    time.monotonic() - self._service_monitors_checked > 300):
+                found = self.get(api_path(SERVICE_MONITOR_API))
+                self._has_service_monitors = bool(
+                    found and any(r.get("name") == "servicemonitors" for r in found["resources"])
+                )
+                self._service_monitors_checked = time.monotonic()
+            return self._has_service_monitors
 
     # ------------------------------------------------------------ reads
 
+    def get_deployment(self, namespace: str, name: str) -> dict | None:
+        return self.get(resource_path("apps/v1", "Deployment", namespace, name))
+
     def read_configmap_key(self, namespace: str, name: str, key: str) -> str | None:
-        cm = self.get(f"/api/v1/namespaces/{namespace}/configmaps/{name}")
+        cm = self.get(resource_path("v1", "ConfigMap", namespace, name))
         if cm is None:
             return None
         return (cm.get("data") or {}).get(key)
 
     def read_secret_key(self, namespace: str, name: str, key: str) -> str | None:
-        secret = self.get(f"/api/v1/namespaces/{namespace}/secrets/{name}")
+        secret = self.get(resource_path("v1", "Secret", namespace, name))
         if secret is None:
             return None
         value = (secret.get("data") or {}).get(key)
         return base64.b64decode(value).decode() if value else None
 
     def list_pods(self, namespace: str, selector: str) -> list[dict]:
-        data = self.request("get", f"/api/v1/namespaces/{namespace}/pods",
+        data = self.request("get", resource_path("v1", "Pod", namespace),
                             query={"labelSelector": selector})
         return data.get("items", [])
 
     # ------------------------------------------------------------ the resource
 
-    def resource_path(self, namespace: str, name: str, sub: str = "") -> str:
-        path = f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}/{name}"
-        return f"{path}/{sub}" if sub else path
+    @staticmethod
+    def _own_path(namespace: str, name: str, sub: str) -> str:
+        return resource_path(f"{GROUP}/{VERSION}", KIND, namespace, name, sub)
 
     def patch_status(self, namespace: str, name: str, status: dict) -> None:
         self.request(
             "patch",
-            self.resource_path(namespace, name, "status"),
+            self._own_path(namespace, name, "status"),
             body={"status": status},
             content_type="application/merge-patch+json",
         )
@@ -203,7 +226,7 @@ class Kube:
         """Write spec.replicas through the scale subresource (the autoscaler's only write)."""
         self.request(
             "patch",
-            self.resource_path(namespace, name, "scale"),
+            self._own_path(namespace, name, "scale"),
             body={"spec": {"replicas": replicas}},
             content_type="application/merge-patch+json",
         )
@@ -232,4 +255,4 @@ class Kube:
         }
         # An Event is best effort; never fail a reconcile for it.
         with contextlib.suppress(ApiException, TemporaryError):
-            self.request("post", f"/api/v1/namespaces/{meta['namespace']}/events", body=body)
+            self.request("post", resource_path("v1", "Event", meta["namespace"]), body=body)
