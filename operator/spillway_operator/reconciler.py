@@ -18,12 +18,19 @@ from typing import Any
 from pydantic import ValidationError
 
 from spillway_engine.planner.model_config import ModelConfigSourceError, load_hub, parse_config_text
-from spillway_engine.planner.plan import PlanRefused, PlanRequest, make_plan
+from spillway_engine.planner.plan import Plan, PlanRefused, PlanRequest, make_plan
 from spillway_engine.quantity import parse_bytes
 from spillway_operator import metrics, render
 from spillway_operator.kube import Kube, TemporaryError
-from spillway_operator.spec import InferenceDeploymentSpec
-from spillway_operator.status import Observed, build_status, plan_summary, transitions
+from spillway_operator.spec import Condition, ConditionType, InferenceDeploymentSpec
+from spillway_operator.status import (
+    Observed,
+    build_status,
+    plan_summary,
+    read_status,
+    to_wire,
+    transitions,
+)
 
 log = logging.getLogger("spillway.reconciler")
 
@@ -99,6 +106,32 @@ class ConfigResolver:
         return self._hub_cache[key]
 
 
+# Planning failures: the PlanReady reason, and the outcome (retry or refused).
+_PLAN_FAILURES = (ValidationError, ConfigUnavailable, ConfigInvalid, PlanRefused)
+
+
+def plan_failure(exc: Exception) -> tuple[str, str, str]:
+    """(reason, message, outcome) for an exception in _PLAN_FAILURES."""
+    if isinstance(exc, ValidationError):
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        return "SpecInvalid", f"spec.{where}: {first['msg']}", "refused"
+    if isinstance(exc, ConfigUnavailable):
+        return "ModelConfigUnavailable", str(exc), "retry"
+    if isinstance(exc, ConfigInvalid):
+        return "ModelConfigInvalid", str(exc), "refused"
+    return "OffloadPlanInvalid", str(exc), "refused"
+
+
+def event_type(condition: Condition) -> str:
+    """Warning for a condition that needs someone's attention, Normal otherwise."""
+    bad = (condition.type == ConditionType.DEGRADED and condition.status == "True") or (
+        condition.type in (ConditionType.PLAN_READY, ConditionType.AVAILABLE)
+        and condition.status == "False"
+        and condition.reason not in ("DeploymentPending", "PodsNotReady"))
+    return "Warning" if bad else "Normal"
+
+
 class Reconciler:
     def __init__(self, kube: Kube):
         self.kube = kube
@@ -118,65 +151,65 @@ class Reconciler:
         if meta.get("deletionTimestamp"):
             return Result("ok")  # owner references let the garbage collector clean up
         owner = render.Owner(meta["name"], meta["namespace"], meta["uid"])
-        old_status = obj.get("status") or {}
         obs = Observed(generation=meta.get("generation", 0), desired_replicas=0,
                        selector=render.selector_string(owner))
         writes = 0
-        outcome, requeue = "ok", None
         try:
             spec = InferenceDeploymentSpec.model_validate(obj.get("spec") or {})
             obs.desired_replicas = spec.replicas
             config = self.configs.resolve(owner.namespace, spec)
-            plan = make_plan(config, plan_request(spec)).model_dump(mode="json")
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(p) for p in first["loc"])
-            obs.plan_error = ("SpecInvalid", f"spec.{where}: {first['msg']}")
-            outcome = "refused"
-        except ConfigUnavailable as exc:
-            obs.plan_error = ("ModelConfigUnavailable", str(exc))
-            outcome = "retry"
-        except ConfigInvalid as exc:
-            obs.plan_error = ("ModelConfigInvalid", str(exc))
-            outcome = "refused"
-        except PlanRefused as exc:
-            obs.plan_error = ("OffloadPlanInvalid", str(exc))
-            outcome = "refused"
+            plan = make_plan(config, plan_request(spec))
+        except _PLAN_FAILURES as exc:
+            reason, message, outcome = plan_failure(exc)
+            obs.plan_error = (reason, message)
         else:
-            digest = render.plan_hash(plan)
-            obs.plan_summary = plan_summary(plan, spec.gpus_per_pod, digest)
-            children = [render.plan_configmap(owner, spec, plan), render.service(owner),
-                        render.deployment(owner, spec, plan)]
-            if self.kube.service_monitors_served():
-                children.append(render.service_monitor(owner))
-            for child in children:
-                action, live = self.kube.ensure(child)
-                if child["kind"] == "Deployment":
-                    obs.deployment = live
-                if action != "unchanged":
-                    writes += 1
-                    metrics.CHILD_WRITES.labels(kind=child["kind"], action=action).inc()
-                    log.info("%s %s/%s %s", action, owner.namespace, child["metadata"]["name"],
-                             child["kind"])
+            outcome = "ok"
+            writes += self._apply(owner, spec, plan, obs)
+        writes += self._write_status(obj, owner, obs)
+        return Result(outcome, 5.0 if outcome == "retry" else None, writes)
 
+    def _children(self, owner: render.Owner, spec: InferenceDeploymentSpec,
+                  plan: Plan) -> list[dict[str, Any]]:
+        children = [render.plan_configmap(owner, spec, plan), render.service(owner),
+                    render.deployment(owner, spec, plan)]
+        if self.kube.service_monitors_served():
+            children.append(render.service_monitor(owner))
+        return children
+
+    def _apply(self, owner: render.Owner, spec: InferenceDeploymentSpec, plan: Plan,
+               obs: Observed) -> int:
+        """Apply the children that differ; returns the writes made."""
+        obs.plan_summary = plan_summary(plan, spec.gpus_per_pod, render.plan_hash(plan))
+        writes = 0
+        for child in self._children(owner, spec, plan):
+            action, live = self.kube.ensure(child)
+            if child["kind"] == "Deployment":
+                obs.deployment = live
+            if action != "unchanged":
+                writes += 1
+                metrics.CHILD_WRITES.labels(kind=child["kind"], action=action).inc()
+                log.info("%s %s/%s %s", action, owner.namespace, child["metadata"]["name"],
+                         child["kind"])
+        return writes
+
+    def _write_status(self, obj: dict[str, Any], owner: render.Owner, obs: Observed) -> int:
+        """Write the status if it changed, with an Event per condition transition."""
         if obs.deployment is None:  # not applied this time (no plan): what is running?
-            obs.deployment = self.kube.get(render.deployment_path(owner))
+            obs.deployment = self.kube.get_deployment(owner.namespace, owner.name)
         if obs.deployment is not None:
             obs.pods = self.kube.list_pods(owner.namespace, render.selector_string(owner))
-        status = build_status(obs, old_status, autoscaling_enabled=bool(
-            (obj.get("spec") or {}).get("autoscaling", {}).get("enabled")))
+        live = obj.get("status") or {}
+        old = read_status(live)
+        # The raw spec: autoscaling may be on even when the spec does not validate.
+        autoscaling = bool((obj.get("spec") or {}).get("autoscaling", {}).get("enabled"))
+        status = build_status(obs, old, autoscaling_enabled=autoscaling)
+        patch = to_wire(status)
+        if all(patch[k] == live.get(k) for k in patch):
+            return 0
         # Merge patch: keys we leave out (status.autoscaling, the autoscaler's) stay.
-        if any(status.get(k) != old_status.get(k) for k in status):
-            self.kube.patch_status(owner.namespace, owner.name, status)
-            writes += 1
-            for ctype, cstatus, reason, message in transitions(old_status.get("conditions", []),
-                                                               status["conditions"]):
-                warn = (ctype == "Degraded" and cstatus == "True") or (
-                    ctype in ("PlanReady", "Available") and cstatus == "False"
-                    and reason not in ("DeploymentPending", "PodsNotReady"))
-                self.kube.post_event(obj, "Warning" if warn else "Normal", reason,
-                                     f"{ctype}={cstatus}: {message}" if message else
-                                     f"{ctype}={cstatus}")
-        if outcome == "retry":
-            requeue = 5.0
-        return Result(outcome, requeue, writes)
+        self.kube.patch_status(owner.namespace, owner.name, patch)
+        for c in transitions(old.conditions, status.conditions):
+            self.kube.post_event(obj, event_type(c), c.reason,
+                                 f"{c.type}={c.status}: {c.message}" if c.message else
+                                 f"{c.type}={c.status}")
+        return 1

@@ -1,8 +1,9 @@
-"""Pure functions: (InferenceDeployment, plan) -> the child manifests.
+"""Pure functions: (InferenceDeployment, Plan) -> the child manifests.
 
-No API calls here. Every child carries the same labels, an owner reference to the
-InferenceDeployment (so deletion cascades through the garbage collector), and only
-the fields Spillway owns (server-side apply merges the rest).
+No API calls here (nor REST paths: those are ``kube``'s). Every child carries the
+same labels, an owner reference to the InferenceDeployment (so deletion cascades
+through the garbage collector), and only the fields Spillway owns (server-side
+apply merges the rest).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from spillway_engine.planner.plan import Plan
 from spillway_engine.quantity import format_bytes, parse_bytes
 from spillway_operator.spec import (
     GROUP,
@@ -91,11 +93,17 @@ def _meta(owner: Owner, name: str) -> dict[str, Any]:
     }
 
 
-def plan_json(plan: dict[str, Any]) -> str:
-    return json.dumps(plan, indent=2, sort_keys=True)
+def _json(data: dict[str, Any]) -> str:
+    return json.dumps(data, indent=2, sort_keys=True)
 
 
-def plan_hash(plan: dict[str, Any]) -> str:
+def plan_json(plan: Plan) -> str:
+    """The plan file the engine reads. Sorted keys keep the text, and so the hash,
+    stable for an unchanged plan: a changed hash rolls the pods."""
+    return _json(plan.model_dump(mode="json"))
+
+
+def plan_hash(plan: Plan) -> str:
     return hashlib.sha256(plan_json(plan).encode()).hexdigest()[:16]
 
 
@@ -114,19 +122,14 @@ def engine_options(spec: InferenceDeploymentSpec) -> dict[str, Any]:
     }
 
 
-def plan_configmap(owner: Owner, spec: InferenceDeploymentSpec, plan: dict[str, Any],
-                   ) -> dict[str, Any]:
+def plan_configmap(owner: Owner, spec: InferenceDeploymentSpec, plan: Plan) -> dict[str, Any]:
     """The plan the engine checks at start-up, and its serving options beside it."""
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": _meta(owner, f"{owner.name}-plan"),
-        "data": {PLAN_FILE: plan_json(plan), ENGINE_FILE: plan_json(engine_options(spec))},
+        "data": {PLAN_FILE: plan_json(plan), ENGINE_FILE: _json(engine_options(spec))},
     }
-
-
-def deployment_path(owner: Owner) -> str:
-    return f"/apis/apps/v1/namespaces/{owner.namespace}/deployments/{owner.name}"
 
 
 def service(owner: Owner) -> dict[str, Any]:
@@ -202,8 +205,8 @@ def _env(spec: InferenceDeploymentSpec) -> list[dict[str, Any]]:
     return env + list(spec.engine.env or [])
 
 
-def _volumes(owner: Owner, spec: InferenceDeploymentSpec, plan: dict[str, Any]):
-    shm = int(plan["pod"]["shm_bytes"])
+def _volumes(owner: Owner, spec: InferenceDeploymentSpec, plan: Plan):
+    shm = plan.pod.shm_bytes
     volumes = [
         {"name": "plan", "configMap": {"name": f"{owner.name}-plan"}},
         # The host offload pool lives in /dev/shm, so it is memory-backed and sized
@@ -229,28 +232,31 @@ def _volumes(owner: Owner, spec: InferenceDeploymentSpec, plan: dict[str, Any]):
     return volumes, mounts
 
 
-def deployment(owner: Owner, spec: InferenceDeploymentSpec, plan: dict[str, Any]) -> dict[str, Any]:
-    gpus = spec.gpus_per_pod
-    pod = plan["pod"]
+def _resources(spec: InferenceDeploymentSpec, plan: Plan) -> dict[str, Any]:
+    """GPUs from the spec; memory from the plan, plus the spec's extra."""
+    gpus = str(spec.gpus_per_pod)
     extra = parse_bytes(spec.resources.extra_memory, what="resources.extraMemory") if (
         spec.resources.extra_memory) else 0
-    memory_request = format_bytes(int(pod["memory_request_bytes"]) + extra)
-    memory_limit = format_bytes(int(pod["memory_limit_bytes"]) + extra)
-    cpu = spec.resources.cpu or str(DEFAULT_CPU_PER_GPU * gpus)
+    cpu = spec.resources.cpu or str(DEFAULT_CPU_PER_GPU * spec.gpus_per_pod)
     gpu_name = spec.resources.gpu_resource_name
-    volumes, mounts = _volumes(owner, spec, plan)
+    return {
+        "requests": {gpu_name: gpus, "cpu": cpu,
+                     "memory": format_bytes(plan.pod.memory_request_bytes + extra)},
+        "limits": {gpu_name: gpus, "memory": format_bytes(plan.pod.memory_limit_bytes + extra)},
+    }
+
+
+def _engine_container(spec: InferenceDeploymentSpec, plan: Plan,
+                      mounts: list[dict[str, Any]]) -> dict[str, Any]:
     probe = {"httpGet": {"path": "/health", "port": "http"}}
-    container = {
+    return {
         "name": "engine",
         "image": spec.engine.image,
         "command": ["spillway-engine", "serve"],
         "args": ["--plan", f"{PLAN_MOUNT}/{PLAN_FILE}", "--port", str(ENGINE_PORT)],
         "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
         "env": _env(spec),
-        "resources": {
-            "requests": {gpu_name: str(gpus), "cpu": cpu, "memory": memory_request},
-            "limits": {gpu_name: str(gpus), "memory": memory_limit},
-        },
+        "resources": _resources(spec, plan),
         "volumeMounts": mounts,
         # Model downloads and loads take minutes: up to an hour to start, then
         # readiness gates traffic and liveness restarts a hung engine.
@@ -267,10 +273,15 @@ def deployment(owner: Owner, spec: InferenceDeploymentSpec, plan: dict[str, Any]
             "seccompProfile": {"type": "RuntimeDefault"},
         },
     }
+
+
+def _pod_spec(owner: Owner, spec: InferenceDeploymentSpec, plan: Plan) -> dict[str, Any]:
+    volumes, mounts = _volumes(owner, spec, plan)
+    gpu_name = spec.resources.gpu_resource_name
     tolerations = [{"key": gpu_name, "operator": "Exists", "effect": "NoSchedule"}]
     tolerations += list(spec.resources.tolerations or [])
     pod_spec: dict[str, Any] = {
-        "containers": [container],
+        "containers": [_engine_container(spec, plan, mounts)],
         "volumes": volumes,
         "affinity": _node_affinity(spec),
         "tolerations": tolerations,
@@ -282,6 +293,10 @@ def deployment(owner: Owner, spec: InferenceDeploymentSpec, plan: dict[str, Any]
     }
     if spec.resources.node_selector:
         pod_spec["nodeSelector"] = dict(spec.resources.node_selector)
+    return pod_spec
+
+
+def deployment(owner: Owner, spec: InferenceDeploymentSpec, plan: Plan) -> dict[str, Any]:
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -299,7 +314,7 @@ def deployment(owner: Owner, spec: InferenceDeploymentSpec, plan: dict[str, Any]
                     # A changed plan rolls the pods: they were sized for the old one.
                     "annotations": {f"{GROUP}/plan-hash": plan_hash(plan)},
                 },
-                "spec": pod_spec,
+                "spec": _pod_spec(owner, spec, plan),
             },
         },
     }

@@ -30,10 +30,10 @@ from spillway_operator.pressure import (
     parse_metrics,
     pod_pressure,
 )
-from spillway_operator.spec import InferenceDeploymentSpec
-from spillway_operator.status import now_rfc3339
+from spillway_operator.spec import AutoscalingStatus, InferenceDeploymentSpec
+from spillway_operator.status import now_rfc3339, read_status, to_wire
 
-log = logging.getLogger("spillway.autoscaler")
+log = logging.getLogger("spillway.scaler")
 
 SCRAPE_TIMEOUT = 3.0
 SCRAPE_CONCURRENCY = 16
@@ -129,8 +129,24 @@ class Autoscaler:
         pods = await asyncio.to_thread(self.kube.list_pods, ns, render.selector_string(owner))
         live = [p for p in pods if not p.get("metadata", {}).get("deletionTimestamp")]
         ready = [p for p in live if _ready(p) and p.get("status", {}).get("podIP")]
-        starting = len(live) - len(ready)
+        agg = await self._measure(key, ready, spec, now)
+        if agg.pressure is not None:
+            metrics.OFFLOAD_PRESSURE.labels(ns, name).set(agg.pressure)
+            self._exported.add(key)
 
+        current = int(body.get("spec", {}).get("replicas", spec.replicas))
+        if spec.autoscaling.enabled:
+            starting = len(live) - len(ready)
+            desired, decision, reason = await self._scale(key, body, spec, now, current,
+                                                          len(ready), starting, agg)
+        else:
+            desired, decision, reason = current, "disabled", "autoscaling is off"
+        old = read_status(body.get("status")).autoscaling or AutoscalingStatus()
+        await self._write_status(key, old, agg, desired, decision, reason)
+
+    async def _measure(self, key: tuple[str, str], ready: list[dict[str, Any]],
+                       spec: InferenceDeploymentSpec, now: float) -> Aggregate:
+        """Scrape the ready pods and turn this and the last scrape into pressure."""
         sem = asyncio.Semaphore(SCRAPE_CONCURRENCY)
 
         async def one(pod: dict[str, Any]) -> tuple[str, str | None]:
@@ -155,46 +171,42 @@ class Autoscaler:
             cur[pod_name] = sample
             per_pod.append(pod_pressure(prev.get(pod_name), sample, max_dt))
         self._samples[key] = cur
-        agg = aggregate(per_pod)
-        if agg.pressure is not None:
-            metrics.OFFLOAD_PRESSURE.labels(ns, name).set(agg.pressure)
-            self._exported.add(key)
+        return aggregate(per_pod)
 
-        current = int(body.get("spec", {}).get("replicas", spec.replicas))
-        old = (body.get("status") or {}).get("autoscaling") or {}
-        if spec.autoscaling.enabled:
-            state = self._states.get(key, State())
-            d = decide(policy_of(spec), now, current, len(ready), starting, agg, state)
-            self._states[key] = d.state
-            if d.replicas != current:
-                await asyncio.to_thread(self.kube.patch_scale, ns, name, d.replicas)
-                await asyncio.to_thread(
-                    self.kube.post_event, body, "Normal",
-                    "ScaledUp" if d.replicas > current else "ScaledDown",
-                    f"replicas {current} -> {d.replicas}: {d.reason}")
-                log.info("%s/%s: replicas %d -> %d (%s)", ns, name, current, d.replicas, d.reason)
-            desired, decision, reason = d.replicas, d.action, d.reason
-        else:
-            desired, decision, reason = current, "disabled", "autoscaling is off"
-        await self._write_status(key, old, agg, desired, decision, reason)
+    async def _scale(self, key: tuple[str, str], body: dict[str, Any],
+                     spec: InferenceDeploymentSpec, now: float, current: int, ready: int,
+                     starting: int, agg: Aggregate) -> tuple[int, str, str]:
+        """Decide, and write a changed replica count; returns (replicas, action, reason)."""
+        ns, name = key
+        d = decide(policy_of(spec), now, current, ready, starting, agg,
+                   self._states.get(key, State()))
+        self._states[key] = d.state
+        if d.replicas != current:
+            await asyncio.to_thread(self.kube.patch_scale, ns, name, d.replicas)
+            await asyncio.to_thread(
+                self.kube.post_event, body, "Normal",
+                "ScaledUp" if d.replicas > current else "ScaledDown",
+                f"replicas {current} -> {d.replicas}: {d.reason}")
+            log.info("%s/%s: replicas %d -> %d (%s)", ns, name, current, d.replicas, d.reason)
+        return d.replicas, d.action, d.reason
 
-    async def _write_status(self, key: tuple[str, str], old: dict[str, Any], agg: Aggregate,
+    async def _write_status(self, key: tuple[str, str], old: AutoscalingStatus, agg: Aggregate,
                             desired: int, decision: str, reason: str) -> None:
-        new: dict[str, Any] = {
-            "desiredReplicas": desired,
-            "lastDecision": decision,
-            "lastDecisionReason": reason,
-        }
         if agg.pressure is not None:
-            new["pressure"] = round(agg.pressure, 2)
-            new["components"] = {k: round(v, 2) for k, v in agg.components.items()}
-        elif "pressure" in old:
-            new["pressure"] = old["pressure"]  # keep the last known value, say why in reason
-            if "components" in old:
-                new["components"] = old["components"]
-        if decision in ("scale-up", "scale-down"):
-            new["lastScaleTime"] = now_rfc3339()
-        elif "lastScaleTime" in old:
-            new["lastScaleTime"] = old["lastScaleTime"]
+            pressure = round(agg.pressure, 2)
+            components = {k: round(v, 2) for k, v in agg.components.items()}
+        else:  # keep the last known reading; the reason says why there is none now
+            pressure = old.pressure
+            components = old.components if old.pressure is not None else None
+        new = AutoscalingStatus(
+            pressure=pressure,
+            components=components,
+            desired_replicas=desired,
+            last_decision=decision,
+            last_decision_reason=reason,
+            last_scale_time=now_rfc3339() if decision in ("scale-up", "scale-down")
+            else old.last_scale_time,
+        )
         if new != old:
-            await asyncio.to_thread(self.kube.patch_status, key[0], key[1], {"autoscaling": new})
+            await asyncio.to_thread(self.kube.patch_status, key[0], key[1],
+                                    {"autoscaling": to_wire(new)})

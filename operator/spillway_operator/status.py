@@ -1,17 +1,36 @@
 """Pure functions that turn what the reconciler saw into the status it writes.
 
-Conditions keep their ``lastTransitionTime`` unless their status flips, so a
-steady state yields an identical status and no write.
+The status is built from the typed models in ``spec`` (the ones the CRD's status
+schema is generated from), so a misspelt field is a Python error here instead of
+a field the API server silently prunes. Conditions keep their
+``lastTransitionTime`` unless their status flips, so a steady state yields an
+identical status and no write.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from pydantic import BaseModel, ValidationError
+
+from spillway_engine.planner.plan import Plan
 from spillway_engine.quantity import human_bytes
-from spillway_operator.spec import ConditionType
+from spillway_operator.spec import (
+    AutoscalingStatus,
+    Condition,
+    ConditionType,
+    InferenceDeploymentStatus,
+    KVGroupSummary,
+    PlanSummary,
+)
+
+log = logging.getLogger("spillway.status")
+
+SCALING_ACTIVE = "ScalingActive"
 
 
 def now_rfc3339() -> str:
@@ -37,10 +56,33 @@ class Observed:
     generation: int
     desired_replicas: int
     plan_error: tuple[str, str] | None = None  # (reason, message)
-    plan_summary: dict[str, Any] | None = None
+    plan_summary: PlanSummary | None = None
     deployment: dict[str, Any] | None = None
     pods: list[dict[str, Any]] = field(default_factory=list)
     selector: str | None = None
+
+
+# ------------------------------------------------------------------ wire format
+
+
+def read_status(raw: dict[str, Any] | None) -> InferenceDeploymentStatus:
+    """The live status, typed. Fields this version does not know (written under an
+    older CRD) are ignored; a status that does not parse counts as empty, so the
+    next write replaces it rather than the reconcile failing for ever."""
+    try:
+        return InferenceDeploymentStatus.model_validate(raw or {}, extra="ignore")
+    except ValidationError as exc:
+        log.warning("ignoring an unreadable status: %s", exc)
+        return InferenceDeploymentStatus()
+
+
+def to_wire(model: BaseModel) -> dict[str, Any]:
+    """A status model as the API server stores it: camelCase, unset fields left out
+    (``autoscaling`` unset is what keeps the reconciler's merge patch off it)."""
+    return model.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+# ------------------------------------------------------------------ conditions
 
 
 def unschedulable_message(pods: list[dict[str, Any]]) -> str | None:
@@ -63,157 +105,175 @@ def _crashlooping(pods: list[dict[str, Any]]) -> str | None:
     return None
 
 
-def conditions_for(obs: Observed) -> list[Cond]:
+@dataclass(frozen=True)
+class Rollout:
+    """The engine Deployment's progress, as its status reports it."""
+
+    ready: int = 0
+    updated: int = 0
+    # The Deployment controller has seen our last change and every pod runs it.
+    complete: bool = False
+
+    @classmethod
+    def of(cls, deployment: dict[str, Any] | None, want: int) -> Rollout:
+        if deployment is None:
+            return cls()
+        status = deployment.get("status", {}) or {}
+        spec = deployment.get("spec", {}) or {}
+        updated = int(status.get("updatedReplicas") or 0)
+        complete = (
+            status.get("observedGeneration") == deployment["metadata"].get("generation")
+            and spec.get("replicas") == want
+            and updated == want
+            and int(status.get("replicas") or 0) == want
+        )
+        return cls(int(status.get("readyReplicas") or 0), updated, complete)
+
+
+def _plan_ready(obs: Observed) -> Cond:
     if obs.plan_error:
         reason, message = obs.plan_error
-        plan_ready = Cond(ConditionType.PLAN_READY, False, reason, message)
-    else:
-        plan_ready = Cond(ConditionType.PLAN_READY, True, "PlanComputed",
-                          "offload plan computed and published")
+        return Cond(ConditionType.PLAN_READY, False, reason, message)
+    return Cond(ConditionType.PLAN_READY, True, "PlanComputed",
+                "offload plan computed and published")
 
-    dep_status = (obs.deployment or {}).get("status", {}) or {}
-    dep_spec = (obs.deployment or {}).get("spec", {}) or {}
-    ready = int(dep_status.get("readyReplicas") or 0)
-    updated = int(dep_status.get("updatedReplicas") or 0)
-    total = int(dep_status.get("replicas") or 0)
+
+def _available(obs: Observed, r: Rollout, unschedulable: str | None) -> Cond:
     want = obs.desired_replicas
-    rolled = (
-        obs.deployment is not None
-        and dep_status.get("observedGeneration") == obs.deployment["metadata"].get("generation")
-        and dep_spec.get("replicas") == want
-        and updated == want
-        and total == want
-    )
-    unschedulable = unschedulable_message(obs.pods)
-    crash = _crashlooping(obs.pods)
-
     if obs.deployment is None:
         reason = "PlanNotReady" if obs.plan_error else "DeploymentPending"
-        available = Cond(ConditionType.AVAILABLE, False, reason, "no engine Deployment yet")
-    elif ready >= want and want > 0:
-        available = Cond(ConditionType.AVAILABLE, True, "MinimumReplicasAvailable",
-                         f"{ready}/{want} engine pods ready")
-    elif want == 0:
-        available = Cond(ConditionType.AVAILABLE, False, "ScaledToZero", "replicas is 0")
-    elif unschedulable:
-        available = Cond(ConditionType.AVAILABLE, False, "InsufficientGPUCapacity",
-                         f"{ready}/{want} ready; {unschedulable}")
-    else:
-        available = Cond(ConditionType.AVAILABLE, False, "PodsNotReady",
-                         f"{ready}/{want} engine pods ready")
+        return Cond(ConditionType.AVAILABLE, False, reason, "no engine Deployment yet")
+    if r.ready >= want and want > 0:
+        return Cond(ConditionType.AVAILABLE, True, "MinimumReplicasAvailable",
+                    f"{r.ready}/{want} engine pods ready")
+    if want == 0:
+        return Cond(ConditionType.AVAILABLE, False, "ScaledToZero", "replicas is 0")
+    if unschedulable:
+        return Cond(ConditionType.AVAILABLE, False, "InsufficientGPUCapacity",
+                    f"{r.ready}/{want} ready; {unschedulable}")
+    return Cond(ConditionType.AVAILABLE, False, "PodsNotReady",
+                f"{r.ready}/{want} engine pods ready")
 
+
+def _progressing(obs: Observed, r: Rollout) -> Cond:
+    want = obs.desired_replicas
     if obs.deployment is None and obs.plan_error:
-        progressing = Cond(ConditionType.PROGRESSING, False, "PlanNotReady", "nothing to roll out")
-    elif rolled and ready >= want:
-        progressing = Cond(ConditionType.PROGRESSING, False, "RolloutComplete",
-                           "all engine pods run the current plan")
-    else:
-        progressing = Cond(ConditionType.PROGRESSING, True, "RollingOut",
-                           f"{updated}/{want} pods updated, {ready} ready")
+        return Cond(ConditionType.PROGRESSING, False, "PlanNotReady", "nothing to roll out")
+    if r.complete and r.ready >= want:
+        return Cond(ConditionType.PROGRESSING, False, "RolloutComplete",
+                    "all engine pods run the current plan")
+    return Cond(ConditionType.PROGRESSING, True, "RollingOut",
+                f"{r.updated}/{want} pods updated, {r.ready} ready")
 
+
+def _degraded(obs: Observed, unschedulable: str | None, crash: str | None) -> Cond:
     if obs.plan_error and obs.deployment is not None:
-        degraded = Cond(ConditionType.DEGRADED, True, obs.plan_error[0],
-                        "the new spec cannot be planned; pods keep the last good plan: "
-                        + obs.plan_error[1])
-    elif unschedulable:
-        degraded = Cond(ConditionType.DEGRADED, True, "InsufficientGPUCapacity", unschedulable)
-    elif crash:
-        degraded = Cond(ConditionType.DEGRADED, True, "PodsFailing", crash)
-    else:
-        degraded = Cond(ConditionType.DEGRADED, False, "AsExpected", "")
-    return [plan_ready, available, progressing, degraded]
+        return Cond(ConditionType.DEGRADED, True, obs.plan_error[0],
+                    "the new spec cannot be planned; pods keep the last good plan: "
+                    + obs.plan_error[1])
+    if unschedulable:
+        return Cond(ConditionType.DEGRADED, True, "InsufficientGPUCapacity", unschedulable)
+    if crash:
+        return Cond(ConditionType.DEGRADED, True, "PodsFailing", crash)
+    return Cond(ConditionType.DEGRADED, False, "AsExpected", "")
 
 
-def merge_conditions(old: list[dict[str, Any]], new: list[Cond], generation: int,
-                     now: str | None = None) -> list[dict[str, Any]]:
-    """New condition dicts, keeping lastTransitionTime where the status did not flip."""
-    previous = {c.get("type"): c for c in old or []}
+def conditions_for(obs: Observed) -> list[Cond]:
+    rollout = Rollout.of(obs.deployment, obs.desired_replicas)
+    unschedulable = unschedulable_message(obs.pods)
+    return [
+        _plan_ready(obs),
+        _available(obs, rollout, unschedulable),
+        _progressing(obs, rollout),
+        _degraded(obs, unschedulable, _crashlooping(obs.pods)),
+    ]
+
+
+def scaling_condition(autoscaling: AutoscalingStatus | None) -> Cond:
+    """ScalingActive, from the autoscaler's last decision (it owns status.autoscaling)."""
+    if autoscaling is None or autoscaling == AutoscalingStatus():
+        return Cond(SCALING_ACTIVE, None, "NoDecisionYet", "waiting for the first metrics")
+    reason = autoscaling.last_decision_reason or ""
+    if reason.startswith("MetricsUnavailable"):
+        return Cond(SCALING_ACTIVE, False, "MetricsUnavailable", reason)
+    pressure: float | int | None = autoscaling.pressure
+    if pressure is not None and pressure.is_integer():
+        pressure = int(pressure)  # as the API server hands back a whole JSON number: "1"
+    return Cond(SCALING_ACTIVE, True, "ValidMetrics", f"pressure {pressure}: {reason}")
+
+
+def merge_conditions(old: list[Condition], new: list[Cond], generation: int,
+                     now: str | None = None) -> list[Condition]:
+    """The new conditions, keeping lastTransitionTime where the status did not flip."""
+    previous = {c.type: c for c in old}
+    now = now or now_rfc3339()
     out = []
     for c in new:
         prev = previous.get(c.type)
-        since = prev.get("lastTransitionTime") if prev and prev.get("status") == c.status_str \
-            else (now or now_rfc3339())
-        out.append({
-            "type": c.type,
-            "status": c.status_str,
-            "reason": c.reason,
-            "message": c.message,
-            "lastTransitionTime": since,
-            "observedGeneration": generation,
-        })
+        held = prev is not None and prev.status == c.status_str
+        out.append(Condition(
+            type=c.type,
+            status=c.status_str,
+            reason=c.reason,
+            message=c.message,
+            last_transition_time=prev.last_transition_time if held else now,
+            observed_generation=generation,
+        ))
     return out
 
 
-def plan_summary(plan: dict[str, Any], gpus_per_pod: int, digest: str) -> dict[str, Any]:
+def transitions(old: list[Condition], new: list[Condition]) -> Iterator[Condition]:
+    """The new conditions whose status or reason changed."""
+    before = {c.type: (c.status, c.reason) for c in old}
+    for c in new:
+        if before.get(c.type) != (c.status, c.reason):
+            yield c
+
+
+# ------------------------------------------------------------------ status
+
+
+def plan_summary(plan: Plan, gpus_per_pod: int, digest: str) -> PlanSummary:
     """The status.plan block: the figures people ask for first."""
-    spill = plan.get("spillway") or {}
-    pod = plan["pod"]
-    dp = plan.get("parallelism", {}).get("data_parallel_size", 1)
-    pool = int(plan["cpu_memory_bytes"]) * dp
-    return {
-        "offloader": plan["offloader"],
-        "gpu": plan["gpu"]["name"],
-        "gpusPerPod": gpus_per_pod,
-        "kvGroups": [
-            {
-                "kind": g["kind"],
-                "numLayers": g["num_layers"],
-                "tokensPerBlock": g["tokens_per_block"],
-                "pageBytes": g["page_bytes"],
-                **({"slidingWindow": g["sliding_window"]} if g.get("sliding_window") else {}),
-            }
-            for g in plan["kv_groups"]
+    pool = plan.cpu_memory_bytes * plan.parallelism.data_parallel_size
+    return PlanSummary(
+        offloader=plan.offloader,
+        gpu=plan.gpu.name,
+        gpus_per_pod=gpus_per_pod,
+        kv_groups=[
+            KVGroupSummary(kind=g.kind, num_layers=g.num_layers,
+                           tokens_per_block=g.tokens_per_block, page_bytes=g.page_bytes,
+                           sliding_window=g.sliding_window or None)
+            for g in plan.kv_groups
         ],
-        "tokensPerHash": plan["tokens_per_hash"],
-        "blocksPerChunk": plan["blocks_per_chunk"],
-        **({"chunkTokens": spill["chunk_tokens"]} if plan["offloader"] == "spillway" and spill
-           else {}),
-        "hostPoolBytes": pool,
-        "hostPool": human_bytes(pool),
-        "numChunks": plan["num_chunks"],
-        "capacityTokens": plan["capacity_tokens"],
-        "shmBytes": pod["shm_bytes"],
-        "memoryRequestBytes": pod["memory_request_bytes"],
-        "memoryLimitBytes": pod["memory_limit_bytes"],
-        "hash": digest,
-    }
+        tokens_per_hash=plan.tokens_per_hash,
+        blocks_per_chunk=plan.blocks_per_chunk,
+        # The chunk span is Spillway's own; vLLM's offloader chunks by blocks.
+        chunk_tokens=plan.spillway.chunk_tokens if plan.offloader == "spillway" else None,
+        host_pool_bytes=pool,
+        host_pool=human_bytes(pool),
+        num_chunks=plan.num_chunks,
+        capacity_tokens=plan.capacity_tokens,
+        shm_bytes=plan.pod.shm_bytes,
+        memory_request_bytes=plan.pod.memory_request_bytes,
+        memory_limit_bytes=plan.pod.memory_limit_bytes,
+        hash=digest,
+    )
 
 
-def scaling_condition(autoscaling: dict[str, Any] | None) -> Cond:
-    """ScalingActive, from the autoscaler's last decision (it owns status.autoscaling)."""
-    reason = (autoscaling or {}).get("lastDecisionReason") or ""
-    if not autoscaling:
-        return Cond("ScalingActive", None, "NoDecisionYet", "waiting for the first metrics")
-    if reason.startswith("MetricsUnavailable"):
-        return Cond("ScalingActive", False, "MetricsUnavailable", reason)
-    return Cond("ScalingActive", True, "ValidMetrics",
-                f"pressure {autoscaling.get('pressure')}: {reason}")
-
-
-def build_status(obs: Observed, old_status: dict[str, Any], now: str | None = None,
-                 autoscaling_enabled: bool = False) -> dict[str, Any]:
+def build_status(obs: Observed, old: InferenceDeploymentStatus, now: str | None = None,
+                 autoscaling_enabled: bool = False) -> InferenceDeploymentStatus:
+    """The reconciler's part of the status (never ``autoscaling``: the scaler's)."""
     dep_status = (obs.deployment or {}).get("status", {}) or {}
     conds = conditions_for(obs)
     if autoscaling_enabled:
-        conds.append(scaling_condition(old_status.get("autoscaling")))
-    status: dict[str, Any] = {
-        "observedGeneration": obs.generation,
-        "replicas": int(dep_status.get("replicas") or 0),
-        "readyReplicas": int(dep_status.get("readyReplicas") or 0),
-        "conditions": merge_conditions(old_status.get("conditions", []), conds,
-                                       obs.generation, now),
-    }
-    if obs.selector:
-        status["selector"] = obs.selector
-    plan = obs.plan_summary if obs.plan_summary is not None else old_status.get("plan")
-    if plan is not None:
-        status["plan"] = plan
-    return status
-
-
-def transitions(old: list[dict[str, Any]], new: list[dict[str, Any]]):
-    """(type, status, reason, message) of conditions whose status or reason changed."""
-    before = {c["type"]: (c.get("status"), c.get("reason")) for c in old or []}
-    for c in new:
-        if before.get(c["type"]) != (c["status"], c["reason"]):
-            yield c["type"], c["status"], c["reason"], c["message"]
+        conds.append(scaling_condition(old.autoscaling))
+    return InferenceDeploymentStatus(
+        observed_generation=obs.generation,
+        replicas=int(dep_status.get("replicas") or 0),
+        ready_replicas=int(dep_status.get("readyReplicas") or 0),
+        selector=obs.selector,
+        conditions=merge_conditions(old.conditions, conds, obs.generation, now),
+        # No plan this time (refused, or config unavailable): the pods run the last one.
+        plan=obs.plan_summary if obs.plan_summary is not None else old.plan,
+    )

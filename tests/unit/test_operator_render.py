@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -9,10 +10,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from spillway_engine.planner.model_config import load_local
-from spillway_engine.planner.plan import make_plan
+from spillway_engine.planner.plan import Plan, make_plan
 from spillway_engine.quantity import format_bytes, parse_bytes
 from spillway_operator import render
-from spillway_operator.kube import contains
+from spillway_operator.kube import Kube, contains, resource_path
 from spillway_operator.reconciler import plan_request
 from spillway_operator.render import engine_options
 from spillway_operator.spec import InferenceDeploymentSpec
@@ -21,8 +22,8 @@ MODELS = Path(__file__).resolve().parents[1] / "fixtures" / "models"
 OWNER = render.Owner("chat", "team-a", "uid-123")
 
 
-def plan_for(spec: InferenceDeploymentSpec, fixture="gemma-3-1b-it.json") -> dict:
-    return make_plan(load_local(MODELS / fixture), plan_request(spec)).model_dump(mode="json")
+def plan_for(spec: InferenceDeploymentSpec, fixture="gemma-3-1b-it.json") -> Plan:
+    return make_plan(load_local(MODELS / fixture), plan_request(spec))
 
 
 def spec_of(**fields) -> InferenceDeploymentSpec:
@@ -37,11 +38,11 @@ def test_deployment_is_sized_from_the_plan():
     pod = dep["spec"]["template"]["spec"]
     c = pod["containers"][0]
     assert c["resources"]["limits"]["nvidia.com/gpu"] == "2"
-    assert parse_bytes(c["resources"]["limits"]["memory"]) == plan["pod"]["memory_limit_bytes"]
-    assert parse_bytes(c["resources"]["requests"]["memory"]) == plan["pod"]["memory_request_bytes"]
+    assert parse_bytes(c["resources"]["limits"]["memory"]) == plan.pod.memory_limit_bytes
+    assert parse_bytes(c["resources"]["requests"]["memory"]) == plan.pod.memory_request_bytes
     shm = next(v for v in pod["volumes"] if v["name"] == "dshm")
-    assert parse_bytes(shm["emptyDir"]["sizeLimit"]) == plan["pod"]["shm_bytes"]
-    assert plan["pod"]["shm_bytes"] >= 32 * 2**30
+    assert parse_bytes(shm["emptyDir"]["sizeLimit"]) == plan.pod.shm_bytes
+    assert plan.pod.shm_bytes >= 32 * 2**30
     assert dep["spec"]["template"]["metadata"]["annotations"]["spillway.dev/plan-hash"] == \
         render.plan_hash(plan)
     assert c["securityContext"]["runAsNonRoot"] is True
@@ -79,20 +80,33 @@ def test_user_affinity_terms_all_require_the_gpu_product():
 def test_auto_host_memory_fits_the_memory_limit():
     spec = spec_of(engine={"tensorParallelSize": 2}, offload={"memoryLimit": "300Gi"})
     plan = plan_for(spec)
-    assert plan["pod"]["memory_limit_bytes"] <= 300 * 2**30
-    assert plan["cpu_memory_bytes"] > 200 * 2**30
+    assert plan.pod.memory_limit_bytes <= 300 * 2**30
+    assert plan.cpu_memory_bytes > 200 * 2**30
 
 
-def test_plan_request_carries_the_spec():
-    spec = spec_of(engine={"tensorParallelSize": 4, "dataParallelSize": 2, "maxModelLen": 8192,
-                           "kvCacheDtype": "fp8"},
-                   offload={"blocksPerChunk": 8, "offloader": "upstream", "hostMemory": "64Gi"},
-                   resources={"gpuProduct": "A100"})
-    req = plan_request(spec)
-    assert (req.tensor_parallel_size, req.data_parallel_size, req.max_model_len) == (4, 2, 8192)
-    assert req.kv_cache_dtype == "fp8" and req.blocks_per_chunk == 8
-    assert req.offloader == "upstream" and req.gpu == "a100"
-    assert req.cpu_memory_bytes == 64 * 2**30 and req.memory_limit_bytes is None
+def test_configmap_holds_the_plan_json_sorted_as_the_engine_reads_it():
+    spec = spec_of()
+    plan = plan_for(spec)
+    text = render.plan_configmap(OWNER, spec, plan)["data"][render.PLAN_FILE]
+    assert text == json.dumps(plan.model_dump(mode="json"), indent=2, sort_keys=True)
+    assert Plan.model_validate_json(text) == plan
+
+
+def test_rest_paths_are_the_api_clients():
+    spec = spec_of()
+    plan = plan_for(spec)
+    children = [render.plan_configmap(OWNER, spec, plan), render.service(OWNER),
+                render.deployment(OWNER, spec, plan), render.service_monitor(OWNER)]
+    assert [Kube.object_path(c) for c in children] == [
+        "/api/v1/namespaces/team-a/configmaps/chat-plan",
+        "/api/v1/namespaces/team-a/services/chat",
+        "/apis/apps/v1/namespaces/team-a/deployments/chat",
+        "/apis/monitoring.coreos.com/v1/namespaces/team-a/servicemonitors/chat",
+    ]
+    assert resource_path("v1", "Pod", "team-a") == "/api/v1/namespaces/team-a/pods"
+    assert resource_path("spillway.dev/v1alpha1", "InferenceDeployment", "team-a", "chat",
+                         "scale") == \
+        "/apis/spillway.dev/v1alpha1/namespaces/team-a/inferencedeployments/chat/scale"
 
 
 @pytest.mark.parametrize(

@@ -1,9 +1,33 @@
-"""Conditions and status from what the reconciler observed (pure)."""
+"""Conditions and status from what the reconciler observed (pure), and the status
+both writers (reconciler, scaler) send: typed, declared in the CRD, steady when
+nothing changed."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from spillway_engine.planner.model_config import load_local
+from spillway_operator import crd
 from spillway_operator.controller import Backoff
-from spillway_operator.status import Observed, build_status, conditions_for, transitions
+from spillway_operator.kube import contains
+from spillway_operator.pressure import Aggregate
+from spillway_operator.reconciler import Reconciler
+from spillway_operator.scaler import Autoscaler
+from spillway_operator.spec import AutoscalingStatus, Condition, InferenceDeploymentStatus
+from spillway_operator.status import (
+    Observed,
+    build_status,
+    conditions_for,
+    read_status,
+    to_wire,
+    transitions,
+)
 
 T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
 
@@ -59,24 +83,155 @@ def test_rollout_in_progress():
 
 def test_transition_time_kept_while_status_holds():
     obs = Observed(1, 2, deployment=dep(), selector="a=b")
-    first = build_status(obs, {}, now=T0)
-    second = build_status(obs, first, now=T1)
-    assert second == first  # steady state: identical status, so no write
+    first = build_status(obs, InferenceDeploymentStatus(), now=T0)
+    # What the API server hands back next time is the wire form.
+    second = build_status(obs, read_status(to_wire(first)), now=T1)
+    assert to_wire(second) == to_wire(first)  # steady state: identical status, so no write
     flipped = build_status(Observed(1, 2, deployment=dep(ready=0), selector="a=b"), first, now=T1)
-    times = {c["type"]: c["lastTransitionTime"] for c in flipped["conditions"]}
+    times = {c.type: c.last_transition_time for c in flipped.conditions}
     assert times["Available"] == T1 and times["PlanReady"] == T0
-    changed = list(transitions(first["conditions"], flipped["conditions"]))
-    assert [t[0] for t in changed] == ["Available", "Progressing"]
+    changed = list(transitions(first.conditions, flipped.conditions))
+    assert [c.type for c in changed] == ["Available", "Progressing"]
 
 
 def test_scaling_condition_follows_the_autoscaler():
-    old = {"autoscaling": {"pressure": 1.2, "lastDecisionReason": "MetricsUnavailable: x"}}
+    old = read_status({"autoscaling": {"pressure": 1.2,
+                                       "lastDecisionReason": "MetricsUnavailable: x"}})
     new = build_status(Observed(1, 1), old, autoscaling_enabled=True)
-    assert "autoscaling" not in new  # owned by the autoscaler; the merge patch keeps it
-    cond = next(c for c in new["conditions"] if c["type"] == "ScalingActive")
-    assert (cond["status"], cond["reason"]) == ("False", "MetricsUnavailable")
-    assert all(c["type"] != "ScalingActive" for c in build_status(Observed(1, 1), old)[
-        "conditions"])
+    assert "autoscaling" not in to_wire(new)  # the autoscaler's; the merge patch keeps it
+    cond = next(c for c in new.conditions if c.type == "ScalingActive")
+    assert (cond.status, cond.reason) == ("False", "MetricsUnavailable")
+    assert all(c.type != "ScalingActive" for c in build_status(Observed(1, 1), old).conditions)
+    waiting = build_status(Observed(1, 1), InferenceDeploymentStatus(), autoscaling_enabled=True)
+    assert waiting.conditions[-1].reason == "NoDecisionYet"
+
+
+def test_a_misspelt_status_field_is_a_python_error():
+    with pytest.raises(ValidationError, match="lastTransitonTime"):
+        Condition(type="Available", status="True", reason="Ok", lastTransitonTime=T0)
+    with pytest.raises(ValidationError, match="desired_replica"):
+        AutoscalingStatus(desired_replica=2)
+    with pytest.raises(ValidationError, match="ready_replica"):
+        InferenceDeploymentStatus(ready_replica=1)
+
+
+def test_read_status_ignores_fields_an_older_crd_had():
+    old = read_status({"replicas": 2, "gone": 1, "plan": {"gpu": "h100", "gone": 2}})
+    assert old.replicas == 2 and old.plan.gpu == "h100"
+    assert read_status({"conditions": [{"type": "x"}]}) == InferenceDeploymentStatus()
+
+
+# ------------------------------------------------------------ status on the wire
+
+MODELS = Path(__file__).resolve().parents[1] / "fixtures" / "models"
+STATUS_SCHEMA = crd.status_schema()
+
+
+def undeclared(value: Any, schema: dict[str, Any], path: str = "status") -> list[str]:
+    """Fields of ``value`` the CRD schema does not declare: the API server would prune
+    them without a word."""
+    if isinstance(value, list):
+        return [f for v in value for f in undeclared(v, schema.get("items", {}), path + "[]")]
+    if not isinstance(value, dict):
+        return []
+    if "additionalProperties" in schema:
+        return [f for k, v in value.items()
+                for f in undeclared(v, schema["additionalProperties"], f"{path}.{k}")]
+    props = schema.get("properties", {})
+    return [f for k, v in value.items()
+            for f in ([f"{path}.{k}"] if k not in props else
+                      undeclared(v, props[k], f"{path}.{k}"))]
+
+
+class FakeKube:
+    """The API server as the reconciler and scaler see it: children by path, one
+    InferenceDeployment whose status takes merge patches, and every write counted."""
+
+    def __init__(self, obj: dict[str, Any], config: dict[str, Any]):
+        self.obj, self.config = obj, json.dumps(config)
+        self.children: dict[str, dict[str, Any]] = {}
+        self.writes: list[tuple[str, Any]] = []
+
+    def service_monitors_served(self) -> bool:
+        return True
+
+    def read_configmap_key(self, namespace: str, name: str, key: str) -> str | None:
+        return self.config
+
+    def ensure(self, desired: dict) -> tuple[str, dict]:
+        old = self.children.get(desired["kind"])  # one of each kind: key by kind
+        if old is not None and contains(old, desired):
+            return "unchanged", old
+        live = json.loads(json.dumps(desired))
+        if desired["kind"] == "Deployment":  # a rolled-out, ready Deployment
+            n = desired["spec"]["replicas"]
+            live["metadata"]["generation"] = 1
+            live["status"] = {"observedGeneration": 1, "replicas": n, "readyReplicas": n,
+                              "updatedReplicas": n}
+        self.children[desired["kind"]] = live
+        self.writes.append(("apply", desired["kind"]))
+        return ("created" if old is None else "updated"), live
+
+    def get_deployment(self, namespace: str, name: str) -> dict | None:
+        return self.children.get("Deployment")
+
+    def list_pods(self, namespace: str, selector: str) -> list[dict]:
+        return []
+
+    def patch_status(self, namespace: str, name: str, status: dict) -> None:
+        self.writes.append(("status", status))
+        merged = self.obj.setdefault("status", {})
+        for k, v in json.loads(json.dumps(status)).items():  # what the server stores
+            merged[k] = {**merged.get(k, {}), **v} if k == "autoscaling" else v
+
+    def patch_scale(self, namespace: str, name: str, replicas: int) -> None:
+        self.writes.append(("scale", replicas))
+
+    def post_event(self, owner: dict, type_: str, reason: str, message: str) -> None:
+        pass
+
+
+def infdep(**spec: Any) -> dict[str, Any]:
+    return {"apiVersion": "spillway.dev/v1alpha1", "kind": "InferenceDeployment",
+            "metadata": {"name": "chat", "namespace": "team-a", "uid": "u", "generation": 1},
+            "spec": {"model": {"name": "google/gemma-3-1b-it", "configMapRef": {"name": "m"}},
+                     "offload": {"hostMemory": "16Gi"}, **spec}}
+
+
+def test_reconciler_status_is_declared_and_steady():
+    obj = infdep(autoscaling={"enabled": True})
+    kube = FakeKube(obj, load_local(MODELS / "gemma-3-1b-it.json"))
+    first = Reconciler(kube).reconcile(obj)
+    assert first.outcome == "ok" and first.writes == 5  # 4 children and the status
+    status = obj["status"]
+    assert undeclared(status, STATUS_SCHEMA) == []
+    assert status["plan"]["capacityTokens"] > 0 and status["readyReplicas"] == 1
+    assert {c["type"] for c in status["conditions"]} >= {"Available", "ScalingActive"}
+    # Steady state: the same object again makes no write at all.
+    again = Reconciler(kube).reconcile(obj)
+    assert again.writes == 0 and len(kube.writes) == 5
+
+
+def test_scaler_status_is_declared_and_steady():
+    obj = infdep()
+    kube = FakeKube(obj, {})
+    scaler = Autoscaler(kube)
+
+    def write(agg: Aggregate, decision: str = "hold") -> None:
+        old = read_status(obj.get("status")).autoscaling or AutoscalingStatus()
+        asyncio.run(scaler._write_status(("team-a", "chat"), old, agg, 2, decision, "why"))
+
+    measured = Aggregate(1.234, {"load": 1.234, "queue": 0.5}, 2, 0)
+    write(measured, "scale-up")
+    auto = obj["status"]["autoscaling"]
+    assert undeclared(obj["status"], STATUS_SCHEMA) == []
+    assert auto["pressure"] == 1.23 and auto["desiredReplicas"] == 2 and auto["lastScaleTime"]
+    write(measured)  # same reading, a hold: the scale time stays, nothing else changed
+    assert len(kube.writes) == 2 and obj["status"]["autoscaling"]["lastDecision"] == "hold"
+    write(measured)
+    write(Aggregate(None, {}, 0, 2))  # no reading: the last one is kept
+    assert len(kube.writes) == 2
+    assert obj["status"]["autoscaling"]["pressure"] == 1.23
 
 
 def test_backoff_grows_and_caps_and_resets():
