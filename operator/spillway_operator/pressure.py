@@ -209,56 +209,76 @@ def decide(policy: Policy, now: float, current: int, ready: int, starting: int,
     if agg.pressure is None:
         return Decision(current, "hold", "MetricsUnavailable: no ready pod has fresh, valid "
                         "metrics; never scaling down without them", state)
-
     ratio = agg.pressure / policy.target
+    raw = _recommend(policy, current, ready, ratio)
+    state = _remember(policy, now, raw, state)
+    if raw > current:
+        return _scale_up(policy, now, current, starting, agg, state)
+    if raw < current:
+        return _scale_down(policy, now, current, agg, state)
+    return _hold(policy, current, ratio, agg, state)
+
+
+def _recommend(policy: Policy, current: int, ready: int, ratio: float) -> int:
+    """The replicas that would bring pressure to target, within the bounds."""
     if abs(ratio - 1.0) <= policy.tolerance:
         raw = current
     else:
         raw = math.ceil(max(ready, 1) * ratio - 1e-9)
-    raw = min(max(raw, policy.min_replicas), policy.max_replicas)
+    return min(max(raw, policy.min_replicas), policy.max_replicas)
 
+
+def _remember(policy: Policy, now: float, raw: int, state: State) -> State:
+    """Add this recommendation; forget those older than both windows."""
     history = tuple((t, r) for t, r in state.recommendations
                     if now - t <= max(policy.scale_down_window, policy.scale_up_window))
-    history += ((now, raw),)
-    in_down = [r for t, r in history if now - t <= policy.scale_down_window]
-    in_up = [r for t, r in history if now - t <= policy.scale_up_window]
     since = state.observing_since if state.observing_since is not None else now
-    state = replace(state, recommendations=history, observing_since=since)
+    return replace(state, recommendations=(*history, (now, raw)), observing_since=since)
 
-    if raw > current:
-        target = min(in_up) if in_up else raw
-        if target <= current:
-            return Decision(current, "hold", "scale-up stabilizing", state)
-        if starting > 0:
-            return Decision(current, "hold", f"waiting for {starting} starting pod(s) before "
-                            "scaling up again", state)
-        step = max(policy.max_scale_up_pods,
-                   math.ceil(current * policy.max_scale_up_percent / 100))
-        target = min(target, current + step)
-        return Decision(target, "scale-up", f"pressure {agg.pressure:.2f} above target "
-                        f"{policy.target:.2f}", replace(state, warm_hold_since=None))
 
-    if raw < current:
-        if agg.unknown:
-            return Decision(current, "hold", f"MetricsUnavailable: {agg.unknown} pod(s) without "
-                            "fresh metrics; not scaling down", state)
-        target = max(in_down)
-        if target >= current or now - since < policy.scale_down_window:
-            return Decision(current, "hold", "scale-down stabilizing "
-                            f"({policy.scale_down_window:.0f}s window)", state)
-        target = max(target, current - policy.max_scale_down_pods)
-        removed = current - target
-        dropped = sum(sorted(agg.warm_tokens, reverse=True)[:removed])
-        absorbable = sum(sorted(agg.free_host_tokens)[: max(0, len(agg.free_host_tokens)
-                                                             - removed)])
-        if dropped > absorbable:
-            since = state.warm_hold_since if state.warm_hold_since is not None else now
-            if now - since < policy.warm_cache_max_delay_windows * policy.scale_down_window:
-                return Decision(current, "hold", f"WarmCacheGuard: scaling down would drop "
-                                f"{dropped:.0f} hot host-cache tokens, the rest can absorb "
-                                f"{absorbable:.0f}", replace(state, warm_hold_since=since))
-        return Decision(target, "scale-down", f"pressure {agg.pressure:.2f} below target "
-                        f"{policy.target:.2f}", replace(state, warm_hold_since=None))
+def _window(state: State, now: float, seconds: float) -> list[int]:
+    return [r for t, r in state.recommendations if now - t <= seconds]
+
+
+def _scale_up(policy: Policy, now: float, current: int, starting: int, agg: Aggregate,
+              state: State) -> Decision:
+    in_up = _window(state, now, policy.scale_up_window)
+    target = min(in_up) if in_up else state.recommendations[-1][1]
+    if target <= current:
+        return Decision(current, "hold", "scale-up stabilizing", state)
+    if starting > 0:
+        return Decision(current, "hold", f"waiting for {starting} starting pod(s) before "
+                        "scaling up again", state)
+    step = max(policy.max_scale_up_pods, math.ceil(current * policy.max_scale_up_percent / 100))
+    return Decision(min(target, current + step), "scale-up", f"pressure {agg.pressure:.2f} "
+                    f"above target {policy.target:.2f}", replace(state, warm_hold_since=None))
+
+
+def _scale_down(policy: Policy, now: float, current: int, agg: Aggregate,
+                state: State) -> Decision:
+    if agg.unknown:
+        return Decision(current, "hold", f"MetricsUnavailable: {agg.unknown} pod(s) without "
+                        "fresh metrics; not scaling down", state)
+    target = max(_window(state, now, policy.scale_down_window))
+    since = now if state.observing_since is None else state.observing_since
+    if target >= current or now - since < policy.scale_down_window:
+        return Decision(current, "hold", "scale-down stabilizing "
+                        f"({policy.scale_down_window:.0f}s window)", state)
+    target = max(target, current - policy.max_scale_down_pods)
+    removed = current - target
+    dropped = sum(sorted(agg.warm_tokens, reverse=True)[:removed])
+    absorbable = sum(sorted(agg.free_host_tokens)[: max(0, len(agg.free_host_tokens) - removed)])
+    if dropped > absorbable:
+        held = state.warm_hold_since if state.warm_hold_since is not None else now
+        if now - held < policy.warm_cache_max_delay_windows * policy.scale_down_window:
+            return Decision(current, "hold", f"WarmCacheGuard: scaling down would drop "
+                            f"{dropped:.0f} hot host-cache tokens, the rest can absorb "
+                            f"{absorbable:.0f}", replace(state, warm_hold_since=held))
+    return Decision(target, "scale-down", f"pressure {agg.pressure:.2f} below target "
+                    f"{policy.target:.2f}", replace(state, warm_hold_since=None))
+
+
+def _hold(policy: Policy, current: int, ratio: float, agg: Aggregate, state: State) -> Decision:
     if ratio > 1.0 + policy.tolerance and current >= policy.max_replicas:
         reason = f"pressure {agg.pressure:.2f} above target, at maxReplicas {current}"
     elif ratio < 1.0 - policy.tolerance and current <= policy.min_replicas:
