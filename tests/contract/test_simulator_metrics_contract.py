@@ -328,7 +328,7 @@ def _bucket_defaults(root: Path) -> dict[str, tuple[float, ...]]:
 
 
 def test_histogram_buckets_are_vllms(vllm_root):
-    from spillway_engine.simulator import prom
+    from spillway_engine import metrics as prom
 
     vllm_buckets = _bucket_defaults(vllm_root)
     for name in (
@@ -338,3 +338,54 @@ def test_histogram_buckets_are_vllms(vllm_root):
         "REQUEST_NUM_PREEMPTIONS_BUCKETS",
     ):
         assert tuple(getattr(prom, name)) == vllm_buckets[name], name
+
+
+def help_texts(root: Path) -> dict[str, str]:
+    """name -> HELP text of every vLLM metric whose documentation is a string constant."""
+    files = [
+        root / "v1/metrics/loggers.py",
+        root / "distributed/kv_transfer/kv_connector/v1/offloading/metrics.py",
+        *sorted((root / "v1/kv_offload").rglob("*.py")),
+    ]
+    consts = _string_constants(files)
+
+    def text(node: ast.AST | None) -> str | None:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return node.value
+        return consts.get(_dotted(node) or "") if node is not None else None
+
+    out: dict[str, str] = {}
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):  # Gauge(name="vllm:...", documentation=...)
+                kw = {k.arg: k.value for k in node.keywords if k.arg}
+                name, doc = text(kw.get("name")), text(kw.get("documentation"))
+                if name and doc and name.startswith("vllm:"):
+                    out.setdefault(name, doc)
+            if isinstance(node, ast.Dict):  # {NAME: Offloading*Metadata(documentation=...)}
+                for key, value in zip(node.keys, node.values, strict=False):
+                    if key is None or not isinstance(value, ast.Call):
+                        continue
+                    name = text(key) or consts.get((_dotted(key) or "").split(".")[-1])
+                    kw = {k.arg: k.value for k in value.keywords if k.arg}
+                    doc = text(kw.get("documentation"))
+                    if name and doc and name.startswith("vllm:"):
+                        out.setdefault(name, doc)
+    return out
+
+
+def test_catalogue_help_is_vllms(vllm_root, simulator_registry):
+    """Each vLLM series in Spillway's catalogue carries vLLM 0.33.0's own HELP text."""
+    from spillway_engine.metrics import VLLM_METRICS
+
+    helps = help_texts(vllm_root)
+    assert helps["vllm:kv_cache_usage_perc"] == "KV-cache usage. 1 means 100 percent usage."
+    problems = [
+        f"{m.name}: {m.help!r}, vLLM has {helps.get(m.name)!r}"
+        for m in VLLM_METRICS
+        if helps.get(m.name) != m.help
+    ]
+    assert not problems, "\n".join(problems)
+    exposed = {f.name: f.documentation for f in simulator_registry.collect()}
+    for m in VLLM_METRICS:
+        assert exposed[m.name] == m.help

@@ -29,13 +29,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 from vllm.logger import init_logger
 
+from spillway_engine.metrics import HOST_HIT_TOKENS, HOST_LOOKUP_TOKENS
 from spillway_engine.offloader.geometry import (
     SpillwayConfigError,
     build_geometry,
     expand_blocks,
     with_extra_config,
 )
-from spillway_engine.offloader.manager import HIT_TOKENS, LOOKUP_TOKENS
 from spillway_engine.offloader.spec import SPEC_MODULE, SPEC_NAME, SpillwayHostSpec
 
 logger = init_logger(__name__)
@@ -143,8 +143,8 @@ class SpillwayOffloadingConnector(OffloadingConnector):
     def get_kv_connector_stats(self) -> Any:
         stats = super().get_kv_connector_stats()
         if stats is not None:
-            stats.increase_counter(LOOKUP_TOKENS, self._lookup_tokens)
-            stats.increase_counter(HIT_TOKENS, self._hit_tokens)
+            stats.increase_counter(HOST_LOOKUP_TOKENS.name, self._lookup_tokens)
+            stats.increase_counter(HOST_HIT_TOKENS.name, self._hit_tokens)
             self._lookup_tokens = self._hit_tokens = 0
         return stats
 

@@ -22,23 +22,13 @@ from typing import Any
 
 import numpy as np
 
-from spillway_engine.offloader.host_layout import HostLayout
-
-#: Spillway's pool series, carried in vLLM's offloading stats payload (names as exported).
-POOL_USED_CHUNKS = "spillway_host_pool_used_chunks"
-POOL_TOKENS = "spillway_host_pool_tokens"
-POOL_EVICTIONS = "spillway_host_pool_evictions"
-POOL_THRASH = "spillway_host_pool_thrash"
-LOOKUP_TOKENS = "spillway_host_lookup_tokens"
-HIT_TOKENS = "spillway_host_hit_tokens"
-SPILLWAY_STATS = (
-    POOL_USED_CHUNKS,
-    POOL_TOKENS,
-    POOL_EVICTIONS,
-    POOL_THRASH,
-    LOOKUP_TOKENS,
-    HIT_TOKENS,
+from spillway_engine.metrics import (
+    HOST_POOL_EVICTIONS,
+    HOST_POOL_THRASH,
+    HOST_POOL_TOKENS,
+    HOST_POOL_USED_CHUNKS,
 )
+from spillway_engine.offloader.host_layout import HostLayout
 
 #: Evicted keys remembered for the thrash counter (a later lookup of one is thrash).
 EVICTED_MEMORY = 65_536
@@ -229,9 +219,7 @@ def make_manager_class() -> type:
                 batch = 1
             if self.events is not None:
                 removed = list(self._store_evicted)
-                self.events.append(
-                    OffloadingEvent(keys=removed, medium=self.medium, removed=True)
-                )
+                self.events.append(OffloadingEvent(keys=removed, medium=self.medium, removed=True))
 
         def _remember_evicted(self, key: OffloadKey) -> None:
             self._recently_evicted[key] = None
@@ -287,13 +275,14 @@ def make_manager_class() -> type:
             read = max(usage - self._num_write_pending_chunks / max(self._num_chunks, 1), 0.0)
             stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_READ_USAGE_PERC, read)
             sets = sum(self._group_units.values())
-            stats.set_gauge(POOL_USED_CHUNKS, self.used_units // sets)
+            stats.set_gauge(HOST_POOL_USED_CHUNKS.name, self.used_units // sets)
             stats.set_gauge(
-                POOL_TOKENS, self.keys_per_group[self.anchor_group] * self.layout.chunk_tokens
+                HOST_POOL_TOKENS.name,
+                self.keys_per_group[self.anchor_group] * self.layout.chunk_tokens,
             )
             evicted, thrash = self._reported
-            stats.increase_counter(POOL_EVICTIONS, self.evicted_keys - evicted)
-            stats.increase_counter(POOL_THRASH, self.thrash_chunks - thrash)
+            stats.increase_counter(HOST_POOL_EVICTIONS.name, self.evicted_keys - evicted)
+            stats.increase_counter(HOST_POOL_THRASH.name, self.thrash_chunks - thrash)
             self._reported = (self.evicted_keys, self.thrash_chunks)
             return stats
 

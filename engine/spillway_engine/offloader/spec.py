@@ -26,17 +26,10 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.cpu.common import CPUOffloadingInfo
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
+from spillway_engine.metrics import POOL_METRICS
 from spillway_engine.offloader.geometry import ConnectorGeometry, contract_runs
 from spillway_engine.offloader.host_layout import HostLayout
-from spillway_engine.offloader.manager import (
-    HIT_TOKENS,
-    LOOKUP_TOKENS,
-    POOL_EVICTIONS,
-    POOL_THRASH,
-    POOL_TOKENS,
-    POOL_USED_CHUNKS,
-    make_manager_class,
-)
+from spillway_engine.offloader.manager import make_manager_class
 from spillway_engine.planner.offload_geometry import unit_pool_gauge_tokens
 
 SPEC_NAME = "SpillwayHostSpec"
@@ -44,27 +37,9 @@ SPEC_MODULE = __name__
 
 
 def pool_metric_definitions() -> dict[str, OffloadingMetricMetadata]:
-    """Spillway's dynamic pool series, exported by vLLM's offloading metrics code."""
-    return {
-        POOL_USED_CHUNKS: OffloadingGaugeMetadata(
-            documentation="Chunk sets' worth of host KV pool units holding keys now."
-        ),
-        POOL_TOKENS: OffloadingGaugeMetadata(
-            documentation="Prefix tokens held in the host KV pool (full-attention chunks x span)."
-        ),
-        POOL_EVICTIONS: OffloadingCounterMetadata(
-            documentation="(chunk, group) keys evicted from the host KV pool."
-        ),
-        POOL_THRASH: OffloadingCounterMetadata(
-            documentation="Chunks evicted from the host KV pool that a later request asked for."
-        ),
-        LOOKUP_TOKENS: OffloadingCounterMetadata(
-            documentation="Prompt tokens looked up in the host KV pool beyond the GPU prefix hit."
-        ),
-        HIT_TOKENS: OffloadingCounterMetadata(
-            documentation="Prompt tokens found in the host KV pool (loaded, not recomputed)."
-        ),
-    }
+    """Spillway's live pool series (the catalogue's), exported by vLLM's offloading metrics."""
+    kinds = {"gauge": OffloadingGaugeMetadata, "counter": OffloadingCounterMetadata}
+    return {m.name: kinds[m.kind](documentation=m.help) for m in POOL_METRICS}
 
 
 def host_info(config: Any, layout: HostLayout) -> CPUOffloadingInfo:

@@ -1,111 +1,49 @@
 """The simulator's ``/metrics``: vLLM 0.33.0's names, types and labels, plus Spillway's.
 
-Every ``vllm:*`` family here exists in vLLM 0.33.0 with the same type and label names
-(checked by ``tests/contract/test_simulator_metrics_contract.py`` against the installed
-vLLM source); bucket bounds are vLLM's defaults (``v1/metrics/buckets.py`` and the
-offloading connector's transfer-size buckets). Base labels: ``model_name`` (the served
-model name) and ``engine`` ("0"). Latencies are in modelled seconds of the core's clock.
+Every family comes from the catalogue in :mod:`spillway_engine.metrics` (vLLM's series
+as vLLM 0.33.0 defines them, checked by ``tests/contract/test_simulator_metrics_contract.py``
+against the installed vLLM source). Base labels: ``model_name`` (the served model name)
+and ``engine`` ("0"). Latencies are in modelled seconds of the core's clock.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
 
-from spillway_engine.metrics import BASE_LABELS, build_spillway_metrics
+from spillway_engine import metrics as m
+from spillway_engine.metrics import build_spillway_metrics
 from spillway_engine.simulator.core import LOADING, EngineCore, SimRequest
 
-# vLLM 0.33.0 v1/metrics/buckets.py
-REQUEST_LATENCY_BUCKETS = (
-    0.3,
-    0.5,
-    0.8,
-    1.0,
-    1.5,
-    2.0,
-    2.5,
-    5.0,
-    10.0,
-    15.0,
-    20.0,
-    30.0,
-    40.0,
-    50.0,
-    60.0,
-    120.0,
-    240.0,
-    480.0,
-    960.0,
-    1920.0,
-    7680.0,
-)
-TIME_TO_FIRST_TOKEN_BUCKETS = (
-    0.001,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-    160.0,
-    640.0,
-    2560.0,
-)
-INTER_TOKEN_LATENCY_BUCKETS = (
-    0.01,
-    0.025,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.4,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-)
-REQUEST_NUM_PREEMPTIONS_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
-# offloading/metrics.py TRANSFER_SIZE_BUCKETS
-TRANSFER_SIZE_BUCKETS = (1e6, 5e6, 10e6, 20e6, 40e6, 60e6, 80e6, 100e6, 150e6, 200e6)
-
-CACHE_HIT_SOURCES = ("device", "host", "p2p", "disk", "external_unspecified")
-PROMPT_TOKEN_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
-FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
-WAITING_REASONS = ("capacity", "deferred")
-#: CPUOffloadingInfo fields, the label names of vllm:kv_offload_config_info
-OFFLOAD_INFO_LABELS = (
-    "cpu_num_chunks",
-    "cpu_blocks_per_chunk",
-    "cpu_kv_cache_size_bytes",
-    "cpu_kv_cache_size_tokens",
+#: Core counters (``EngineCore.counters`` attributes) copied as deltas at each sync,
+#: each into one series: (attribute, family, value of its extra label or None).
+COUNTER_FEEDS: tuple[tuple[str, m.Metric, str | None], ...] = (
+    ("preemptions", m.NUM_PREEMPTIONS, None),
+    ("prompt_tokens", m.PROMPT_TOKENS, None),
+    ("generation_tokens", m.GENERATION_TOKENS, None),
+    ("prefix_queries", m.PREFIX_CACHE_QUERIES, None),
+    ("prefix_hits", m.PREFIX_CACHE_HITS, None),
+    ("external_queries", m.EXTERNAL_PREFIX_CACHE_QUERIES, None),
+    ("external_hits", m.EXTERNAL_PREFIX_CACHE_HITS, None),
+    ("cached_device", m.PROMPT_TOKENS_CACHED_BY_SOURCE, "device"),
+    ("cached_host", m.PROMPT_TOKENS_CACHED_BY_SOURCE, "host"),
+    ("by_source_local_compute", m.PROMPT_TOKENS_BY_SOURCE, "local_compute"),
+    ("by_source_local_cache_hit", m.PROMPT_TOKENS_BY_SOURCE, "local_cache_hit"),
+    ("by_source_external", m.PROMPT_TOKENS_BY_SOURCE, "external_kv_transfer"),
+    ("store_bytes", m.KV_OFFLOAD_STORE_BYTES, None),
+    ("store_time", m.KV_OFFLOAD_STORE_TIME, None),
+    ("load_bytes", m.KV_OFFLOAD_LOAD_BYTES, None),
+    ("load_time", m.KV_OFFLOAD_LOAD_TIME, None),
+    ("allocation_failures", m.KV_OFFLOAD_ALLOCATION_FAILURE, None),
 )
 
 
 def build_buckets_1_2_5(max_value: int) -> list[float]:
+    """vLLM's ``build_1_2_5_buckets``: its token-count histogram bounds."""
     out: list[float] = []
     exponent = 0
     while True:
-        for m in (1, 2, 5):
-            value = m * 10**exponent
+        for mult in (1, 2, 5):
+            value = mult * 10**exponent
             if value > max_value:
                 return out
             out.append(value)
@@ -130,226 +68,51 @@ class SimulatorMetrics:
         self.registry = registry or CollectorRegistry()
         self.model_name = model_name or core.plan.model_name
         self.engine = engine
-        base = list(BASE_LABELS)
-        reg = self.registry
-        lv = (self.model_name, engine)
-
-        def gauge(name: str, doc: str, extra: tuple[str, ...] = ()) -> Gauge:
-            return Gauge(name, doc, [*base, *extra], registry=reg, multiprocess_mode="mostrecent")
-
-        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
-            return Counter(name, doc, [*base, *extra], registry=reg)
-
-        def histogram(name: str, doc: str, buckets) -> Histogram:
-            return Histogram(name, doc, base, buckets=buckets, registry=reg)
-
-        self.g_running = gauge(
-            "vllm:num_requests_running", "Number of requests in model execution batches."
-        ).labels(*lv)
-        self.g_waiting = gauge(
-            "vllm:num_requests_waiting", "Number of requests waiting to be processed."
-        ).labels(*lv)
-        waiting_by_reason = gauge(
-            "vllm:num_requests_waiting_by_reason",
-            "Number of waiting requests by reason.",
-            ("reason",),
-        )
-        self.g_waiting_capacity = waiting_by_reason.labels(*lv, "capacity")
-        self.g_waiting_deferred = waiting_by_reason.labels(*lv, "deferred")
-        self.g_kv_usage = gauge(
-            "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."
-        ).labels(*lv)
-        self.g_cpu_usage = gauge(
-            "vllm:kv_offload_cpu_cache_usage_perc",
-            "Fraction of CPU KV-cache space currently pinned by active transfers.",
-        ).labels(*lv)
-        self.g_cpu_write_usage = gauge(
-            "vllm:kv_offload_cpu_cache_write_usage_perc",
-            "Fraction of CPU KV-cache space pinned by in-flight stores.",
-        ).labels(*lv)
-        self.g_cpu_read_usage = gauge(
-            "vllm:kv_offload_cpu_cache_read_usage_perc",
-            "Fraction of CPU KV-cache space pinned by in-flight loads.",
-        ).labels(*lv)
-        info = gauge(
-            "vllm:kv_offload_config_info",
-            "Static configuration of the KV offload managers of this engine instance.",
-            OFFLOAD_INFO_LABELS,
-        )
+        tokens = build_buckets_1_2_5(core.max_model_len)
+        token_histograms = (m.REQUEST_PROMPT_TOKENS, m.REQUEST_GENERATION_TOKENS)
+        self.families = {
+            metric.name: metric.build(self.registry, tokens if metric in token_histograms else None)
+            for metric in m.VLLM_METRICS
+        }
+        for metric in m.VLLM_METRICS:  # vLLM exports these series from the start
+            if not metric.labels:
+                self.series(metric)
+            for value in metric.values:
+                self.series(metric, value)
         plan = core.plan
         section = plan.raw.get(plan.offloader)
         gauge_tokens = section.get("gauge_tokens") if isinstance(section, dict) else None
-        info.labels(
-            *lv,
+        self.series(
+            m.KV_OFFLOAD_CONFIG_INFO,
             str(plan.num_chunks),
             str(plan.blocks_per_chunk),
             str(plan.num_chunks * plan.row_bytes),
             str(gauge_tokens if gauge_tokens is not None else plan.capacity_tokens),
         ).set(1)
+        self._counters = [
+            (attr, self.series(metric, *(() if value is None else (value,))))
+            for attr, metric, value in COUNTER_FEEDS
+        ]
+        # observed per token: bind the histogram series once
+        self.h_ttft = self.series(m.TIME_TO_FIRST_TOKEN_SECONDS)
+        self.h_itl = self.series(m.INTER_TOKEN_LATENCY_SECONDS)
+        self.h_e2e = self.series(m.E2E_REQUEST_LATENCY_SECONDS)
+        self.h_queue = self.series(m.REQUEST_QUEUE_TIME_SECONDS)
+        self.h_preemptions = self.series(m.REQUEST_NUM_PREEMPTIONS)
+        self.h_prompt_len = self.series(m.REQUEST_PROMPT_TOKENS)
+        self.h_gen_len = self.series(m.REQUEST_GENERATION_TOKENS)
 
-        self._counters: list[tuple[str, Counter]] = []
-
-        def track(attr: str, metric: Counter) -> None:
-            self._counters.append((attr, metric))
-
-        track(
-            "preemptions",
-            counter(
-                "vllm:num_preemptions", "Cumulative number of preemption from the engine."
-            ).labels(*lv),
-        )
-        track(
-            "prompt_tokens",
-            counter("vllm:prompt_tokens", "Number of prefill tokens processed.").labels(*lv),
-        )
-        track(
-            "generation_tokens",
-            counter("vllm:generation_tokens", "Number of generation tokens processed.").labels(*lv),
-        )
-        track(
-            "prefix_queries",
-            counter(
-                "vllm:prefix_cache_queries",
-                "Prefix cache queries, in terms of number of queried tokens.",
-            ).labels(*lv),
-        )
-        track(
-            "prefix_hits",
-            counter(
-                "vllm:prefix_cache_hits",
-                "Prefix cache hits, in terms of number of cached tokens.",
-            ).labels(*lv),
-        )
-        track(
-            "external_queries",
-            counter(
-                "vllm:external_prefix_cache_queries",
-                "External prefix cache queries from KV connector, in queried tokens.",
-            ).labels(*lv),
-        )
-        track(
-            "external_hits",
-            counter(
-                "vllm:external_prefix_cache_hits",
-                "External prefix cache hits from KV connector, in cached tokens.",
-            ).labels(*lv),
-        )
-        cached = counter(
-            "vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external)."
-        ).labels(*lv)
-        self._cached_total = cached
-        by_source = counter(
-            "vllm:prompt_tokens_cached_by_source",
-            "Prefix-cache hit tokens by the cache tier that supplied them.",
-            ("source",),
-        )
-        for source in CACHE_HIT_SOURCES:
-            by_source.labels(*lv, source)
-        track("cached_device", by_source.labels(*lv, "device"))
-        track("cached_host", by_source.labels(*lv, "host"))
-        prompt_by_source = counter(
-            "vllm:prompt_tokens_by_source", "Number of prompt tokens by source.", ("source",)
-        )
-        track("by_source_local_compute", prompt_by_source.labels(*lv, "local_compute"))
-        track("by_source_local_cache_hit", prompt_by_source.labels(*lv, "local_cache_hit"))
-        track("by_source_external", prompt_by_source.labels(*lv, "external_kv_transfer"))
-        track(
-            "store_bytes",
-            counter(
-                "vllm:kv_offload_store_bytes", "Total bytes stored from GPU to offload storage."
-            ).labels(*lv),
-        )
-        track(
-            "store_time",
-            counter(
-                "vllm:kv_offload_store_time",
-                "Total store time from GPU to offload storage, in seconds.",
-            ).labels(*lv),
-        )
-        track(
-            "load_bytes",
-            counter(
-                "vllm:kv_offload_load_bytes", "Total bytes loaded from offload storage to GPU."
-            ).labels(*lv),
-        )
-        track(
-            "load_time",
-            counter(
-                "vllm:kv_offload_load_time",
-                "Total load time from offload storage to GPU, in seconds.",
-            ).labels(*lv),
-        )
-        track(
-            "allocation_failures",
-            counter(
-                "vllm:kv_offload_allocation_failure",
-                "Number of KV offload store allocation attempts that failed.",
-            ).labels(*lv),
-        )
-        success = counter(
-            "vllm:request_success",
-            "Count of successfully processed requests.",
-            ("finished_reason",),
-        )
-        for reason in FINISH_REASONS:
-            success.labels(*lv, reason)
-        self._success_length = success.labels(*lv, "length")
-        self._success_abort = success.labels(*lv, "abort")
-
-        self.h_ttft = histogram(
-            "vllm:time_to_first_token_seconds",
-            "Histogram of time to first token in seconds.",
-            TIME_TO_FIRST_TOKEN_BUCKETS,
-        ).labels(*lv)
-        self.h_itl = histogram(
-            "vllm:inter_token_latency_seconds",
-            "Histogram of inter-token latency in seconds.",
-            INTER_TOKEN_LATENCY_BUCKETS,
-        ).labels(*lv)
-        self.h_e2e = histogram(
-            "vllm:e2e_request_latency_seconds",
-            "Histogram of e2e request latency in seconds.",
-            REQUEST_LATENCY_BUCKETS,
-        ).labels(*lv)
-        self.h_queue = histogram(
-            "vllm:request_queue_time_seconds",
-            "Histogram of time spent in WAITING phase for request.",
-            REQUEST_LATENCY_BUCKETS,
-        ).labels(*lv)
-        self.h_preemptions = histogram(
-            "vllm:request_num_preemptions",
-            "Histogram of the number of times a request was preempted.",
-            REQUEST_NUM_PREEMPTIONS_BUCKETS,
-        ).labels(*lv)
-        token_buckets = build_buckets_1_2_5(core.max_model_len)
-        self.h_prompt_len = histogram(
-            "vllm:request_prompt_tokens",
-            "Number of prefill tokens processed.",
-            token_buckets,
-        ).labels(*lv)
-        self.h_gen_len = histogram(
-            "vllm:request_generation_tokens",
-            "Number of generation tokens processed.",
-            token_buckets,
-        ).labels(*lv)
-        self.h_store_size = histogram(
-            "vllm:kv_offload_store_size",
-            "Histogram of KV offload store operation size, in bytes.",
-            TRANSFER_SIZE_BUCKETS,
-        ).labels(*lv)
-        self.h_load_size = histogram(
-            "vllm:kv_offload_load_size",
-            "Histogram of KV offload load operation size, in bytes.",
-            TRANSFER_SIZE_BUCKETS,
-        ).labels(*lv)
-
-        self.spillway = build_spillway_metrics(reg, self.model_name, engine)
+        self.spillway = build_spillway_metrics(self.registry, self.model_name, engine)
         self.spillway.set_plan(plan.raw)
         self._last: dict[str, float] = {}
         self._last_cached = 0
         self._last_host: dict[str, int] = {}
         core.observer = self
         self.sync()
+
+    def series(self, metric: m.Metric, *values: str):
+        """This engine's series of ``metric`` (with the values of its extra labels)."""
+        return self.families[metric.name].labels(self.model_name, self.engine, *values)
 
     # Observer ----------------------------------------------------------------
     def on_token(self, req: SimRequest, itl: float | None) -> None:
@@ -365,10 +128,10 @@ class SimulatorMetrics:
         self.h_preemptions.observe(req.num_preemptions)
         self.h_prompt_len.observe(req.prompt_len)
         self.h_gen_len.observe(req.num_output)
-        self._success_length.inc()
+        self.series(m.REQUEST_SUCCESS, "length").inc()
 
     def on_abort(self) -> None:
-        self._success_abort.inc()
+        self.series(m.REQUEST_SUCCESS, "abort").inc()
 
     # Scrape ------------------------------------------------------------------
     def sync(self) -> None:
@@ -378,15 +141,19 @@ class SimulatorMetrics:
         running = len(core.running)
         waiting = len(core.waiting)
         deferred = sum(1 for r in core.waiting if r.state == LOADING)
-        self.g_running.set(running)
-        self.g_waiting.set(waiting)
-        self.g_waiting_capacity.set(waiting - deferred)
-        self.g_waiting_deferred.set(deferred)
-        self.g_kv_usage.set(core.kv_cache_usage())
         store_frac, load_frac = core.host_pinned_fraction()
-        self.g_cpu_usage.set(min(1.0, store_frac + load_frac))
-        self.g_cpu_write_usage.set(store_frac)
-        self.g_cpu_read_usage.set(load_frac)
+        gauges = (
+            (m.NUM_REQUESTS_RUNNING, (), running),
+            (m.NUM_REQUESTS_WAITING, (), waiting),
+            (m.NUM_REQUESTS_WAITING_BY_REASON, ("capacity",), waiting - deferred),
+            (m.NUM_REQUESTS_WAITING_BY_REASON, ("deferred",), deferred),
+            (m.KV_CACHE_USAGE_PERC, (), core.kv_cache_usage()),
+            (m.KV_OFFLOAD_CPU_CACHE_USAGE_PERC, (), min(1.0, store_frac + load_frac)),
+            (m.KV_OFFLOAD_CPU_CACHE_WRITE_USAGE_PERC, (), store_frac),
+            (m.KV_OFFLOAD_CPU_CACHE_READ_USAGE_PERC, (), load_frac),
+        )
+        for metric, values, value in gauges:
+            self.series(metric, *values).set(value)
         last = self._last
         for attr, metric in self._counters:
             value = getattr(c, attr)
@@ -396,13 +163,13 @@ class SimulatorMetrics:
                 last[attr] = value
         cached = c.cached_device + c.cached_host
         if cached > self._last_cached:
-            self._cached_total.inc(cached - self._last_cached)
+            self.series(m.PROMPT_TOKENS_CACHED).inc(cached - self._last_cached)
             self._last_cached = cached
         for size in core.store_ops:
-            self.h_store_size.observe(size)
+            self.series(m.KV_OFFLOAD_STORE_SIZE).observe(size)
         core.store_ops.clear()
         for size in core.load_ops:
-            self.h_load_size.observe(size)
+            self.series(m.KV_OFFLOAD_LOAD_SIZE).observe(size)
         core.load_ops.clear()
         host = {
             "evictions": c.host_evictions,
