@@ -114,8 +114,20 @@ def status_schema() -> dict[str, Any]:
     return _strip_defaults(_schema_of(api.InferenceDeploymentStatus))
 
 
-def build_crd() -> dict[str, Any]:
-    version = {
+PRINTER_COLUMNS = [
+    {"name": "Model", "type": "string", "jsonPath": ".spec.model.name"},
+    {"name": "Desired", "type": "integer", "jsonPath": ".spec.replicas"},
+    {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas"},
+    {"name": "Host Pool", "type": "string", "jsonPath": ".status.plan.hostPool"},
+    {"name": "Capacity", "type": "integer", "jsonPath": ".status.plan.capacityTokens",
+     "description": "tokens the host pool holds per engine"},
+    {"name": "Pressure", "type": "number", "jsonPath": ".status.autoscaling.pressure"},
+    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+]
+
+
+def _version() -> dict[str, Any]:
+    return {
         "name": api.VERSION,
         "served": True,
         "storage": True,
@@ -142,17 +154,11 @@ def build_crd() -> dict[str, Any]:
                 "labelSelectorPath": ".status.selector",
             },
         },
-        "additionalPrinterColumns": [
-            {"name": "Model", "type": "string", "jsonPath": ".spec.model.name"},
-            {"name": "Desired", "type": "integer", "jsonPath": ".spec.replicas"},
-            {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas"},
-            {"name": "Host Pool", "type": "string", "jsonPath": ".status.plan.hostPool"},
-            {"name": "Capacity", "type": "integer", "jsonPath": ".status.plan.capacityTokens",
-             "description": "tokens the host pool holds per engine"},
-            {"name": "Pressure", "type": "number", "jsonPath": ".status.autoscaling.pressure"},
-            {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
-        ],
+        "additionalPrinterColumns": PRINTER_COLUMNS,
     }
+
+
+def build_crd() -> dict[str, Any]:
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
@@ -171,7 +177,7 @@ def build_crd() -> dict[str, Any]:
                 "shortNames": [api.SHORT_NAME],
                 "categories": ["spillway"],
             },
-            "versions": [version],
+            "versions": [_version()],
         },
     }
 

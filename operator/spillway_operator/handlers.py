@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import kopf
@@ -34,20 +35,33 @@ def _api_client() -> client.ApiClient:
     return config.new_client_from_config(config_file=os.environ.get("KUBECONFIG"))
 
 
-@kopf.on.startup()
-async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+def configure(settings: kopf.OperatorSettings, env: Mapping[str, str]) -> None:
     settings.posting.enabled = False  # Spillway posts its own, meaningful Events
-    settings.watching.server_timeout = int(os.environ.get("SPILLWAY_WATCH_TIMEOUT", "300"))
+    settings.watching.server_timeout = int(env.get("SPILLWAY_WATCH_TIMEOUT", "300"))
     settings.watching.client_timeout = settings.watching.server_timeout + 30
     settings.networking.error_backoffs = [1, 2, 5, 10]
     settings.persistence.finalizer = f"{GROUP}/operator"
-    kube = Kube(_api_client())
-    controller = Controller(
+
+
+def make_controller(kube: Kube, env: Mapping[str, str]) -> Controller:
+    return Controller(
         Reconciler(kube),
         autoscaler=Autoscaler(kube),
-        workers=int(os.environ.get("SPILLWAY_WORKERS", "4")),
-        resync_seconds=float(os.environ.get("SPILLWAY_RESYNC_SECONDS", "300")),
+        workers=int(env.get("SPILLWAY_WORKERS", "4")),
+        resync_seconds=float(env.get("SPILLWAY_RESYNC_SECONDS", "300")),
     )
+
+
+def owner_key(namespace: str | None, labels: Mapping[str, str]) -> tuple[str, str] | None:
+    """The InferenceDeployment a managed child belongs to, from its labels."""
+    name = labels.get(OWNER_LABEL)
+    return (namespace, name) if namespace and name else None
+
+
+@kopf.on.startup()
+async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+    configure(settings, os.environ)
+    controller = make_controller(Kube(_api_client()), os.environ)
     controller.start()
     _state["controller"] = controller
     logging.getLogger("spillway").info("spillway operator started")
@@ -69,9 +83,9 @@ async def on_inference_deployment(body: kopf.Body, type: str | None, **_: Any) -
 
 def _owner_changed(namespace: str | None, labels: kopf.Labels) -> None:
     controller: Controller | None = _state.get("controller")
-    name = labels.get(OWNER_LABEL)
-    if controller is not None and namespace and name and (namespace, name) in controller.objects:
-        controller.enqueue((namespace, name))
+    key = owner_key(namespace, labels)
+    if controller is not None and key is not None and key in controller.objects:
+        controller.enqueue(key)
 
 
 @kopf.on.event("apps", "v1", "deployments", labels=MANAGED)
