@@ -1,0 +1,126 @@
+"""The planned GPU's attention choices, applied to vLLM 0.33.0's layers on a CPU.
+
+Shared by the emulated GPU worker (:mod:`.worker`) and the contract harness
+(``tests/contract/vllm_harness.py``): both build the real model class on the meta
+device and must make vLLM compute the KV-cache specs the planned GPU would get. The
+kernels decide block sizes and spec tweaks, so every attention layer is given the
+class of the backend the plan names (``plan.gpu.attention_backend``), or a class
+that imports on a CPU and has the same block rule; GDN layers get the checkpoint
+grid the planned GPU's prefill kernel uses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from vllm.model_executor.layers.mamba.abstract import MambaBase
+from vllm.utils.import_utils import resolve_obj_by_qualname
+from vllm.v1.attention.backends.mla.triton_mla import TritonMLABackend
+from vllm.v1.attention.backends.registry import AttentionBackendEnum
+from vllm.v1.kv_cache_interface import AttentionSpec
+from vllm.v1.worker.utils import customize_attention_spec
+
+#: The backend vLLM 0.33 picks on a GPU the planner does not name (its default).
+DEFAULT_BACKEND = "FLASH_ATTN"
+MLA_BACKENDS = ("FLASH_ATTN_MLA", "TRITON_MLA", "FLASHMLA")
+#: GPUs whose FlashInfer GDN prefill kernel checkpoints every 64 tokens (SM90).
+_GDN_64_GPUS = ("h100", "h200")
+
+
+class FlashMLAStandIn(TritonMLABackend):
+    """FlashMLA's kernel block rule (exactly 64 tokens) on a class that imports on a CPU.
+
+    The real FlashMLA backend asserts its CUDA extension at construction; only its
+    block sizes matter to the KV plan (it has no ``customize_spec``).
+    """
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec: Any = None) -> list[Any]:
+        return [64]
+
+    @classmethod
+    def supports_block_size(cls, block_size: int | None) -> bool:
+        # the base AttentionBackend rule: any multiple of a kernel block size
+        return block_size is None or block_size % 64 == 0
+
+    @staticmethod
+    def get_name() -> str:
+        return "FLASHMLA"
+
+
+# The planner's backend names -> the vLLM class whose kernel block rule stands in for
+# it on a CPU (FlashAttention-MLA needs CUDA to import; Triton-MLA shares its
+# MultipleOf(16) rule; Triton and FlashAttention share MultipleOf(16)).
+_BACKENDS = {
+    "FLASH_ATTN": AttentionBackendEnum.FLASH_ATTN,
+    "TRITON_FLASH_ATTN": AttentionBackendEnum.FLASH_ATTN,
+    "FLASH_ATTN_MLA": AttentionBackendEnum.TRITON_MLA,
+    "TRITON_MLA": AttentionBackendEnum.TRITON_MLA,
+}
+BACKEND_PATHS: Mapping[str, str] = {
+    **{name: backend.get_path() for name, backend in _BACKENDS.items()},
+    "FLASHMLA": f"{__name__}.FlashMLAStandIn",
+}
+
+
+def backend_path(attention_backend: str | None) -> str:
+    """Qualified name of the class standing in for the planned backend."""
+    name = attention_backend or DEFAULT_BACKEND
+    try:
+        return BACKEND_PATHS[name]
+    except KeyError:
+        raise ValueError(
+            f"no CPU stand-in for attention backend {name!r} (known: {sorted(BACKEND_PATHS)})"
+        ) from None
+
+
+def construct_backend_path(attention_backend: str | None, kv_cache_dtype: str) -> str | None:
+    """The backend class the layers must be *constructed* with, or None for any.
+
+    MLA layers need an MLA backend at construction. FlashAttention's impl needs CUDA
+    for an FP8 KV cache; Triton has the same 16-token rule and takes it.
+    """
+    if attention_backend in MLA_BACKENDS:
+        return BACKEND_PATHS[attention_backend]
+    if kv_cache_dtype != "auto":
+        return AttentionBackendEnum.TRITON_ATTN.get_path()
+    return None
+
+
+def give_planned_backends(
+    layers: Mapping[str, Any],
+    attention_backend: str | None,
+    gpu: str,
+    enable_prefix_caching: bool,
+) -> None:
+    """Tell each built layer it runs the planned GPU's kernels (block rules, grids)."""
+    cls = resolve_obj_by_qualname(backend_path(attention_backend))
+    for layer in layers.values():
+        backend = layer.get_attn_backend()
+        if backend.is_ssm():
+            if (
+                gpu in _GDN_64_GPUS
+                and enable_prefix_caching
+                and hasattr(layer, "_checkpoint_alignment")
+            ):
+                layer._checkpoint_alignment = 64  # FlashInfer GDN prefill on SM90
+            continue
+        layer.attn_backend = cls
+
+
+def layer_kv_cache_specs(vllm_config: Any, layers: Mapping[str, Any]) -> dict[str, Any]:
+    """The layers' KV-cache specs, by the GPU model runner's rule
+    (``GPUModelRunner.get_kv_cache_spec``: KV-sharing layers and layers without a
+    cache skipped, attention specs customised by their backend)."""
+    specs: dict[str, Any] = {}
+    for name, layer in layers.items():
+        if getattr(layer, "kv_sharing_target_layer_name", None):
+            continue
+        spec = layer.get_kv_cache_spec(vllm_config)
+        if spec is None:
+            continue
+        if isinstance(spec, AttentionSpec) and not isinstance(layer, MambaBase):
+            spec = customize_attention_spec(layer.get_attn_backend(), spec)
+        specs[name] = spec
+    return specs

@@ -1,0 +1,121 @@
+"""Tiny local models for the emulated engine: a config.json and a trained tokenizer.
+
+No hub access: the tokenizer is a byte-level BPE trained here with the ``tokenizers``
+package on a few sentences, so vLLM's real tokenizer path (transformers' fast
+tokenizer) serves it. The weights are never read (the emulated worker builds the
+model on the meta device), so none are written.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+VOCAB_SIZE = 512
+BOS, EOS = "<s>", "</s>"
+
+_CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "spillway moves kv cache pages between the gpu and the host pool",
+    "a prefix cache hit skips the prefill of the tokens it covers",
+    "pack my box with five dozen liquor jugs",
+    "vllm schedules requests in steps and allocates blocks for their tokens",
+    "0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20",
+]
+
+
+def llama_config(num_layers: int = 2, **overrides: Any) -> dict[str, Any]:
+    """A Llama-style config small enough to plan and serve in seconds."""
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "hidden_act": "silu",
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "vocab_size": VOCAB_SIZE,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    }
+    config.update(overrides)
+    return config
+
+
+def gemma3_config(
+    num_layers: int = 4, sliding_window: int = 64, **overrides: Any
+) -> dict[str, Any]:
+    """A Gemma-3-style text model: sliding-window layers with one full layer in six."""
+    config = {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 16,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0,
+        "query_pre_attn_scalar": 16,
+        "sliding_window": sliding_window,
+        "sliding_window_pattern": 2,
+        "vocab_size": VOCAB_SIZE,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
+        "torch_dtype": "bfloat16",
+    }
+    config.update(overrides)
+    return config
+
+
+def write_tokenizer(model_dir: Path, vocab_size: int = VOCAB_SIZE) -> None:
+    """tokenizer.json (byte-level BPE) and tokenizer_config.json in ``model_dir``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<pad>", BOS, EOS],  # ids 0, 1, 2 as the configs say
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS, trainer)
+    tok.save(str(model_dir / "tokenizer.json"))
+    (model_dir / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": BOS,
+                "eos_token": EOS,
+                "pad_token": "<pad>",
+                "model_max_length": 1 << 20,
+                "add_bos_token": False,
+            }
+        )
+    )
+
+
+def write_model(model_dir: Path, config: dict[str, Any]) -> Path:
+    """A servable model directory (config, tokenizer, generation config), no weights."""
+    model_dir.mkdir(parents=True, exist_ok=True)
+    (model_dir / "config.json").write_text(json.dumps(config, indent=1))
+    (model_dir / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]})
+    )
+    write_tokenizer(model_dir, config["vocab_size"])
+    return model_dir

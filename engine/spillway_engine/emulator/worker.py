@@ -1,0 +1,334 @@
+"""``EmulatedGpuWorker``: vLLM 0.33.0's worker interface, with no weights and no forward pass.
+
+What it does, step by step (the GPU worker's duties, emulated):
+
+* ``init_device``: the distributed groups on gloo (one rank per process, as on a GPU).
+* ``load_model``: the real model class built on the meta device, so vLLM's own layers
+  register in the forward context; each attention layer is then given the plan's
+  backend (:mod:`.backends`) so block sizes and specs are the planned GPU's.
+* ``determine_available_memory``: the emulated budget (``SPILLWAY_EMULATE_KV_BYTES``).
+* ``initialize_from_config``: the KV connector's worker side, then vLLM's own
+  ``allocate_kv_cache`` on the CPU, registered with the connector as on a GPU -- so
+  Spillway's offloader copies real bytes between these tensors and its host pool.
+* ``execute_model``: per scheduled token a signature of the prefix it ends (a rolling
+  hash of the previous position's signature, read back from the KV pages, the token id
+  and its position) is written into its slot of every attention layer's page; the
+  sampled token is a function of the signatures read from the pages. A page that holds
+  other bytes than recomputation would have written (a bad host load, a wrong prefix
+  hit) therefore changes the output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from vllm.config import get_layers_from_vllm_config, set_current_vllm_config
+from vllm.distributed.kv_transfer import (
+    ensure_kv_transfer_initialized,
+    get_kv_transfer_group,
+    has_kv_transfer_group,
+)
+from vllm.forward_context import set_forward_context
+from vllm.logger import init_logger
+from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+from vllm.model_executor.model_loader.utils import get_model_architecture
+from vllm.v1.attention.backends.utils import record_kv_cache_layout
+from vllm.v1.kv_cache_interface import (
+    AttentionSpec,
+    UniformTypeKVCacheSpecs,
+    group_kernel_blocks,
+)
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+from vllm.v1.worker.gpu_worker import init_worker_distributed_environment
+from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
+from vllm.v1.worker.utils import allocate_kv_cache
+from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
+
+from spillway_engine.emulator.backends import give_planned_backends, layer_kv_cache_specs
+from spillway_engine.emulator.platform import kv_budget_bytes, planned_gpu
+
+logger = init_logger(__name__)
+
+_MASK = (1 << 64) - 1
+_SEED = 0x5BD1E9955BD1E995
+
+
+def mix64(*values: int) -> int:
+    """splitmix64 over the values: a cheap, well-spread 64-bit hash."""
+    h = _SEED
+    for v in values:
+        h = (h ^ (v & _MASK)) + 0x9E3779B97F4A7C15 & _MASK
+        h = (h ^ (h >> 30)) * 0xBF58476D1CE4E5B9 & _MASK
+        h = (h ^ (h >> 27)) * 0x94D049BB133111EB & _MASK
+        h ^= h >> 31
+    return h
+
+
+@dataclass
+class _Pages:
+    """One attention layer's pages as bytes: ``pages[block, slot * slot_bytes:...]``."""
+
+    group: int
+    salt: int
+    block_size: int
+    slot_bytes: int
+    pages: np.ndarray  # uint8 (num_blocks, page_bytes), strided like the KV tensor
+
+    def read(self, block: int, slot: int) -> int:
+        off = slot * self.slot_bytes
+        return int.from_bytes(self.pages[block, off : off + 8].tobytes(), "little")
+
+    def write(self, block: int, slot: int, value: int) -> None:
+        off = slot * self.slot_bytes
+        self.pages[block, off : off + 8] = np.frombuffer(value.to_bytes(8, "little"), np.uint8)
+
+
+@dataclass
+class _Request:
+    tokens: list[int]
+    blocks: list[list[int]]
+    computed: int = 0
+    sampled: list[int] = field(default_factory=list)
+
+
+class EmulatedGpuWorker(WorkerBase):
+    """A GPU worker stand-in for ``--worker-cls`` (see the module docstring)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._layers: dict[str, Any] = {}
+        self._pages: list[_Pages] = []
+        self._requests: dict[str, _Request] = {}
+        self._kv_cache_config: Any = None
+        self._kv_caches: dict[str, torch.Tensor] = {}
+        self._vocab = 0
+        self._avoid: set[int] = set()
+
+    # ---------------------------------------------------------------- start-up
+
+    def init_device(self) -> None:
+        self.device = torch.device("cpu")
+        init_worker_distributed_environment(
+            self.vllm_config,
+            self.rank,
+            self.distributed_init_method,
+            self.local_rank,
+            backend="gloo",
+        )
+
+    def load_model(self, *, load_dummy_weights: bool = False) -> None:
+        vc = self.vllm_config
+        with set_current_vllm_config(vc):
+            model_cls, _ = get_model_architecture(vc.model_config)
+            with torch.device("meta"):
+                self.model = model_cls(vllm_config=vc, prefix="")
+        self._layers = get_layers_from_vllm_config(vc, AttentionLayerBase)
+        gpu = planned_gpu()
+        give_planned_backends(
+            self._layers,
+            gpu["attention_backend"],
+            gpu["name"],
+            bool(vc.cache_config.enable_prefix_caching),
+        )
+        self._vocab = vc.model_config.get_vocab_size()
+        eos = getattr(vc.model_config.hf_text_config, "eos_token_id", None)
+        self._avoid = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        logger.info(
+            "Emulated GPU %s: %s built on the meta device, %d cache layers on %s",
+            gpu["name"],
+            model_cls.__name__,
+            len(self._layers),
+            gpu["attention_backend"],
+        )
+
+    def get_model(self) -> Any:
+        return self.model
+
+    def get_kv_cache_spec(self) -> dict[str, Any]:
+        return layer_kv_cache_specs(self.vllm_config, self._layers)
+
+    def determine_available_memory(self) -> int:
+        return kv_budget_bytes()
+
+    def get_supported_tasks(self) -> tuple[str, ...]:
+        return ("generate",)
+
+    def initialize_from_config(self, kv_cache_config: Any) -> None:
+        self.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
+        if kv_cache_config.kv_cache_layout is not None:
+            record_kv_cache_layout(self.cache_config, kv_cache_config.kv_cache_layout)
+        self.cache_config.hash_block_size = kv_cache_config.hash_block_size
+        self.cache_config.cache_hit_alignment_tokens = kv_cache_config.cache_hit_alignment_tokens
+        # Before the caches exist, as GPUModelRunner does: the connector's worker
+        # side is built from the config, then handed the tensors.
+        ensure_kv_transfer_initialized(self.vllm_config, kv_cache_config)
+        self._kv_cache_config = kv_cache_config
+        self._kv_caches = allocate_kv_cache(
+            kv_cache_config, self.device, self.cache_config.get_resolved_kv_cache_layout()
+        )
+        self._pages = self._page_views(kv_cache_config, self._kv_caches)
+        if has_kv_transfer_group():
+            get_kv_transfer_group().register_kv_caches(self._kv_caches)
+
+    def _page_views(self, cfg: Any, kv_caches: dict[str, torch.Tensor]) -> list[_Pages]:
+        """Per attention layer, its (num_blocks, page) bytes -- the connector's view."""
+        out = []
+        for g, group in enumerate(cfg.kv_cache_groups):
+            spec = group.kv_cache_spec
+            per_layer = spec.kv_cache_specs if isinstance(spec, UniformTypeKVCacheSpecs) else {}
+            for name in group.layer_names:
+                layer_spec = per_layer.get(name, spec)
+                if not isinstance(layer_spec, AttentionSpec) or name not in kv_caches:
+                    continue  # Mamba state has no per-token slots
+                ref = group_kernel_blocks(kv_caches[name], cfg.num_blocks)
+                page = layer_spec.page_size_bytes
+                slot = layer_spec.unpadded_page_size_bytes // layer_spec.block_size
+                if slot < 8:
+                    continue
+                flat = torch.empty(0, dtype=torch.uint8).set_(
+                    ref.untyped_storage(),
+                    ref.storage_offset() * ref.element_size(),
+                    (cfg.num_blocks, page),
+                    (ref.stride(0) * ref.element_size(), 1),
+                )
+                salt = mix64(len(out), 0xA5)  # a layer-specific mask: every layer counts
+                out.append(_Pages(g, salt, layer_spec.block_size, slot, flat.numpy()))
+        return out
+
+    def compile_or_warm_up_model(self) -> CompilationTimes:
+        return CompilationTimes(language_model=0.0, encoder=0.0)
+
+    def get_kv_connector_handshake_metadata(self) -> Any:
+        if not has_kv_transfer_group():
+            return None
+        metadata = get_kv_transfer_group().get_handshake_metadata()
+        return None if metadata is None else {(0, self.rank): metadata}
+
+    # --------------------------------------------------------------------- steps
+
+    def execute_model(self, scheduler_output: Any) -> ModelRunnerOutput:
+        self._update_requests(scheduler_output)
+        if not scheduler_output.total_num_scheduled_tokens:
+            if not has_kv_transfer_group():
+                return EMPTY_MODEL_RUNNER_OUTPUT
+            return KVConnectorModelRunnerMixin.kv_connector_no_forward(
+                scheduler_output, self.vllm_config
+            )
+        req_ids = list(scheduler_output.num_scheduled_tokens)
+        with (
+            set_forward_context(None, self.vllm_config),
+            KVConnectorModelRunnerMixin.maybe_get_kv_connector_output(
+                scheduler_output
+            ) as kv_connector_output,
+        ):
+            sampled = [
+                self._run(rid, scheduler_output.num_scheduled_tokens[rid]) for rid in req_ids
+            ]
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+            kv_connector_output=kv_connector_output,
+        )
+
+    def sample_tokens(self, grammar_output: Any) -> None:
+        return None  # execute_model already answered with the sampled tokens
+
+    def take_draft_token_ids(self) -> None:
+        return None
+
+    def _update_requests(self, out: Any) -> None:
+        for rid in out.finished_req_ids:
+            self._requests.pop(rid, None)
+        for new in out.scheduled_new_reqs:
+            self._requests[new.req_id] = _Request(
+                tokens=list(new.prompt_token_ids or []),
+                blocks=[list(b) for b in new.block_ids],
+                computed=new.num_computed_tokens,
+            )
+        cached = out.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            req = self._requests[rid]
+            if rid in cached.all_token_ids:
+                req.tokens = list(cached.all_token_ids[rid])
+            new_blocks = cached.new_block_ids[i]
+            if rid in cached.resumed_req_ids:
+                req.blocks = [list(b) for b in new_blocks or ()]
+            elif new_blocks is not None:
+                for blocks, more in zip(req.blocks, new_blocks, strict=True):
+                    blocks.extend(more)
+            req.computed = cached.num_computed_tokens[i]
+
+    def _slot(self, req: _Request, pages: _Pages, pos: int) -> tuple[int, int] | None:
+        blocks = req.blocks[pages.group]
+        idx = pos // pages.block_size
+        if idx >= len(blocks) or blocks[idx] == 0:  # 0: the null block (outside a window)
+            return None
+        return blocks[idx], pos % pages.block_size
+
+    def _read(self, req: _Request, pos: int) -> int:
+        """The signature the pages hold for ``pos``, folded over every layer."""
+        h = _SEED
+        for pages in self._pages:
+            where = self._slot(req, pages, pos)
+            if where is not None:
+                h = mix64(h, pages.read(*where) ^ pages.salt)
+        return h
+
+    def _fold(self, signature: int) -> int:
+        """What ``_read`` returns when every layer holds ``signature``."""
+        h = _SEED
+        for _ in self._pages:
+            h = mix64(h, signature)
+        return h
+
+    def _run(self, rid: str, num_tokens: int) -> list[int]:
+        req = self._requests[rid]
+        start = req.computed
+        prev = self._read(req, start - 1) if start > 0 else _SEED
+        for pos in range(start, start + num_tokens):
+            signature = mix64(prev, req.tokens[pos], pos)
+            for pages in self._pages:
+                where = self._slot(req, pages, pos)
+                if where is not None:
+                    pages.write(*where, signature ^ pages.salt)
+            prev = self._fold(signature)
+        if start + num_tokens < len(req.tokens):
+            return []  # a prefill chunk that does not reach the last token
+        token = self._read(req, start + num_tokens - 1) % self._vocab
+        while token in self._avoid:
+            token = (token + 1) % self._vocab
+        req.tokens.append(token)
+        return [token]
+
+    # ----------------------------------------------------------------- the rest
+
+    def check_health(self) -> None:
+        return
+
+    def reset_mm_cache(self) -> None:
+        return
+
+    def reset_encoder_cache(self) -> None:
+        return
+
+    def add_lora(self, lora_request: Any) -> bool:
+        return False
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return False
+
+    def pin_lora(self, lora_id: int) -> bool:
+        return False
+
+    def list_loras(self) -> set[int]:
+        return set()
+
+    def shutdown(self) -> None:
+        if has_kv_transfer_group():
+            get_kv_transfer_group().shutdown()
+        self._pages = []
+        self._kv_caches = {}
