@@ -48,10 +48,24 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-REQUIRED_VLLM = "0.33.0"
-CONNECTOR = "SpillwayOffloadingConnector"
-CONNECTOR_MODULE = "spillway_engine.offloader"
 REPO = Path(__file__).resolve().parents[2]
+
+
+def _load_pins() -> Any:
+    """spillway_engine/vllm_pins.py, loaded by path: this check runs (and reports) before
+    it knows whether spillway_engine is importable, and the file needs nothing else."""
+    path = REPO / "engine" / "spillway_engine" / "vllm_pins.py"
+    spec = importlib.util.spec_from_file_location("_spillway_vllm_pins", path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_PINS = _load_pins()
+REQUIRED_VLLM: str = _PINS.VLLM_VERSION
+CONNECTOR: str = _PINS.SPILLWAY_CONNECTOR
+CONNECTOR_MODULE: str = _PINS.SPILLWAY_CONNECTOR_MODULE
 PHASES = ("store", "load", "repeat")
 HOST_PHASES = ("load", "repeat")
 RESULT_FILE = "gpu-offload-check.json"

@@ -20,11 +20,14 @@ exposition, as prometheus_client writes them.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+if TYPE_CHECKING:
+    from spillway_engine.planner.plan import Plan
 
 #: vLLM's base labels on every engine metric (``v1/metrics/loggers.py``).
 BASE_LABELS: tuple[str, ...] = ("model_name", "engine")
@@ -469,32 +472,23 @@ def _label_value(value: Any) -> str:
         return ""
     if isinstance(value, bool):
         return "true" if value else "false"
-    if isinstance(value, dict):
-        # ``gpu`` / ``model`` may be objects in the plan: use their name.
-        return str(value.get("name", ""))
     return str(value)
 
 
-def plan_info_labels(plan: Mapping[str, Any]) -> dict[str, str]:
-    """The ``spillway_plan_info`` label values read (defensively) from a plan dict."""
-    groups = plan.get("kv_groups") or []
-    kinds = ",".join(str(g.get("kind", "")) for g in groups if isinstance(g, Mapping))
-    tp = plan.get("tensor_parallel_size")
-    parallelism = plan.get("parallelism")
-    if tp is None and isinstance(parallelism, Mapping):
-        tp = parallelism.get("tensor_parallel_size")
+def plan_info_labels(plan: Plan) -> dict[str, str]:
+    """The ``spillway_plan_info`` label values of a plan."""
     values = {
-        "model": plan.get("model"),
-        "gpu": plan.get("gpu"),
-        "offloader": plan.get("offloader", ""),
-        "tensor_parallel_size": tp if tp is not None else 1,
-        "num_groups": len(groups),
-        "group_kinds": kinds,
-        "tokens_per_hash": plan.get("tokens_per_hash"),
-        "blocks_per_chunk": plan.get("blocks_per_chunk"),
-        "num_chunks": plan.get("num_chunks"),
-        "row_bytes": plan.get("row_bytes"),
-        "capacity_tokens": plan.get("capacity_tokens"),
+        "model": plan.model.name,
+        "gpu": plan.gpu.name,
+        "offloader": plan.offloader,
+        "tensor_parallel_size": plan.parallelism.tensor_parallel_size,
+        "num_groups": len(plan.kv_groups),
+        "group_kinds": ",".join(g.kind for g in plan.kv_groups),
+        "tokens_per_hash": plan.tokens_per_hash,
+        "blocks_per_chunk": plan.blocks_per_chunk,
+        "num_chunks": plan.num_chunks,
+        "row_bytes": plan.row_bytes,
+        "capacity_tokens": plan.capacity_tokens,
     }
     return {k: _label_value(values[k]) for k in PLAN_INFO_LABELS}
 
@@ -524,10 +518,10 @@ class SpillwayMetrics:
     def _child(self, metric):
         return metric.labels(self.model_name, self.engine)
 
-    def set_plan(self, plan: Mapping[str, Any]) -> None:
+    def set_plan(self, plan: Plan) -> None:
         """Publish the static plan facts (capacity gauges and ``spillway_plan_info``)."""
-        self._child(self.capacity_chunks).set(int(plan.get("num_chunks") or 0))
-        self._child(self.capacity_tokens).set(int(plan.get("capacity_tokens") or 0))
+        self._child(self.capacity_chunks).set(plan.num_chunks)
+        self._child(self.capacity_tokens).set(plan.capacity_tokens)
         labels = plan_info_labels(plan)
         self.plan_info.labels(self.model_name, self.engine, *labels.values()).set(1)
 

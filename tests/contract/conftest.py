@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-REQUIRED_VLLM = "0.33.0"
+from spillway_engine.vllm_pins import VLLM_VERSION as REQUIRED_VLLM
 
 try:
     _found = importlib.metadata.version("vllm")
@@ -25,7 +25,7 @@ if _found != REQUIRED_VLLM:
         "install it with `pip install -e '.[engine,test]'` (see tests/contract/README.md)"
     )
 
-from .vllm_harness import Case, VllmLayout, build_layout  # noqa: E402
+from .vllm_harness import Case, VllmLayout, build_layout
 
 MODELS = Path(__file__).resolve().parents[1] / "fixtures" / "models"
 

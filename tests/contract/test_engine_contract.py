@@ -17,7 +17,6 @@ Qwen3-Next (GDN/Mamba + full attention). Layouts are built once per session
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import os
@@ -50,7 +49,7 @@ from vllm.v1.metrics.loggers import PrometheusStatLogger
 from spillway_engine.launcher import plan_check, plugin, serve
 from spillway_engine.launcher.plan_check import PlanMismatch
 from spillway_engine.launcher.serve import EngineOptions
-from spillway_engine.planner.plan import PlanRequest, make_plan
+from spillway_engine.planner.plan import Plan, PlanRequest, make_plan
 
 from .conftest import LayoutCache, load_model
 from .vllm_harness import Case, VllmLayout
@@ -68,7 +67,7 @@ OFFLOADERS = ["upstream", "spillway"]
 OPTIONS = EngineOptions(model="org/model", served_model_name="served", eviction_policy="lru")
 
 
-def plan_for(case: Case, offloader: str) -> dict[str, Any]:
+def plan_for(case: Case, offloader: str) -> Plan:
     return make_plan(
         load_model(case.model),
         PlanRequest(
@@ -79,11 +78,18 @@ def plan_for(case: Case, offloader: str) -> dict[str, Any]:
             cpu_memory_bytes=POOL,
             offloader=offloader,
         ),
-    ).model_dump(mode="json")
+    )
 
 
-def layout_for(cache: LayoutCache, case: Case, plan: dict[str, Any]) -> VllmLayout:
-    built = cache.get(case, plan["gpu"]["attention_backend"])
+def altered(plan: Plan, change: Any) -> Plan:
+    """A copy of ``plan`` with ``change(data)`` applied to its JSON object."""
+    data = plan.model_dump(mode="json")
+    change(data)
+    return Plan.model_validate(data)
+
+
+def layout_for(cache: LayoutCache, case: Case, plan: Plan) -> VllmLayout:
+    built = cache.get(case, plan.gpu.attention_backend)
     if isinstance(built, Exception):
         pytest.fail(f"vLLM could not build {case}: {built!r}")
     return built
@@ -101,8 +107,8 @@ def serving(layout: VllmLayout, transfer: dict[str, Any]) -> Iterator[Any]:
         vc.kv_transfer_config = saved
 
 
-def dry_run(tmp_path: Path, plan: dict[str, Any], capsys, weights: str | None = None) -> list[str]:
-    (tmp_path / "plan.json").write_text(json.dumps(plan))
+def dry_run(tmp_path: Path, plan: Plan, capsys, weights: str | None = None) -> list[str]:
+    (tmp_path / "plan.json").write_text(plan.model_dump_json())
     options = {"model": "org/model", "served_model_name": "served", "weights_path": weights}
     (tmp_path / "engine.json").write_text(json.dumps(options))
     code = serve.main(["serve", "--plan", str(tmp_path / "plan.json"), "--dry-run"])
@@ -129,7 +135,7 @@ def serve_parser() -> FlexibleArgumentParser:
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_dry_run_command_parses_with_vllm_serve(case: Case, serve_parser, tmp_path, capsys):
     plan = plan_for(case, "spillway")
-    extra = plan["spillway"]["kv_connector_extra_config"]
+    extra = plan.spillway.kv_connector_extra_config
     weights = write_model_dir(load_model(case.model))  # the pod's weights_path, config only
     cmd = dry_run(tmp_path, plan, capsys, weights=weights)
     assert cmd[:3] == ["vllm", "serve", weights]
@@ -138,8 +144,8 @@ def test_dry_run_command_parses_with_vllm_serve(case: Case, serve_parser, tmp_pa
     assert args.served_model_name == ["served"]
     assert args.tensor_parallel_size == case.tensor_parallel_size
     assert args.pipeline_parallel_size == 1 and args.data_parallel_size == 1
-    assert args.max_model_len == case.max_model_len == plan["max_model_len"]
-    assert args.kv_cache_dtype == "auto" and args.dtype == plan["model"]["dtype"]
+    assert args.max_model_len == case.max_model_len == plan.max_model_len
+    assert args.kv_cache_dtype == "auto" and args.dtype == plan.model.dtype
     assert args.enable_prefix_caching is True
     assert args.block_size is None  # vLLM chooses the planned size itself
     assert (args.host, args.port) == ("0.0.0.0", 8000)
@@ -152,8 +158,8 @@ def test_dry_run_command_parses_with_vllm_serve(case: Case, serve_parser, tmp_pa
     # what `vllm serve` does next: engine args -> VllmConfig, from exactly this command
     args.model = args.model_tag
     vc = EngineArgs.from_cli_args(args).create_engine_config()
-    assert vc.model_config.max_model_len == plan["max_model_len"]
-    assert str(vc.model_config.dtype) == f"torch.{plan['model']['dtype']}"
+    assert vc.model_config.max_model_len == plan.max_model_len
+    assert str(vc.model_config.dtype) == f"torch.{plan.model.dtype}"
     assert vc.model_config.served_model_name == "served"
     assert vc.parallel_config.tensor_parallel_size == case.tensor_parallel_size
     assert vc.cache_config.enable_prefix_caching is True
@@ -172,11 +178,11 @@ def test_dry_run_transfer_config_is_accepted_by_vllm(
     layout = layout_for(vllm_layouts, case, plan)
     transfer = kv_transfer_json(dry_run(tmp_path, plan, capsys))
     assert transfer["kv_connector"] == "OffloadingConnector"
-    upstream = plan["upstream"]
-    assert (upstream["blocks_per_chunk"], upstream["row_bytes"], upstream["num_chunks"]) == (
-        plan["blocks_per_chunk"],
-        plan["row_bytes"],
-        plan["num_chunks"],
+    upstream = plan.upstream
+    assert (upstream.blocks_per_chunk, upstream.row_bytes, upstream.num_chunks) == (
+        plan.blocks_per_chunk,
+        plan.row_bytes,
+        plan.num_chunks,
     )
     with serving(layout, transfer) as vc:
         off = build_offloading_config(vc, layout.kv_cache_config)
@@ -184,15 +190,15 @@ def test_dry_run_transfer_config_is_accepted_by_vllm(
         manager = spec.get_manager()
     assert isinstance(spec, CPUOffloadingSpec)
     assert isinstance(manager, CPUOffloadingManager)
-    assert off.cache.blocks_per_chunk == upstream["blocks_per_chunk"]
-    assert off.cache.tokens_per_hash == plan["tokens_per_hash"]
-    assert off.worker_kv_bytes_per_block == plan["worker_bytes_per_block"]
+    assert off.cache.blocks_per_chunk == upstream.blocks_per_chunk
+    assert off.cache.tokens_per_hash == plan.tokens_per_hash
+    assert off.worker_kv_bytes_per_block == plan.worker_bytes_per_block
     assert [g.tokens_per_block for g in off.groups] == [
-        g["tokens_per_block"] for g in plan["kv_groups"]
+        g.tokens_per_block for g in plan.kv_groups
     ]
     assert (spec.kv_bytes_per_chunk, spec.num_chunks) == (
-        upstream["row_bytes"],
-        upstream["num_chunks"],
+        upstream.row_bytes,
+        upstream.num_chunks,
     )
 
 
@@ -209,14 +215,14 @@ def test_dry_run_spillway_transfer_config_builds_the_planned_geometry(
     assert transfer["kv_connector"] == "SpillwayOffloadingConnector"
     with serving(layout, transfer) as vc:
         host = build_geometry(vc, layout.kv_cache_config).layout
-    spillway = plan["spillway"]
-    assert host.chunk_tokens == spillway["chunk_tokens"]
+    spillway = plan.spillway
+    assert host.chunk_tokens == spillway.chunk_tokens
     assert [g.blocks_per_chunk for g in host.groups] == [
-        g["blocks_per_chunk"] for g in spillway["groups"]
+        g.blocks_per_chunk for g in spillway.groups
     ]
-    assert [g.units for g in host.groups] == [g["units"] for g in spillway["groups"]]
-    assert host.unit_bytes == spillway["unit_bytes"]
-    assert host.num_units == spillway["num_units"] > 0
+    assert [g.units for g in host.groups] == [g.units for g in spillway.groups]
+    assert host.unit_bytes == spillway.unit_bytes
+    assert host.num_units == spillway.num_units > 0
 
 
 # ----------------------------------------------------------- (b) the plan check
@@ -230,19 +236,19 @@ def test_plan_check_passes_the_right_plan(case: Case, offloader: str, vllm_layou
     transfer, _ = serve.transfer_config(plan, OPTIONS)
     with serving(layout, transfer) as vc:
         observed = plan_check.check(plan, vc, layout.kv_cache_config)
-    assert [g.kind for g in observed.groups] == [g["kind"] for g in plan["kv_groups"]]
+    assert [g.kind for g in observed.groups] == [g.kind for g in plan.kv_groups]
     assert observed.cpu_bytes_to_use == POOL
     if offloader == "spillway":
-        spillway = plan["spillway"]
+        spillway = plan.spillway
         assert observed.kv_connector == "SpillwayOffloadingConnector"
-        assert observed.chunk_tokens == spillway["chunk_tokens"]
-        assert list(observed.group_units) == [g["units"] for g in spillway["groups"]]
-        assert observed.num_units == spillway["num_units"] > 0
+        assert observed.chunk_tokens == spillway.chunk_tokens
+        assert list(observed.group_units) == [g.units for g in spillway.groups]
+        assert observed.num_units == spillway.num_units > 0
         assert observed.num_chunks is None  # vLLM's offloading spec is not involved
     else:
         assert observed.kv_connector == "OffloadingConnector"
-        assert observed.num_chunks == plan["num_chunks"] == plan["upstream"]["num_chunks"] > 0
-        assert observed.blocks_per_chunk == plan["upstream"]["blocks_per_chunk"]
+        assert observed.num_chunks == plan.num_chunks == plan.upstream.num_chunks > 0
+        assert observed.blocks_per_chunk == plan.upstream.blocks_per_chunk
         assert observed.num_units is None
 
 
@@ -250,10 +256,9 @@ def test_plan_check_passes_the_right_plan(case: Case, offloader: str, vllm_layou
 def test_plan_check_catches_wrong_page_bytes(case: Case, vllm_layouts):
     plan = plan_for(case, "upstream")
     layout = layout_for(vllm_layouts, case, plan)
-    wrong = copy.deepcopy(plan)
-    last = len(wrong["kv_groups"]) - 1
-    real_page = wrong["kv_groups"][last]["page_bytes"]
-    wrong["kv_groups"][last]["page_bytes"] = real_page // 2
+    last = len(plan.kv_groups) - 1
+    real_page = plan.kv_groups[last].page_bytes
+    wrong = altered(plan, lambda d: d["kv_groups"][last].update(page_bytes=real_page // 2))
     transfer, _ = serve.transfer_config(plan, OPTIONS)
     with serving(layout, transfer) as vc, pytest.raises(PlanMismatch) as e:
         plan_check.check(wrong, vc, layout.kv_cache_config)
@@ -266,7 +271,7 @@ def test_plan_check_catches_wrong_page_bytes(case: Case, vllm_layouts):
 def test_plan_check_catches_wrong_blocks_per_chunk(case: Case, vllm_layouts):
     plan = plan_for(case, "upstream")
     layout = layout_for(vllm_layouts, case, plan)
-    bpc = plan["upstream"]["blocks_per_chunk"]
+    bpc = plan.upstream.blocks_per_chunk
     transfer, _ = serve.transfer_config(plan, OPTIONS)
     # vLLM is started with another chunk size than the pod was sized for
     transfer["kv_connector_extra_config"]["blocks_per_chunk"] = bpc * 2
@@ -274,12 +279,11 @@ def test_plan_check_catches_wrong_blocks_per_chunk(case: Case, vllm_layouts):
         plan_check.check(plan, vc, layout.kv_cache_config)
     found = {m.field: (m.plan, m.vllm) for m in e.value.mismatches}
     assert found["blocks_per_chunk"] == (bpc, bpc * 2)
-    assert found["row_bytes"][0] == plan["upstream"]["row_bytes"] < found["row_bytes"][1]
-    assert found["num_chunks"][0] == plan["upstream"]["num_chunks"] > found["num_chunks"][1]
+    assert found["row_bytes"][0] == plan.upstream.row_bytes < found["row_bytes"][1]
+    assert found["num_chunks"][0] == plan.upstream.num_chunks > found["num_chunks"][1]
     assert set(found) == {"blocks_per_chunk", "row_bytes", "num_chunks"}
     # and the other way round: a plan that says another bpc than vLLM runs
-    wrong = copy.deepcopy(plan)
-    wrong["upstream"]["blocks_per_chunk"] = bpc + 1
+    wrong = altered(plan, lambda d: d["upstream"].update(blocks_per_chunk=bpc + 1))
     transfer, _ = serve.transfer_config(plan, OPTIONS)
     with serving(layout, transfer) as vc, pytest.raises(PlanMismatch) as e:
         plan_check.check(wrong, vc, layout.kv_cache_config)
@@ -297,10 +301,10 @@ def test_spillway_plan_runs_spillways_connector_as_planned(case: Case, vllm_layo
         observed = plan_check.check(plan, vc, layout.kv_cache_config)
     assert connector_cls.__name__ == "SpillwayOffloadingConnector"
     assert issubclass(connector_cls, SupportsHMA)
-    spillway = plan["spillway"]
-    assert observed.chunk_tokens == spillway["chunk_tokens"]
-    assert list(observed.group_units) == [g["units"] for g in spillway["groups"]]
-    assert observed.num_units == spillway["num_units"] > 0
+    spillway = plan.spillway
+    assert observed.chunk_tokens == spillway.chunk_tokens
+    assert list(observed.group_units) == [g.units for g in spillway.groups]
+    assert observed.num_units == spillway.num_units > 0
 
 
 def test_plan_check_catches_a_spillway_pool_other_than_planned(vllm_layouts):
@@ -313,7 +317,7 @@ def test_plan_check_catches_a_spillway_pool_other_than_planned(vllm_layouts):
         plan_check.check(plan, vc, layout.kv_cache_config)
     found = {m.field: (m.plan, m.vllm) for m in e.value.mismatches}
     assert set(found) == {"cpu_bytes_to_use", "spillway.num_units"}
-    units = plan["spillway"]["num_units"]
+    units = plan.spillway.num_units
     assert found["spillway.num_units"] == (units, units * 2)
     # an engine cut into other chunks than the plan's is refused by the connector itself
     transfer, _ = serve.transfer_config(plan, OPTIONS)
@@ -353,6 +357,46 @@ def test_vllm_loads_the_plugin_from_the_entry_point(tmp_path, monkeypatch):
     assert plugins[plugin.ENTRY_POINT_NAME] is plugin.register
 
 
+def test_plugin_without_a_plan_registers_only_the_connector(monkeypatch):
+    """vLLM runs the plugin in every process, with or without Spillway's launcher:
+    without ``SPILLWAY_PLAN`` it registers the connector and installs no hook."""
+    monkeypatch.delenv(plugin.ENV_PLAN, raising=False)
+    monkeypatch.setitem(plugin._state, "plan", None)
+    monkeypatch.setattr(Executor, "initialize_from_config", Executor.initialize_from_config)
+    monkeypatch.setattr(PrometheusStatLogger, "__init__", PrometheusStatLogger.__init__)
+    plugin.register()
+    assert plugin._state["plan"] is None
+    assert not getattr(Executor.initialize_from_config, "_spillway_checked", False)
+    assert not getattr(PrometheusStatLogger.__init__, "_spillway_metrics", False)
+    connector = KVConnectorFactory.get_connector_class_by_name("SpillwayOffloadingConnector")
+    assert connector.__name__ == "SpillwayOffloadingConnector"
+
+
+@pytest.mark.parametrize(
+    ("content", "match"),
+    [
+        (None, "cannot read the plan"),
+        ("{}", "is missing vllm_version, spillway_version"),
+        ("other-vllm", "for vLLM 0.32.0; this engine is Spillway"),
+    ],
+)
+def test_plugin_stops_vllm_on_a_plan_it_cannot_use(monkeypatch, tmp_path, content, match):
+    path = tmp_path / "plan.json"
+    if content == "other-vllm":
+        data = plan_for(CASES[1], "upstream").model_dump(mode="json")
+        content = json.dumps({**data, "vllm_version": "0.32.0"})
+    if content is not None:
+        path.write_text(content)
+    monkeypatch.setenv(plugin.ENV_PLAN, str(path))
+    monkeypatch.setitem(plugin._state, "plan", None)
+    monkeypatch.setattr(Executor, "initialize_from_config", Executor.initialize_from_config)
+    with pytest.raises(plugin.PluginError) as e:
+        plugin.register()
+    assert match in str(e.value) and "\n" not in str(e.value)
+    assert plugin._state["plan"] is None
+    assert not getattr(Executor.initialize_from_config, "_spillway_checked", False)
+
+
 _FRESH_PROCESS = """
 import json, os, sys
 from vllm.engine.arg_utils import EngineArgs
@@ -364,7 +408,7 @@ from spillway_engine.launcher import plugin
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
 print(json.dumps({
-    "plan": plugin._state["plan"]["model"]["name"],
+    "plan": plugin._state["plan"].model.name,
     "connector": KVConnectorFactory.get_connector_class_by_name(
         "SpillwayOffloadingConnector"
     ).__name__,
@@ -385,7 +429,7 @@ def test_plugin_activates_in_a_fresh_vllm_process(tmp_path):
         f"{plugin.ENTRY_POINT_NAME} = {plugin.ENTRY_POINT_VALUE}\n"
     )
     plan = plan_for(CASES[1], "upstream")
-    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    (tmp_path / "plan.json").write_text(plan.model_dump_json())
     engine_dir = Path(plugin.__file__).resolve().parents[1]
     env = {
         **os.environ,
@@ -435,9 +479,9 @@ def plugin_with(monkeypatch, tmp_path):
     monkeypatch.setitem(plugin._state, "plan", None)
     monkeypatch.setitem(plugin._state, "metrics", {})
 
-    def activate(plan: dict[str, Any]) -> None:
+    def activate(plan: Plan) -> None:
         path = tmp_path / "plan.json"
-        path.write_text(json.dumps(plan))
+        path.write_text(plan.model_dump_json())
         monkeypatch.setenv(plugin.ENV_PLAN, str(path))
         plugin.register()
         plugin.register()  # idempotent: vLLM calls it in every process, maybe twice
@@ -476,8 +520,7 @@ def test_hook_stops_a_wrong_plan_before_the_workers_allocate(
     logger.addHandler(records)
     monkeypatch.setattr(logger, "level", logging.INFO)
     try:
-        wrong = copy.deepcopy(plan)
-        wrong["tokens_per_hash"] *= 2
+        wrong = plan.model_copy(update={"tokens_per_hash": plan.tokens_per_hash * 2})
         plugin_with(wrong)
         assert getattr(Executor.initialize_from_config, "_spillway_checked", False)
         with serving(layout, transfer) as vc:
@@ -508,7 +551,7 @@ def plan_info_samples() -> list[Any]:
 
 def stat_logger_for(
     offloader: str, vllm_layouts: LayoutCache, plugin_with: Any
-) -> tuple[dict[str, Any], dict[str, str]]:
+) -> tuple[Plan, dict[str, str]]:
     """Build vLLM's stat logger with the plugin active for a plan; its metric labels."""
     case = CASES[0]
     plan = plan_for(case, offloader)
@@ -525,17 +568,17 @@ def test_stat_logger_exports_the_plan_metrics(vllm_layouts, plugin_with):
     plan, labels = stat_logger_for("upstream", vllm_layouts, plugin_with)
     # served with vLLM's offloader, the pool is the plan's upstream one
     assert REGISTRY.get_sample_value("spillway_host_pool_capacity_chunks", labels) == (
-        plan["upstream"]["num_chunks"]
+        plan.upstream.num_chunks
     )
     assert REGISTRY.get_sample_value("spillway_host_pool_capacity_tokens", labels) == (
-        plan["upstream"]["capacity_tokens"]
+        plan.upstream.capacity_tokens
     )
     # vLLM's connector has no pool series of its own: the plugin exports them at zero
     assert REGISTRY.get_sample_value("spillway_host_pool_used_chunks", labels) == 0
     info = plan_info_samples()
     assert len(info) == 1 and info[0].value == 1
     assert info[0].labels["offloader"] == "upstream"
-    assert info[0].labels["num_groups"] == str(len(plan["kv_groups"]))
+    assert info[0].labels["num_groups"] == str(len(plan.kv_groups))
     # vLLM's own metrics are there too, on the same registry
     assert any(f.name.startswith("vllm:") for f in REGISTRY.collect())
 
@@ -545,12 +588,12 @@ def test_stat_logger_leaves_the_pool_series_to_spillways_connector(vllm_layouts,
     [metrics] = plugin._state["metrics"].values()
     assert metrics.dynamic_families == []  # the connector's own metrics export those
     assert REGISTRY.get_sample_value("spillway_host_pool_capacity_chunks", labels) == (
-        plan["num_chunks"]
+        plan.num_chunks
     )
     assert REGISTRY.get_sample_value("spillway_host_pool_capacity_tokens", labels) == (
-        plan["capacity_tokens"]
+        plan.capacity_tokens
     )
     info = plan_info_samples()
     assert len(info) == 1 and info[0].value == 1
     assert info[0].labels["offloader"] == "spillway"
-    assert info[0].labels["num_groups"] == str(len(plan["kv_groups"]))
+    assert info[0].labels["num_groups"] == str(len(plan.kv_groups))

@@ -1,9 +1,10 @@
 """`spillway-engine serve`: the vLLM command built from a plan, refusals, exit codes;
-the pure half of the start-up plan check; the plugin's plan metrics."""
+the plan reader's refusals; the pure half of the start-up plan check; the plugin's
+plan file and plan metrics. Nothing here needs vLLM or torch (the plugin's vLLM half
+is in tests/contract/test_engine_contract.py)."""
 
 from __future__ import annotations
 
-import copy
 import json
 import shlex
 import subprocess
@@ -14,6 +15,7 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
+import spillway_engine
 from spillway_engine.launcher import plugin, serve
 from spillway_engine.launcher.plan_check import (
     Mismatch,
@@ -25,7 +27,8 @@ from spillway_engine.launcher.plan_check import (
     format_table,
 )
 from spillway_engine.launcher.serve import EngineCliError, EngineOptions, build_command, main
-from spillway_engine.planner.plan import PlanRequest, make_plan
+from spillway_engine.planner.plan import Plan, PlanReadError, PlanRequest, make_plan, read_plan
+from spillway_engine.vllm_pins import VLLM_VERSION
 
 from .planner_fixtures import load_model
 
@@ -37,12 +40,15 @@ QWEN_NEXT = "qwen3-next-80b-a3b-instruct"  # GDN (Mamba) hybrid: 3 Mamba + 1 att
 NEMOTRON = "nemotron-h-8b-base-8k"  # Mamba2 hybrid
 
 
-def plan_for(model: str, **kw: Any) -> dict[str, Any]:
+def plan_for(model: str, **kw: Any) -> Plan:
     kw.setdefault("cpu_memory_bytes", 8 * GIB)
     kw.setdefault("max_model_len", 8192)
-    return make_plan(load_model(model), PlanRequest(model_name=model, **kw)).model_dump(
-        mode="json"
-    )
+    return make_plan(load_model(model), PlanRequest(model_name=model, **kw))
+
+
+def without_upstream(plan: Plan, refusal: str) -> Plan:
+    """The plan as made for a model vLLM's own offloader refuses."""
+    return plan.model_copy(update={"upstream": None, "upstream_refusal": refusal})
 
 
 OPTIONS = EngineOptions(
@@ -82,7 +88,7 @@ def test_command_carries_the_plan(model: str, offloader: str):
     assert flag(cmd, "--data-parallel-size") == "1"
     assert flag(cmd, "--max-model-len") == "8192"
     assert flag(cmd, "--gpu-memory-utilization") == "0.9"
-    assert flag(cmd, "--dtype") == plan["model"]["dtype"] == "bfloat16"
+    assert flag(cmd, "--dtype") == plan.model.dtype == "bfloat16"
     assert flag(cmd, "--kv-cache-dtype") == "auto"
     assert "--enable-prefix-caching" in cmd and "--disable-prefix-caching" not in cmd
     assert "--block-size" not in cmd  # nobody forced one: vLLM picks the plan's size
@@ -95,7 +101,7 @@ def test_command_carries_the_plan(model: str, offloader: str):
         assert kv["kv_connector"] == "SpillwayOffloadingConnector"
         assert kv["kv_connector_module_path"] == "spillway_engine.offloader"
         assert kv["kv_connector_extra_config"] == {
-            **plan["spillway"]["kv_connector_extra_config"],
+            **plan.spillway.kv_connector_extra_config,
             "eviction_policy": "lru",
         }
         assert "blocks_per_chunk" not in kv["kv_connector_extra_config"]
@@ -103,24 +109,27 @@ def test_command_carries_the_plan(model: str, offloader: str):
         # vLLM's own connector with the plan's (upstream) figures
         assert kv["kv_connector"] == "OffloadingConnector"
         assert "kv_connector_module_path" not in kv
+        assert plan.upstream is not None
         assert kv["kv_connector_extra_config"] == {
-            **plan["upstream"]["kv_connector_extra_config"],
+            **plan.upstream.kv_connector_extra_config,
             "eviction_policy": "lru",
         }
-        assert kv["kv_connector_extra_config"]["blocks_per_chunk"] == plan[
-            "blocks_per_chunk"
-        ] == plan["upstream"]["blocks_per_chunk"]
+        assert (
+            kv["kv_connector_extra_config"]["blocks_per_chunk"]
+            == plan.blocks_per_chunk
+            == plan.upstream.blocks_per_chunk
+        )
 
 
 def test_spillway_plan_serves_spillways_offloader():
     plan = plan_for(GEMMA)
-    assert plan["offloader"] == "spillway"  # the planner's default
+    assert plan.offloader == "spillway"  # the planner's default
     cmd, notes = build_command(plan, OPTIONS)
     kv = transfer(cmd)
     assert kv["kv_connector"] == "SpillwayOffloadingConnector"
     assert kv["kv_connector_module_path"] == "spillway_engine.offloader"
     extra = kv["kv_connector_extra_config"]
-    assert extra["spillway_chunk_tokens"] == plan["spillway"]["chunk_tokens"]
+    assert extra["spillway_chunk_tokens"] == plan.spillway.chunk_tokens
     assert extra["spillway_group_blocks_per_chunk"] == [16] * 7
     assert extra["cpu_bytes_to_use"] == 8 * GIB
     assert notes == []
@@ -128,46 +137,41 @@ def test_spillway_plan_serves_spillways_offloader():
 
 def test_spillway_plan_that_upstream_refuses_is_still_served():
     """vLLM's own offloader refusing the model does not matter: Spillway's serves it."""
-    plan = plan_for(GEMMA)
-    plan["upstream"] = None
-    plan["upstream_refusal"] = "group 2 has 8 tokens per block, not a multiple of 16"
+    plan = without_upstream(
+        plan_for(GEMMA), "group 2 has 8 tokens per block, not a multiple of 16"
+    )
     cmd, notes = build_command(plan, OPTIONS)
     kv = transfer(cmd)
     assert kv["kv_connector"] == "SpillwayOffloadingConnector"
     assert kv["kv_connector_module_path"] == "spillway_engine.offloader"
     assert kv["kv_connector_extra_config"] == {
-        **plan["spillway"]["kv_connector_extra_config"],
+        **plan.spillway.kv_connector_extra_config,
         "eviction_policy": "lru",
     }
     assert notes == []
 
 
-def test_token_based_chunk_key_is_never_passed():
-    plan = plan_for(LLAMA, offloader="upstream", blocks_per_chunk=4)
-    plan["kv_transfer_config"]["kv_connector_extra_config"] = {
-        "cpu_bytes_to_use": 8 * GIB,
-        "block_size": 64,
-    }
-    cmd, _ = build_command(plan, OPTIONS)
-    extra = transfer(cmd)["kv_connector_extra_config"]
+def test_token_based_chunk_size_is_passed_as_blocks_per_chunk():
+    """The legacy token-based chunk key is planned into blocks per chunk: vLLM gets the
+    blocks, never the token key that fails once groups differ in tokens per block."""
+    plan = plan_for(LLAMA, offloader="upstream", chunk_block_size_tokens=64)
+    extra = transfer(build_command(plan, OPTIONS)[0])["kv_connector_extra_config"]
     assert "block_size" not in extra
-    assert extra["blocks_per_chunk"] == 4
+    assert extra["blocks_per_chunk"] == 64 // plan.kv_groups[0].tokens_per_block == 4
 
 
 def test_forced_block_size_is_passed():
     assert flag(build_command(plan_for(LLAMA, block_size=32), OPTIONS)[0], "--block-size") == "32"
     # FlashMLA's fixed 64-token kernel blocks are its own choice, not a forced size
     fp8 = plan_for("deepseek-v2-lite", kv_cache_dtype="fp8")
-    assert fp8["block_size"] == 64 and fp8["gpu"]["attention_backend"] == "FLASHMLA"
+    assert fp8.block_size == 64 and fp8.gpu.attention_backend == "FLASHMLA"
     cmd, _ = build_command(fp8, OPTIONS)
     assert "--block-size" not in cmd
     assert flag(cmd, "--kv-cache-dtype") == "fp8"
     # a hybrid's raised size is vLLM's own alignment
     hybrid = plan_for(QWEN_NEXT)
-    assert hybrid["block_size"] > 16
+    assert hybrid.block_size > 16 and hybrid.mamba_cache_mode is not None
     assert "--block-size" not in build_command(hybrid, OPTIONS)[0]
-    explicit = {**hybrid, "requested_block_size": hybrid["block_size"]}
-    assert flag(build_command(explicit, OPTIONS)[0], "--block-size") == str(hybrid["block_size"])
 
 
 def test_prefix_caching_off_is_spelled_out():
@@ -259,6 +263,8 @@ def test_other_extra_args_pass_through(args: list[str]):
 
 def write(tmp_path: Path, plan: Any, options: Any = None, name: str = "plan.json") -> Path:
     path = tmp_path / name
+    if isinstance(plan, Plan):
+        plan = plan.model_dump_json(indent=2)
     path.write_text(plan if isinstance(plan, str) else json.dumps(plan))
     if options is not None:
         (tmp_path / "engine.json").write_text(
@@ -329,33 +335,101 @@ def one_error_line(err: str) -> str:
     return lines[0]
 
 
+def plan_data(**changes: Any) -> dict[str, Any]:
+    """A real plan's JSON object with top-level fields replaced (None: dropped)."""
+    data = plan_for(LLAMA, offloader="upstream").model_dump(mode="json")
+    for key, value in changes.items():
+        if value is None:
+            del data[key]
+        else:
+            data[key] = value
+    return data
+
+
+OURS = spillway_engine.__version__
+OTHER_VLLM = plan_data(vllm_version="0.32.0")
+OTHER_SPILLWAY = plan_data(spillway_version="0.0.9")
+
+
 @pytest.mark.parametrize(
     ("plan", "match"),
     [
         (None, "does not exist"),
-        ("{not json", "is not valid JSON"),
-        ("[1, 2]", "not a JSON object"),
-        ({"vllm_version": "0.33.0"}, "is missing gpu.attention_backend, model.dtype"),
-        ("mutate:vllm_version=0.32.0", "made for vLLM 0.32.0"),
-        ("mutate:kv_groups=[]", "no usable kv_groups"),
-        ("drop:kv_transfer_config", "is missing kv_transfer_config"),
+        ("{not json", "is not valid JSON: key must be a string at line 1 column 2"),
+        ("[1, 2]", "is not a JSON object"),
+        (
+            {"vllm_version": VLLM_VERSION},
+            "is missing spillway_version, gpu, model, parallelism, kv_cache_dtype,",
+        ),
+        (
+            OTHER_VLLM,
+            f"was made by Spillway {OURS} for vLLM 0.32.0; this engine is Spillway {OURS} "
+            f"with vLLM {VLLM_VERSION}",
+        ),
+        (OTHER_SPILLWAY, "was made by Spillway 0.0.9 for vLLM"),
+        # another release is named as such even where its plans have other fields
+        ({**OTHER_SPILLWAY, "kv_groups": "renamed"}, "was made by Spillway 0.0.9"),
+        (plan_data(kv_groups=[]), "has no kv_groups"),
+        (plan_data(kv_transfer_config=None), "is missing kv_transfer_config"),
+        (plan_data(num_chunks="many"), ": num_chunks: Input should be a valid integer"),
     ],
 )
 def test_bad_plans_exit_2_with_one_line(tmp_path, capsys, plan, match):
-    if isinstance(plan, str) and plan.startswith(("mutate:", "drop:")):
-        good = plan_for(LLAMA, offloader="upstream")
-        action, _, rest = plan.partition(":")
-        if action == "drop":
-            del good[rest]
-        else:
-            key, _, value = rest.partition("=")
-            good[key] = json.loads(value) if value.startswith("[") else value
-        plan = good
     path = tmp_path / "plan.json" if plan is None else write(tmp_path, plan)
     (tmp_path / "engine.json").write_text(json.dumps({"model": "m"}))
     code, out, err = run(capsys, "serve", "--plan", str(path), "--dry-run")
     assert code == 2 and out == ""
-    assert match in one_error_line(err)
+    line = one_error_line(err)
+    assert match in line
+    if plan is not None:
+        assert f"plan {path}" in line  # the file is named
+
+
+# ------------------------------------------------------------------ the plan reader
+
+
+def test_reader_round_trips_what_the_planner_makes():
+    plan = plan_for(GEMMA, tensor_parallel_size=2)
+    assert plan.vllm_version == VLLM_VERSION
+    assert plan.spillway_version == OURS
+    assert read_plan(plan.model_dump_json(), "p") == plan
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        (
+            json.dumps(OTHER_VLLM),
+            [
+                "plan p.json was made by",
+                f"Spillway {OURS} for vLLM 0.32.0",
+                f"this engine is Spillway {OURS} with vLLM {VLLM_VERSION}",
+            ],
+        ),
+        (
+            json.dumps(OTHER_SPILLWAY),
+            [
+                "plan p.json was made by",
+                f"Spillway 0.0.9 for vLLM {VLLM_VERSION}",
+                f"this engine is Spillway {OURS} with vLLM {VLLM_VERSION}",
+            ],
+        ),
+        ('{"vllm_version": "0.33.0",', ["plan p.json is not valid JSON", "EOF"]),
+        (json.dumps(plan_data(kv_groups=None)), ["plan p.json is missing kv_groups"]),
+        (json.dumps(plan_data(spillway_version=None)), ["plan p.json is missing spillway_version"]),
+        (
+            json.dumps({**plan_data(), "kv_groups": [{"kind": "weird"}]}),
+            ["plan p.json: kv_groups[0].kind: Input should be 'full_attention'", "more)"],
+        ),
+    ],
+)
+def test_reader_refusals_are_one_line(text, words):
+    with pytest.raises(PlanReadError) as e:
+        read_plan(text, "p.json")
+    message = str(e.value)
+    assert "\n" not in message
+    for word in words:
+        assert word in message
 
 
 @pytest.mark.parametrize(
@@ -462,27 +536,27 @@ def test_simulate_delegates_to_the_simulator(capsys, tmp_path):
 # ------------------------------------------------------------- plan check (pure)
 
 
-def observed_from(plan: dict[str, Any], **changes: Any) -> ObservedGeometry:
+def observed_from(plan: Plan, **changes: Any) -> ObservedGeometry:
     """What vLLM would report if it built exactly the plan (upstream connector)."""
-    up = plan["upstream"]
+    up = plan.upstream
+    assert up is not None
     fields = {
-        "tensor_parallel_size": plan["parallelism"]["tensor_parallel_size"],
-        "pipeline_parallel_size": plan["parallelism"]["pipeline_parallel_size"],
-        "max_model_len": plan["max_model_len"],
+        "tensor_parallel_size": plan.parallelism.tensor_parallel_size,
+        "pipeline_parallel_size": plan.parallelism.pipeline_parallel_size,
+        "max_model_len": plan.max_model_len,
         "groups": tuple(
             ObservedGroup(
-                g["kind"], g["num_layers"], g["tokens_per_block"], g["page_bytes"],
-                g["sliding_window"],
+                g.kind, g.num_layers, g.tokens_per_block, g.page_bytes, g.sliding_window
             )
-            for g in plan["kv_groups"]
+            for g in plan.kv_groups
         ),
-        "tokens_per_hash": plan["tokens_per_hash"],
-        "worker_bytes_per_block": plan["worker_bytes_per_block"],
+        "tokens_per_hash": plan.tokens_per_hash,
+        "worker_bytes_per_block": plan.worker_bytes_per_block,
         "kv_connector": "OffloadingConnector",
-        "cpu_bytes_to_use": plan["cpu_memory_bytes"],
-        "blocks_per_chunk": up["blocks_per_chunk"],
-        "row_bytes": up["row_bytes"],
-        "num_chunks": up["num_chunks"],
+        "cpu_bytes_to_use": plan.cpu_memory_bytes,
+        "blocks_per_chunk": up.blocks_per_chunk,
+        "row_bytes": up.row_bytes,
+        "num_chunks": up.num_chunks,
     }
     fields.update(changes)
     return ObservedGeometry(**fields)
@@ -539,25 +613,35 @@ def test_compare_offload_variants():
     assert [(m.field, m.vllm) for m in compare(plan, other)] == [
         ("kv_connector", "LMCacheConnectorV1")
     ]
-    spill = plan_for(GEMMA)
-    spill["upstream"] = None
-    spill["upstream_refusal"] = "vLLM says no"
+    spill = without_upstream(plan_for(GEMMA), "vLLM says no")
     got = compare(spill, observed_from(plan_for(GEMMA)))
     assert [m.field for m in got] == ["offloader"] and "vLLM says no" in got[0].plan
 
 
 def test_effective_plan_for_an_overridden_connector():
     plan = plan_for(GEMMA)
-    assert plan["offloader"] == "spillway"
+    assert plan.offloader == "spillway" and plan.upstream is not None
     eff = effective_plan(plan, "OffloadingConnector")
-    assert eff["offloader"] == "upstream"
-    assert (eff["num_chunks"], eff["row_bytes"], eff["capacity_tokens"]) == (
-        plan["upstream"]["num_chunks"],
-        plan["upstream"]["row_bytes"],
-        plan["upstream"]["capacity_tokens"],
+    assert eff.offloader == "upstream"
+    assert (
+        eff.blocks_per_chunk,
+        eff.num_chunks,
+        eff.row_bytes,
+        eff.capacity_tokens,
+        eff.kv_connector_extra_config,
+    ) == (
+        plan.upstream.blocks_per_chunk,
+        plan.upstream.num_chunks,
+        plan.upstream.row_bytes,
+        plan.upstream.capacity_tokens,
+        plan.upstream.kv_connector_extra_config,
     )
     assert effective_plan(plan, "SpillwayOffloadingConnector") == plan
-    assert plan["num_chunks"] != eff["num_chunks"]  # the input is left alone
+    assert plan.num_chunks != eff.num_chunks  # the input is left alone
+    assert plan.offloader == "spillway"
+    # without upstream figures there is nothing else to run: the plan stands
+    refused = without_upstream(plan, "vLLM says no")
+    assert effective_plan(refused, "OffloadingConnector") == refused
 
 
 def test_mismatch_table_is_side_by_side():
@@ -576,18 +660,28 @@ def test_mismatch_table_is_side_by_side():
 # ------------------------------------------------------------------ plugin metrics
 
 
-def test_plugin_is_inert_without_a_plan(monkeypatch):
-    monkeypatch.delenv("SPILLWAY_PLAN", raising=False)
-    monkeypatch.setitem(plugin._state, "plan", None)
-    plugin.register()
-    assert plugin._state["plan"] is None
+def test_plugin_reads_the_plan_file_with_the_planner_reader(tmp_path):
+    plan = plan_for(GEMMA)
+    path = write(tmp_path, plan)
+    assert plugin.load_plan_file(str(path)) == plan
 
 
-def test_plugin_refuses_an_unreadable_plan(monkeypatch, tmp_path):
-    monkeypatch.setitem(plugin._state, "plan", None)
-    monkeypatch.setenv("SPILLWAY_PLAN", str(tmp_path / "missing.json"))
-    with pytest.raises(plugin.PluginError, match="cannot read the plan"):
-        plugin.register()
+@pytest.mark.parametrize(
+    ("content", "match"),
+    [
+        (None, "cannot read the plan"),
+        ("{not json", "is not valid JSON"),
+        (json.dumps(OTHER_VLLM), "for vLLM 0.32.0; this engine is Spillway"),
+    ],
+)
+def test_plugin_refuses_a_plan_it_cannot_use(tmp_path, content, match):
+    path = tmp_path / "plan.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(plugin.PluginError) as e:
+        plugin.load_plan_file(str(path))
+    assert str(e.value).startswith(f"SPILLWAY_PLAN={path}: ")
+    assert match in str(e.value) and "\n" not in str(e.value)
 
 
 def test_plan_metrics_published(monkeypatch):
@@ -595,19 +689,19 @@ def test_plan_metrics_published(monkeypatch):
     registry = CollectorRegistry()
     plan = effective_plan(plan_for(GEMMA), "OffloadingConnector")
     for _ in range(2):  # vLLM may build its stat logger more than once
-        plugin.publish_plan_metrics(copy.deepcopy(plan), "gemma", [0, 1], registry)
+        plugin.publish_plan_metrics(plan, "gemma", [0, 1], registry)
     value = registry.get_sample_value
     for engine in ("0", "1"):
         labels = {"model_name": "gemma", "engine": engine}
-        assert value("spillway_host_pool_capacity_chunks", labels) == plan["num_chunks"]
-        assert value("spillway_host_pool_capacity_tokens", labels) == plan["capacity_tokens"]
+        assert value("spillway_host_pool_capacity_chunks", labels) == plan.num_chunks
+        assert value("spillway_host_pool_capacity_tokens", labels) == plan.capacity_tokens
         assert value("spillway_host_pool_used_chunks", labels) == 0
         assert value("spillway_host_pool_evictions_total", labels) == 0
     text = generate_latest(registry).decode()
     info = [line for line in text.splitlines() if line.startswith("spillway_plan_info{")]
     assert len(info) == 2
     assert 'offloader="upstream"' in info[0]
-    assert f'num_chunks="{plan["num_chunks"]}"' in info[0]
+    assert f'num_chunks="{plan.num_chunks}"' in info[0]
     assert 'group_kinds="' + ",".join(["sliding_window"] * 6 + ["full_attention"]) in info[0]
 
 

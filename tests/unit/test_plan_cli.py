@@ -7,8 +7,9 @@ import sys
 import pytest
 
 from spillway_cli import main as cli
+from spillway_engine import __version__
 from spillway_engine.launcher import serve
-from spillway_engine.planner.plan import Plan, PlanRefused, PlanRequest, make_plan
+from spillway_engine.planner.plan import PlanRefused, PlanRequest, make_plan, read_plan
 
 from .planner_fixtures import MODELS, load_model
 
@@ -26,6 +27,7 @@ def test_json_contract(capsys):
     assert code == 0
     plan = json.loads(out)
     assert plan["vllm_version"] == "0.33.0"
+    assert plan["spillway_version"] == __version__
     assert plan["gpu"]["name"] == "h100"
     assert plan["model"]["architecture"] == "Gemma3ForConditionalGeneration"
     assert plan["offloader"] == "spillway"
@@ -50,7 +52,8 @@ def test_json_contract(capsys):
     )
     # the pool lives in /dev/shm and counts against the limit
     assert plan["pod"]["memory_limit_bytes"] > plan["pod"]["shm_bytes"] > plan["row_bytes"]
-    Plan.model_validate(plan)  # the JSON round-trips into the typed model
+    # what the CLI prints is what the pod's reader takes, unchanged
+    assert read_plan(out, "stdout").model_dump(mode="json") == plan
 
 
 def test_upstream_offloader_figures(capsys):

@@ -12,6 +12,7 @@ from spillway_engine.metrics import (
     build_spillway_metrics,
     plan_info_labels,
 )
+from spillway_engine.planner.plan import Plan
 from tests.unit.simulator_support import GEMMA, LLAMA, plan_dict
 
 
@@ -49,7 +50,7 @@ def test_plan_info_and_capacity_from_a_real_plan():
     registry = CollectorRegistry()
     metrics = build_spillway_metrics(registry, "meta-llama/Llama-3.2-1B")
     plan = plan_dict(LLAMA)
-    metrics.set_plan(plan)
+    metrics.set_plan(Plan.model_validate(plan))
     fams = families(registry)
     assert value(fams, "spillway_host_pool_capacity_chunks") == plan["num_chunks"]
     assert value(fams, "spillway_host_pool_capacity_tokens") == plan["capacity_tokens"]
@@ -64,12 +65,11 @@ def test_plan_info_and_capacity_from_a_real_plan():
     assert set(info.labels) == {"model_name", "engine", *PLAN_INFO_LABELS}
 
 
-def test_plan_info_labels_are_defensive():
-    labels = plan_info_labels({})
-    assert set(labels) == set(PLAN_INFO_LABELS)
-    assert labels["num_groups"] == "0" and labels["tensor_parallel_size"] == "1"
-    gemma = plan_info_labels(plan_dict(GEMMA))
+def test_plan_info_labels_of_a_plan():
+    gemma = plan_info_labels(Plan.model_validate(plan_dict(GEMMA)))
+    assert list(gemma) == list(PLAN_INFO_LABELS)
     assert gemma["num_groups"] == "7" and gemma["offloader"] == "spillway"
+    assert gemma["tensor_parallel_size"] == "1" and gemma["model"] == "google/gemma-3-1b-it"
 
 
 def test_counters_and_fill():

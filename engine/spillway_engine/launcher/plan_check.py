@@ -9,7 +9,7 @@ Two halves, so the comparison is testable without vLLM:
   allocation, and -- when vLLM's ``OffloadingConnector`` is configured -- what
   ``build_offloading_config`` and ``CPUOffloadingSpec`` make of it (blocks per chunk,
   row bytes, number of rows). It imports vLLM lazily.
-* :func:`compare` is pure: plan dict (``Plan.model_dump(mode="json")``) against the
+* :func:`compare` is pure: the :class:`~spillway_engine.planner.plan.Plan` against the
   observation, one :class:`Mismatch` per differing field. :func:`format_table` lays
   them out side by side for the log.
 
@@ -24,12 +24,12 @@ per group, unit size, units per group and number of units.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-UPSTREAM_CONNECTOR = "OffloadingConnector"
-SPILLWAY_CONNECTOR = "SpillwayOffloadingConnector"
+from spillway_engine.planner.plan import KVGroupInfo, Plan
+from spillway_engine.vllm_pins import SPILLWAY_CONNECTOR, UPSTREAM_CONNECTOR
 
 
 class PlanMismatch(RuntimeError):
@@ -93,7 +93,7 @@ class Mismatch:
 # --------------------------------------------------------------------------- compare
 
 
-def effective_plan(plan: Mapping[str, Any], kv_connector: str | None) -> dict[str, Any]:
+def effective_plan(plan: Plan, kv_connector: str | None) -> Plan:
     """The plan's figures for the connector that really runs.
 
     ``spillway-engine serve`` always runs a ``spillway`` plan with Spillway's
@@ -101,34 +101,31 @@ def effective_plan(plan: Mapping[str, Any], kv_connector: str | None) -> dict[st
     anyway (the connector overridden by whoever starts vLLM) runs the plan's
     ``upstream`` geometry: its blocks per chunk, rows, chunks and capacity are then
     the ones to check and to publish as metrics. With any other connector, or without
-    upstream figures, the plan's own figures stand (a shallow copy is returned).
+    upstream figures, the plan itself is returned.
     """
-    out = dict(plan)
-    upstream = plan.get("upstream")
-    if (
-        kv_connector == UPSTREAM_CONNECTOR
-        and plan.get("offloader") == "spillway"
-        and isinstance(upstream, Mapping)
-    ):
-        out.update(
-            offloader="upstream",
-            blocks_per_chunk=upstream.get("blocks_per_chunk"),
-            row_bytes=upstream.get("row_bytes"),
-            num_chunks=upstream.get("num_chunks"),
-            capacity_tokens=upstream.get("capacity_tokens"),
-            kv_connector_extra_config=upstream.get("kv_connector_extra_config"),
-        )
-    return out
+    upstream = plan.upstream
+    if kv_connector != UPSTREAM_CONNECTOR or plan.offloader != "spillway" or upstream is None:
+        return plan
+    return plan.model_copy(
+        update={
+            "offloader": "upstream",
+            "blocks_per_chunk": upstream.blocks_per_chunk,
+            "row_bytes": upstream.row_bytes,
+            "num_chunks": upstream.num_chunks,
+            "capacity_tokens": upstream.capacity_tokens,
+            "kv_connector_extra_config": dict(upstream.kv_connector_extra_config),
+        }
+    )
 
 
-def _group_fields(group: Mapping[str, Any]) -> dict[str, Any]:
+def _group_fields(group: KVGroupInfo) -> dict[str, Any]:
     return {
-        "kind": group.get("kind"),
-        "num_layers": group.get("num_layers"),
-        "tokens_per_block": group.get("tokens_per_block"),
-        "page_bytes": group.get("page_bytes"),
-        "bytes_per_block": group.get("bytes_per_block"),
-        "sliding_window": group.get("sliding_window"),
+        "kind": group.kind,
+        "num_layers": group.num_layers,
+        "tokens_per_block": group.tokens_per_block,
+        "page_bytes": group.page_bytes,
+        "bytes_per_block": group.bytes_per_block,
+        "sliding_window": group.sliding_window,
     }
 
 
@@ -143,7 +140,7 @@ def _observed_group_fields(group: ObservedGroup) -> dict[str, Any]:
     }
 
 
-def compare(plan: Mapping[str, Any], observed: ObservedGeometry) -> list[Mismatch]:
+def compare(plan: Plan, observed: ObservedGeometry) -> list[Mismatch]:
     """Every plan field vLLM disagrees with; empty when the geometry is the plan's."""
     out: list[Mismatch] = []
 
@@ -151,79 +148,70 @@ def compare(plan: Mapping[str, Any], observed: ObservedGeometry) -> list[Mismatc
         if expected != actual:
             out.append(Mismatch(field, expected, actual))
 
-    par = plan.get("parallelism") or {}
-    check("tensor_parallel_size", par.get("tensor_parallel_size"), observed.tensor_parallel_size)
-    check(
-        "pipeline_parallel_size",
-        par.get("pipeline_parallel_size"),
-        observed.pipeline_parallel_size,
-    )
-    check("max_model_len", plan.get("max_model_len"), observed.max_model_len)
+    par = plan.parallelism
+    check("tensor_parallel_size", par.tensor_parallel_size, observed.tensor_parallel_size)
+    check("pipeline_parallel_size", par.pipeline_parallel_size, observed.pipeline_parallel_size)
+    check("max_model_len", plan.max_model_len, observed.max_model_len)
 
-    planned = list(plan.get("kv_groups") or [])
-    check("kv_groups (count)", len(planned), len(observed.groups))
-    for i, (want, got) in enumerate(zip(planned, observed.groups, strict=False)):
+    check("kv_groups (count)", len(plan.kv_groups), len(observed.groups))
+    for i, (want, got) in enumerate(zip(plan.kv_groups, observed.groups, strict=False)):
         got_fields = _observed_group_fields(got)
         for name, value in _group_fields(want).items():
             check(f"kv_groups[{i}].{name}", value, got_fields[name])
 
-    check("tokens_per_hash", plan.get("tokens_per_hash"), observed.tokens_per_hash)
-    check(
-        "worker_bytes_per_block",
-        plan.get("worker_bytes_per_block"),
-        observed.worker_bytes_per_block,
-    )
+    check("tokens_per_hash", plan.tokens_per_hash, observed.tokens_per_hash)
+    check("worker_bytes_per_block", plan.worker_bytes_per_block, observed.worker_bytes_per_block)
 
     connector = observed.kv_connector
     if connector is None:
         return out  # offloading off: nothing chunked to compare
     if connector not in (UPSTREAM_CONNECTOR, SPILLWAY_CONNECTOR):
-        transfer = plan.get("kv_transfer_config") or {}
-        check("kv_connector", transfer.get("kv_connector"), connector)
+        check("kv_connector", plan.kv_transfer_config.get("kv_connector"), connector)
         return out
-    check("cpu_bytes_to_use", plan.get("cpu_memory_bytes"), observed.cpu_bytes_to_use)
+    check("cpu_bytes_to_use", plan.cpu_memory_bytes, observed.cpu_bytes_to_use)
     if connector == SPILLWAY_CONNECTOR:
-        if plan.get("offloader") != "spillway":
-            check("offloader", plan.get("offloader"), "spillway")
+        if plan.offloader != "spillway":
+            check("offloader", plan.offloader, "spillway")
             return out
         if observed.offload_error is not None:
             out.append(Mismatch("offloading config", "Spillway's geometry", observed.offload_error))
             return out
-        spillway = plan.get("spillway") or {}
-        groups = list(spillway.get("groups") or [])
-        check("spillway.chunk_tokens", spillway.get("chunk_tokens"), observed.chunk_tokens)
+        spillway = plan.spillway
+        check("spillway.chunk_tokens", spillway.chunk_tokens, observed.chunk_tokens)
         check(
             "spillway.groups[].blocks_per_chunk",
-            tuple(g.get("blocks_per_chunk") for g in groups),
+            tuple(g.blocks_per_chunk for g in spillway.groups),
             observed.group_blocks_per_chunk,
         )
         check(
-            "spillway.groups[].units", tuple(g.get("units") for g in groups), observed.group_units
+            "spillway.groups[].units",
+            tuple(g.units for g in spillway.groups),
+            observed.group_units,
         )
-        check("spillway.unit_bytes", spillway.get("unit_bytes"), observed.unit_bytes)
-        check("spillway.num_units", spillway.get("num_units"), observed.num_units)
+        check("spillway.unit_bytes", spillway.unit_bytes, observed.unit_bytes)
+        check("spillway.num_units", spillway.num_units, observed.num_units)
         return out
 
     # vLLM's own offloader: its figures are the plan's upstream ones.
-    upstream = plan.get("upstream")
-    if not isinstance(upstream, Mapping):
-        reason = plan.get("upstream_refusal") or "no upstream geometry in the plan"
+    upstream = plan.upstream
+    if upstream is None:
+        reason = plan.upstream_refusal or "no upstream geometry in the plan"
         out.append(Mismatch("offloader", f"spillway only ({reason})", connector))
         return out
     if observed.offload_error is not None:
         out.append(
             Mismatch(
                 "offloading config",
-                f"blocks_per_chunk={upstream.get('blocks_per_chunk')}",
+                f"blocks_per_chunk={upstream.blocks_per_chunk}",
                 f"refused: {observed.offload_error}",
             )
         )
         return out
-    check("blocks_per_chunk", upstream.get("blocks_per_chunk"), observed.blocks_per_chunk)
+    check("blocks_per_chunk", upstream.blocks_per_chunk, observed.blocks_per_chunk)
     if observed.row_bytes is not None:
-        check("row_bytes", upstream.get("row_bytes"), observed.row_bytes)
+        check("row_bytes", upstream.row_bytes, observed.row_bytes)
     if observed.num_chunks is not None:
-        check("num_chunks", upstream.get("num_chunks"), observed.num_chunks)
+        check("num_chunks", upstream.num_chunks, observed.num_chunks)
     return out
 
 
@@ -382,7 +370,7 @@ def _observe_upstream_offload(vllm_config: Any, kv_cache_config: Any) -> dict[st
     return out
 
 
-def check(plan: Mapping[str, Any], vllm_config: Any, kv_cache_config: Any) -> ObservedGeometry:
+def check(plan: Plan, vllm_config: Any, kv_cache_config: Any) -> ObservedGeometry:
     """Observe and compare; raises :class:`PlanMismatch` on any difference."""
     observed = observe(vllm_config, kv_cache_config)
     mismatches = compare(plan, observed)

@@ -50,19 +50,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import logging
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import Any
 
 from spillway_engine.launcher.plan_check import (
-    SPILLWAY_CONNECTOR,
     PlanMismatch,
     check,
     effective_plan,
     format_table,
 )
+from spillway_engine.planner.plan import Plan, PlanReadError, read_plan
+from spillway_engine.vllm_pins import SPILLWAY_CONNECTOR
 
 #: Environment variable naming the plan file; the plugin is inert without it.
 ENV_PLAN = "SPILLWAY_PLAN"
@@ -81,17 +81,17 @@ class PluginError(RuntimeError):
     """The plugin cannot do its job (plan unreadable); stops the vLLM process."""
 
 
-def load_plan_file(path: str) -> dict[str, Any]:
+def load_plan_file(path: str) -> Plan:
+    """The plan ``SPILLWAY_PLAN`` names, read by the planner's own reader."""
     try:
-        with open(path) as f:
-            plan = json.load(f)
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
     except OSError as e:
         raise PluginError(f"{ENV_PLAN}={path}: cannot read the plan: {e.strerror or e}") from e
-    except json.JSONDecodeError as e:
-        raise PluginError(f"{ENV_PLAN}={path}: the plan is not JSON: {e}") from e
-    if not isinstance(plan, dict) or not isinstance(plan.get("kv_groups"), list):
-        raise PluginError(f"{ENV_PLAN}={path}: not a Spillway plan (no kv_groups list)")
-    return plan
+    try:
+        return read_plan(text, path)
+    except PlanReadError as e:
+        raise PluginError(f"{ENV_PLAN}={path}: {e}") from e
 
 
 def register() -> None:
@@ -114,7 +114,7 @@ def register() -> None:
 # ----------------------------------------------------------------------- plan check
 
 
-def run_plan_check(plan: Mapping[str, Any], vllm_config: Any, kv_cache_config: Any) -> None:
+def run_plan_check(plan: Plan, vllm_config: Any, kv_cache_config: Any) -> None:
     """Check one built config; log and raise :class:`PlanMismatch` on a difference."""
     try:
         observed = check(plan, vllm_config, kv_cache_config)
@@ -160,7 +160,7 @@ def install_plan_check() -> None:
 
 
 def publish_plan_metrics(
-    plan: Mapping[str, Any],
+    plan: Plan,
     model_name: str,
     engine_indexes: Iterable[int],
     registry: Any = None,

@@ -29,18 +29,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from spillway_engine import VLLM_VERSION
 from spillway_engine.launcher.plugin import (
     ENTRY_POINT_GROUP,
     ENTRY_POINT_NAME,
     ENTRY_POINT_VALUE,
     ENV_PLAN,
 )
+from spillway_engine.planner.plan import Plan, PlanReadError, read_plan
+from spillway_engine.vllm_pins import UPSTREAM_CONNECTOR, VLLM_VERSION
 
 PROG = "spillway-engine"
 EXIT_USAGE = 2
 ENGINE_OPTIONS_FILE = "engine.json"
-UPSTREAM_CONNECTOR = "OffloadingConnector"
 ENV_ENGINE_OPTIONS = "SPILLWAY_ENGINE_OPTIONS"
 
 
@@ -55,77 +55,33 @@ class _Parser(argparse.ArgumentParser):
 
 # ------------------------------------------------------------------------ the plan
 
-#: Plan fields the launcher reads (dotted: nested keys).
-_REQUIRED_PLAN_FIELDS = (
-    "vllm_version",
-    "gpu.attention_backend",
-    "model.dtype",
-    "parallelism.tensor_parallel_size",
-    "parallelism.pipeline_parallel_size",
-    "parallelism.data_parallel_size",
-    "kv_cache_dtype",
-    "max_model_len",
-    "block_size",
-    "enable_prefix_caching",
-    "kv_groups",
-    "offloader",
-    "cpu_memory_bytes",
-    "kv_connector_extra_config",
-    "kv_transfer_config",
-)
 
-
-def _lookup(data: Mapping[str, Any], dotted: str) -> Any:
-    value: Any = data
-    for key in dotted.split("."):
-        if not isinstance(value, Mapping) or key not in value:
-            raise KeyError(dotted)
-        value = value[key]
-    return value
-
-
-def _read_json(path: Path, what: str) -> Any:
+def _read_text(path: Path, what: str) -> str:
     try:
-        text = path.read_text()
+        return path.read_text()
     except FileNotFoundError:
         raise EngineCliError(f"{what} {path} does not exist") from None
     except OSError as e:
         raise EngineCliError(f"cannot read {what} {path}: {e.strerror or e}") from None
+
+
+def _read_json(path: Path, what: str) -> Any:
+    text = _read_text(path, what)
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
         raise EngineCliError(f"{what} {path} is not valid JSON: {e}") from None
 
 
-def load_plan(path: str | Path) -> dict[str, Any]:
-    """The plan dict, checked for the fields the launcher needs and the vLLM release."""
+def load_plan(path: str | Path) -> Plan:
+    """The plan file, read by the planner's own reader (this release's plans only)."""
     path = Path(path)
-    plan = _read_json(path, "plan")
-    if not isinstance(plan, dict):
-        raise EngineCliError(f"plan {path} is not a JSON object")
-    missing = []
-    for name in _REQUIRED_PLAN_FIELDS:
-        try:
-            _lookup(plan, name)
-        except KeyError:
-            missing.append(name)
-    if missing:
-        raise EngineCliError(
-            f"plan {path} is missing {', '.join(missing)} (make it with `spillway plan "
-            "--format json`)"
-        )
-    if plan["vllm_version"] != VLLM_VERSION:
-        raise EngineCliError(
-            f"plan {path} was made for vLLM {plan['vllm_version']}; this engine runs "
-            f"vLLM {VLLM_VERSION} only (re-plan with this release)"
-        )
-    groups = plan["kv_groups"]
-    if not isinstance(groups, list) or not groups or not all(
-        isinstance(g, Mapping) and isinstance(g.get("tokens_per_block"), int) for g in groups
-    ):
-        raise EngineCliError(f"plan {path} has no usable kv_groups")
-    if not isinstance(plan["kv_transfer_config"], Mapping):
-        raise EngineCliError(f"plan {path}: kv_transfer_config is not an object")
+    try:
+        plan = read_plan(_read_text(path, "plan"), str(path))
+    except PlanReadError as e:
+        raise EngineCliError(str(e)) from None
+    if not plan.kv_groups:
+        raise EngineCliError(f"plan {path} has no kv_groups")
     return plan
 
 
@@ -317,68 +273,54 @@ def check_extra_args(extra_args: Sequence[str]) -> None:
 _FIXED_BLOCK_BACKENDS = {"FLASHMLA": 64}
 
 
-def forced_block_size(plan: Mapping[str, Any]) -> int | None:
+def forced_block_size(plan: Plan) -> int | None:
     """The ``--block-size`` to pass, or None when vLLM picks the plan's size itself.
 
     The plan records the block size after alignment, not whether it was asked for.
     Without Mamba layers vLLM's own choice is the backend's preferred size, so any
-    other size was forced. Mamba hybrids raise the size themselves; a forced size is
-    passed only when the plan says so (``requested_block_size``), and otherwise the
-    start-up check catches a difference.
+    other size was forced. Mamba hybrids raise the size themselves: none is passed,
+    and the start-up check catches a difference.
     """
-    requested = plan.get("requested_block_size")
-    if isinstance(requested, int):
-        return requested
-    if plan.get("mamba_cache_mode") is not None:
+    if plan.mamba_cache_mode is not None:
         return None
-    backend = (plan.get("gpu") or {}).get("attention_backend")
-    default = _FIXED_BLOCK_BACKENDS.get(str(backend), 16)
-    block = int(plan["block_size"])
-    return None if block == default else block
+    default = _FIXED_BLOCK_BACKENDS.get(str(plan.gpu.attention_backend), 16)
+    return None if plan.block_size == default else plan.block_size
 
 
-def kv_cache_dtype_flag(plan: Mapping[str, Any]) -> str:
+def kv_cache_dtype_flag(plan: Plan) -> str:
     """``auto`` when the KV cache is in the activation dtype, else the plan's dtype.
 
     ``auto`` is the input the plan resolved from; passing vLLM the same input keeps
     its backend selection (which looks at the requested KV dtype) on the planner's.
     """
-    kv = str(plan["kv_cache_dtype"])
-    return "auto" if kv == plan["model"]["dtype"] else kv
+    return "auto" if plan.kv_cache_dtype == plan.model.dtype else plan.kv_cache_dtype
 
 
 def transfer_config(
-    plan: Mapping[str, Any], options: EngineOptions
+    plan: Plan, options: EngineOptions
 ) -> tuple[dict[str, Any] | None, list[str]]:
     """The ``--kv-transfer-config`` dict (None: offloading off) and notes for the log.
 
     A ``spillway`` plan is served by Spillway's connector exactly as planned
-    (``plan["kv_transfer_config"]``: connector, module path and the plan's extra
+    (``plan.kv_transfer_config``: connector, module path and the plan's extra
     config); an ``upstream`` plan by vLLM's own ``OffloadingConnector``.
     """
     notes: list[str] = []
     if not options.offload_enabled:
         return None, ["offloading disabled in engine.json: no --kv-transfer-config"]
-    config = json.loads(json.dumps(plan["kv_transfer_config"]))
-    if plan["offloader"] != "spillway":
+    config = json.loads(json.dumps(plan.kv_transfer_config))
+    if plan.offloader != "spillway":
         config["kv_connector"] = UPSTREAM_CONNECTOR
         config.pop("kv_connector_module_path", None)
-    extra = config.setdefault("kv_connector_extra_config", {})
-    if "block_size" in extra:
-        # The token-based chunk key fails in vLLM as soon as groups differ in tokens
-        # per block; blocks per chunk says the same thing for every model.
-        del extra["block_size"]
-        if config["kv_connector"] == UPSTREAM_CONNECTOR:
-            upstream = plan.get("upstream") or {}
-            extra["blocks_per_chunk"] = upstream.get("blocks_per_chunk", plan["blocks_per_chunk"])
     if options.eviction_policy:
+        extra = config.setdefault("kv_connector_extra_config", {})
         extra["eviction_policy"] = options.eviction_policy
     config.setdefault("kv_role", "kv_both")
     return config, notes
 
 
-def _dtype_flag(plan: Mapping[str, Any], options: EngineOptions) -> str:
-    planned = str(plan["model"]["dtype"])
+def _dtype_flag(plan: Plan, options: EngineOptions) -> str:
+    planned = plan.model.dtype
     asked = options.dtype
     if asked not in (None, "", "auto") and asked != planned:
         raise EngineCliError(
@@ -389,7 +331,7 @@ def _dtype_flag(plan: Mapping[str, Any], options: EngineOptions) -> str:
 
 
 def build_command(
-    plan: Mapping[str, Any],
+    plan: Plan,
     options: EngineOptions,
     *,
     host: str = "0.0.0.0",
@@ -401,7 +343,7 @@ def build_command(
     check_extra_args(user_args)
     model = options.weights_path or options.model
     assert model is not None  # parse_engine_options insists
-    par = plan["parallelism"]
+    par = plan.parallelism
     cmd = ["vllm", "serve", model]
     served = options.served_model_name or options.model
     if served:
@@ -410,13 +352,13 @@ def build_command(
         cmd += ["--revision", options.revision]
     cmd += [
         "--tensor-parallel-size",
-        str(par["tensor_parallel_size"]),
+        str(par.tensor_parallel_size),
         "--pipeline-parallel-size",
-        str(par["pipeline_parallel_size"]),
+        str(par.pipeline_parallel_size),
         "--data-parallel-size",
-        str(par["data_parallel_size"]),
+        str(par.data_parallel_size),
         "--max-model-len",
-        str(plan["max_model_len"]),
+        str(plan.max_model_len),
     ]
     if options.gpu_memory_utilization is not None:
         cmd += ["--gpu-memory-utilization", repr(options.gpu_memory_utilization)]
@@ -424,8 +366,9 @@ def build_command(
     block = forced_block_size(plan)
     if block is not None:
         cmd += ["--block-size", str(block)]
-    cmd.append("--enable-prefix-caching" if plan["enable_prefix_caching"] else
-               "--disable-prefix-caching")
+    cmd.append(
+        "--enable-prefix-caching" if plan.enable_prefix_caching else "--disable-prefix-caching"
+    )
     transfer, notes = transfer_config(plan, options)
     if transfer is not None:
         cmd += ["--kv-transfer-config", json.dumps(transfer, separators=(",", ":"))]
@@ -492,7 +435,7 @@ def _port(text: str) -> int:
 def _serve_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog=f"{PROG} serve",
-        description="Start vLLM 0.33.0 exactly as the Spillway plan says, with the "
+        description=f"Start vLLM {VLLM_VERSION} exactly as the Spillway plan says, with the "
         "start-up plan check.",
     )
     p.add_argument("--plan", required=True, metavar="PATH", help="plan.json")
@@ -525,9 +468,9 @@ def serve_main(argv: Sequence[str]) -> int:
         print(shlex.join(cmd))
         return 0
     found = installed_vllm_version()
-    if found != plan["vllm_version"]:
+    if found != plan.vllm_version:
         raise EngineCliError(
-            f"the plan needs vLLM {plan['vllm_version']}, but "
+            f"the plan needs vLLM {plan.vllm_version}, but "
             + (f"vLLM {found} is installed" if found else "vLLM is not installed")
         )
     if not plugin_registered():

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-CONNECTOR_NAME = "SpillwayOffloadingConnector"
+from spillway_engine.vllm_pins import SPILLWAY_CONNECTOR as CONNECTOR_NAME
 
 
 def __getattr__(name: str) -> Any:
