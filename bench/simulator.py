@@ -12,7 +12,6 @@ feed the Prometheus exporter (histograms per token), as the HTTP server does.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ sys.path.insert(0, str(ROOT / "engine"))
 
 from spillway_cli.loadgen import TraceSpec, generate_trace, to_replay_items  # noqa: E402
 from spillway_engine.simulator.core import EngineCore, replay  # noqa: E402
-from spillway_engine.simulator.plan_input import gpu_blocks_for_tokens, parse_plan  # noqa: E402
+from spillway_engine.simulator.plan_input import gpu_blocks_for_tokens, load_plan  # noqa: E402
 from spillway_engine.simulator.prom import SimulatorMetrics  # noqa: E402
 
 PLANS = ROOT / "tests" / "fixtures" / "plans"
@@ -44,7 +43,7 @@ TRACES = {
 
 
 def run_case(plan_file: str, trace: str, requests: int, with_metrics: bool) -> dict:
-    plan = parse_plan(json.loads((PLANS / plan_file).read_text()))
+    plan = load_plan(PLANS / plan_file)
     core = EngineCore(plan, gpu_blocks=gpu_blocks_for_tokens(plan, 65536), seed=1)
     if with_metrics:
         SimulatorMetrics(core)

@@ -7,6 +7,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+from spillway_engine.planner.plan import read_plan
 from spillway_engine.simulator.core import EngineCore, LatencyModel, SchedulerConfig
 from spillway_engine.simulator.plan_input import SimPlan, gpu_blocks_for_tokens, parse_plan
 
@@ -28,7 +29,7 @@ def sim_plan(name: str = LLAMA, num_chunks: int | None = None) -> SimPlan:
     if num_chunks is not None:
         tpc = data["kv_groups"][0]["tokens_per_block"] * data["blocks_per_chunk"]
         data.update(num_chunks=num_chunks, capacity_tokens=num_chunks * tpc)
-    return parse_plan(data)
+    return parse_plan(read_plan(json.dumps(data), name))
 
 
 def make_core(

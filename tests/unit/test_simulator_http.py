@@ -263,7 +263,7 @@ def test_cli_usage_errors_are_one_line_and_status_2(capsys, args, message):
         ("{}", "kv_groups"),
         (json.dumps(plan_dict(LLAMA, tokens_per_hash=7)), "hash unit"),
         (json.dumps(plan_dict(LLAMA, num_chunks="many")), "num_chunks"),
-        (json.dumps({**plan_dict(LLAMA), "kv_groups": [{"kind": "weird"}]}), "unknown kind"),
+        (json.dumps({**plan_dict(LLAMA), "kv_groups": [{"kind": "weird"}]}), "kv_groups[0].kind"),
     ],
 )
 def test_bad_plan_files(tmp_path, capsys, content, message):

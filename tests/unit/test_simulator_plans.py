@@ -18,7 +18,8 @@ REFUSED = {"granite-4.0-h-small.json", "kimi-linear-48b-a3b.json"}
 MODEL_FILES = sorted(p.name for p in MODELS.glob("*.json") if p.name not in REFUSED)
 
 
-def _plan(model_file: str, offloader: str) -> dict:
+def _plan(model_file: str, offloader: str) -> plan_module.Plan:
+    """The plan as the pod gets it: made, written as JSON, read back by the one reader."""
     data = json.loads((MODELS / model_file).read_text())
     config = data.get("config", data)
     request = plan_module.PlanRequest(
@@ -28,7 +29,7 @@ def _plan(model_file: str, offloader: str) -> dict:
         offloader=offloader,
     )
     plan = plan_module.make_plan(config, request)
-    return json.loads(plan.model_dump_json())
+    return plan_module.read_plan(plan.model_dump_json(), model_file)
 
 
 @pytest.mark.parametrize("model_file", sorted(REFUSED))
@@ -40,10 +41,15 @@ def test_unsupported_architectures_are_refused_with_a_reason(model_file):
 @pytest.mark.parametrize("offloader", ["upstream", "spillway"])
 @pytest.mark.parametrize("model_file", MODEL_FILES)
 def test_simulator_runs_on_planner_output(model_file, offloader):
-    raw = _plan(model_file, offloader)
-    plan = parse_plan(raw)
-    assert plan.num_chunks == raw["num_chunks"]
-    assert [g.kind for g in plan.groups] == [g["kind"] for g in raw["kv_groups"]]
+    source = _plan(model_file, offloader)
+    plan = parse_plan(source)
+    assert plan.num_chunks == source.num_chunks
+    assert [g.kind for g in plan.groups] == [g.kind for g in source.kv_groups]
+    # the chunking is the plan's own, group by group
+    chunks = (source.upstream if offloader == "upstream" else source.spillway).groups
+    assert [(g.tokens_per_chunk, g.window_chunks) for g in plan.groups] == [
+        (c.tokens_per_chunk, c.window_chunks) for c in chunks
+    ]
     assert sum(g.weight for g in merge_groups(plan.groups)) == len(plan.groups)
     core = EngineCore(plan, gpu_blocks=gpu_blocks_for_tokens(plan, 8192), seed=1)
     spec = TraceSpec(

@@ -52,8 +52,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     size.add_argument(
         "--gpu-kv-tokens",
         type=int,
-        help=f"GPU KV size in tokens (default: the plan's gpu_kv_blocks, else "
-        f"{DEFAULT_GPU_KV_TOKENS})",
+        help=f"GPU KV size in tokens (default: {DEFAULT_GPU_KV_TOKENS}; the plan has no GPU "
+        "size, vLLM measures it at start-up)",
     )
     p.add_argument("--speed", type=float, default=1.0, help="modelled seconds per wall second")
     p.add_argument("--served-model-name", help="model name (default: the plan's model)")

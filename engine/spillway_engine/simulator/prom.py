@@ -80,8 +80,7 @@ class SimulatorMetrics:
             for value in metric.values:
                 self.series(metric, value)
         plan = core.plan
-        section = plan.raw.get(plan.offloader)
-        gauge_tokens = section.get("gauge_tokens") if isinstance(section, dict) else None
+        gauge_tokens = plan.gauge_tokens
         self.series(
             m.KV_OFFLOAD_CONFIG_INFO,
             str(plan.num_chunks),
@@ -103,7 +102,7 @@ class SimulatorMetrics:
         self.h_gen_len = self.series(m.REQUEST_GENERATION_TOKENS)
 
         self.spillway = build_spillway_metrics(self.registry, self.model_name, engine)
-        self.spillway.set_plan(plan.raw)
+        self.spillway.set_plan(plan.plan)
         self._last: dict[str, float] = {}
         self._last_cached = 0
         self._last_host: dict[str, int] = {}
