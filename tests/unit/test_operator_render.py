@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -131,3 +133,19 @@ def test_contains(live, desired, equal):
 @given(st.integers(min_value=1, max_value=2**50))
 def test_formatted_quantities_compare_equal_to_their_bytes(n):
     assert contains({"limits": {"memory": str(n)}}, {"limits": {"memory": format_bytes(n)}})
+
+
+def test_workers_share_one_service_monitor_discovery():
+    kube = Kube(None)
+    asked = []
+
+    def get(path):
+        asked.append(path)
+        time.sleep(0.05)  # a slow API server: the other workers arrive meanwhile
+        return {"resources": [{"name": "servicemonitors"}]}
+
+    kube.get = get
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda _: kube.service_monitors_served(), range(8)))
+    assert answers == [True] * 8
+    assert asked == ["/apis/monitoring.coreos.com/v1"]
