@@ -83,12 +83,14 @@ import tests.contract.vllm_harness  # noqa: F401  (first: sets VLLM_TARGET_DEVIC
 
 # isort: on
 import argparse
+import json
 import math
 import random
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
@@ -98,9 +100,10 @@ from vllm.v1.kv_offload.base import PrepareStoreOutput, get_offload_group_idx
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
-from spillway_engine.offloader.geometry import true_bytes_per_block
+from spillway_engine.arith import cdiv
+from spillway_engine.offloader.geometry import spec_true_bytes_per_block
+from spillway_engine.planner.offload_geometry import host_copies
 from spillway_engine.planner.plan import PlanRequest, make_plan
-from tests.contract.conftest import load_model
 from tests.contract.offload_loop import (
     SPILLWAY,
     UPSTREAM,
@@ -110,6 +113,8 @@ from tests.contract.offload_loop import (
 )
 from tests.contract.vllm_harness import Case, build_layout
 
+#: the model configs the contract tests use too (data, read here, not imported from tests)
+MODELS = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "models"
 GPU = "h100"
 FALLBACK_BACKEND = "FLASH_ATTN"
 UTIL_TARGET = 0.95
@@ -128,7 +133,7 @@ def _shrunk(name: str, layers: int) -> Callable[[], dict[str, Any]]:
 
 
 def _fixture(name: str) -> Callable[[], dict[str, Any]]:
-    return lambda: load_model(name)
+    return lambda: json.loads((MODELS / f"{name}.json").read_text())["config"]
 
 
 @dataclass(frozen=True)
@@ -180,7 +185,7 @@ def min_gpu_blocks(layout: Any) -> int:
     total = 0
     for group in layout.kv_cache_config.kv_cache_groups:
         spec = group.kv_cache_spec
-        total += -(-spec.max_memory_usage_bytes(vc) // spec.page_size_bytes)
+        total += cdiv(spec.max_memory_usage_bytes(vc), spec.page_size_bytes)
     return total
 
 
@@ -278,7 +283,7 @@ class Probe:
         self.connector = connector
         kv = loop.kv_cache_config
         self.true_per_block = {
-            gid: true_bytes_per_block(group) for gid, group in enumerate(kv.kv_cache_groups)
+            gid: spec_true_bytes_per_block(group) for gid, group in enumerate(kv.kv_cache_groups)
         }
         if connector == SPILLWAY:
             layout = loop.connector.geometry.layout
@@ -290,7 +295,9 @@ class Probe:
         else:
             spec = OffloadingSpecFactory.create_spec(build_offloading_config(loop.vllm_config, kv))
             self.spec = spec
-            copies = 1 if spec.replicated_layout else loop.vllm_config.parallel_config.world_size
+            copies = host_copies(
+                loop.vllm_config.parallel_config.world_size, spec.replicated_layout
+            )
             bpc = spec.blocks_per_chunk
             groups = spec.config.groups
             self.tokens_per_chunk = groups[0].tokens_per_block * bpc
@@ -428,7 +435,7 @@ def describe_groups(layout: Any) -> list[str]:
     for gid, group in enumerate(layout.kv_cache_config.kv_cache_groups):
         spec = group.kv_cache_spec
         kind = type(spec).__name__.removesuffix("Spec")
-        true = true_bytes_per_block(group)
+        true = spec_true_bytes_per_block(group)
         padded = spec.page_size_bytes * (
             1 if type(spec).__name__ == "UniformTypeKVCacheSpecs" else len(group.layer_names)
         )
@@ -453,7 +460,7 @@ def run_arch(arch: Arch, n: int, rounds: int, fractions: list[float], seed: int)
 
     # Calibration: a large pool, one request; its keys x slot bytes is one prefix's need.
     groups = layout.kv_cache_config.kv_cache_groups
-    per_chunk = max(true_bytes_per_block(g) * t // g.kv_cache_spec.block_size for g in groups)
+    per_chunk = max(spec_true_bytes_per_block(g) * t // g.kv_cache_spec.block_size for g in groups)
     calib_budget = CALIBRATION_HEADROOM * (max_len // t + 1) * len(groups) * (per_chunk + 8192)
     upstream_error: BaseException | None = None
     try:

@@ -30,9 +30,10 @@ from typing import Any
 from spillway_engine.offloader.host_layout import GroupSlots, HostLayout
 from spillway_engine.planner.offload_geometry import (
     OffloadRefused,
+    UnitPool,
     chunk_span,
-    host_units,
-    pool_too_small,
+    host_copies,
+    unit_pool,
 )
 
 #: vLLM offloading options whose host layout Spillway's pool does not implement.
@@ -81,8 +82,9 @@ def unpadded_page_bytes(spec: Any) -> int:
     raise SpillwayConfigError(f"{type(spec).__name__} pages cannot be offloaded")
 
 
-def true_bytes_per_block(group: Any) -> int:
-    """Bytes one block of a KV-cache group holds on one worker, padding excluded."""
+def spec_true_bytes_per_block(group: Any) -> int:
+    """Bytes one block of a vLLM KV-cache group (``KVCacheGroupSpec``) holds on one
+    worker, padding excluded (the planner's ``true_bytes_per_block`` for a live engine)."""
     return sum(unpadded_page_bytes(s) for s in _layer_specs(group.kv_cache_spec, group.layer_names))
 
 
@@ -121,15 +123,48 @@ def _int_option(extra: Mapping[str, Any], key: str) -> int | None:
 
 def build_geometry(vllm_config: Any, kv_cache_config: Any) -> ConnectorGeometry:
     """Spillway's geometry for this engine, or :class:`SpillwayConfigError` saying why not."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
-        build_offloading_config,
-        get_offloading_group_ids,
-        get_sliding_window_size_in_chunks,
-    )
-    from vllm.v1.core.kv_cache_utils import resolve_dcp_kv_block_size, resolve_kv_cache_block_sizes
-    from vllm.v1.kv_cache_interface import MambaSpec, UniformTypeKVCacheSpecs
-
     extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config)
+    cpu_bytes = _pool_bytes(extra)
+    group_ids = _offloaded_group_ids(kv_cache_config)
+    groups = [kv_cache_config.kv_cache_groups[g] for g in group_ids]
+    tokens_per_block, tokens_per_hash, span = _chunk_span(
+        vllm_config, kv_cache_config, groups, extra
+    )
+    _check_planned_blocks(extra, group_ids, tokens_per_block, span)
+    virtual, expansion, scheduler_kv_cache_config = _scheduler_view(
+        kv_cache_config, group_ids, tokens_per_block, tokens_per_hash
+    )
+    offloading_config = _offloading_config(
+        vllm_config, kv_cache_config, scheduler_kv_cache_config, extra, span // virtual, span
+    )
+    copies = host_copies(
+        vllm_config.parallel_config.world_size,
+        offloading_config.replicated_layout and _uses_shared_region(),
+    )
+    try:
+        pool = unit_pool(
+            cpu_bytes,
+            span,
+            [
+                (gid, _describe(g.kv_cache_spec), tpb, spec_true_bytes_per_block(g))
+                for gid, g, tpb in zip(group_ids, groups, tokens_per_block, strict=True)
+            ],
+            copies,
+        )
+    except OffloadRefused as e:
+        raise SpillwayConfigError(str(e)) from None
+    return ConnectorGeometry(
+        chunk_tokens=span,
+        virtual_tokens_per_block=virtual,
+        expansion=expansion,
+        layout=_host_layout(pool, span, group_ids, tokens_per_block, offloading_config),
+        offloading_config=offloading_config,
+        scheduler_kv_cache_config=scheduler_kv_cache_config,
+    )
+
+
+def _pool_bytes(extra: Mapping[str, Any]) -> int:
+    """The host pool size, after refusing the options Spillway's pool does not implement."""
     for key, why in UNSUPPORTED_OPTIONS.items():
         if extra.get(key):
             raise SpillwayConfigError(f"kv_connector_extra_config[{key!r}] is not supported: {why}")
@@ -138,11 +173,21 @@ def build_geometry(vllm_config: Any, kv_cache_config: Any) -> ConnectorGeometry:
         raise SpillwayConfigError(
             "kv_connector_extra_config['cpu_bytes_to_use'] must give the host pool size in bytes"
         )
+    return cpu_bytes
+
+
+def _offloaded_group_ids(kv_cache_config: Any) -> tuple[int, ...]:
+    """vLLM's offloadable groups; Mamba groups only with per-block states (mode 'align')."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
+        get_offloading_group_ids,
+    )
+    from vllm.v1.kv_cache_interface import MambaSpec
+
     group_ids = tuple(get_offloading_group_ids(kv_cache_config))
     if not group_ids:
         raise SpillwayConfigError("no KV-cache group can be offloaded (none is prefix-cacheable)")
-    groups = [kv_cache_config.kv_cache_groups[g] for g in group_ids]
-    for gid, group in zip(group_ids, groups, strict=True):
+    for gid in group_ids:
+        group = kv_cache_config.kv_cache_groups[gid]
         for spec in _layer_specs(group.kv_cache_spec, group.layer_names):
             if isinstance(spec, MambaSpec) and spec.mamba_cache_mode != "align":
                 raise SpillwayConfigError(
@@ -150,37 +195,64 @@ def build_geometry(vllm_config: Any, kv_cache_config: Any) -> ConnectorGeometry:
                     f"{spec.mamba_cache_mode!r}: they are only kept per block with prefix "
                     "caching on (mode 'align'), so there is nothing chunkable to offload"
                 )
+    return group_ids
+
+
+def _chunk_span(
+    vllm_config: Any, kv_cache_config: Any, groups: list[Any], extra: Mapping[str, Any]
+) -> tuple[list[int], int, int]:
+    """Tokens per block of each group, the hash unit and the common chunk span T."""
+    from vllm.v1.core.kv_cache_utils import resolve_dcp_kv_block_size, resolve_kv_cache_block_sizes
+    from vllm.v1.kv_cache_interface import MambaSpec
+
     dcp = vllm_config.parallel_config.decode_context_parallel_size
     tokens_per_block = [resolve_dcp_kv_block_size(g.kv_cache_spec, dcp) for g in groups]
     _, tokens_per_hash = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
-    has_mamba = any(isinstance(g.kv_cache_spec, MambaSpec) for g in groups)
     try:
         span = chunk_span(
             tokens_per_block,
             tokens_per_hash,
-            has_mamba=has_mamba,
+            has_mamba=any(isinstance(g.kv_cache_spec, MambaSpec) for g in groups),
             blocks_per_chunk=_int_option(extra, "blocks_per_chunk"),
             chunk_tokens=_int_option(extra, "spillway_chunk_tokens")
             or _int_option(extra, "block_size"),
         )
     except OffloadRefused as e:
         raise SpillwayConfigError(str(e)) from None
-    blocks_per_chunk = [span // tpb for tpb in tokens_per_block]
+    return tokens_per_block, tokens_per_hash, span
+
+
+def _check_planned_blocks(
+    extra: Mapping[str, Any], group_ids: Sequence[int], tokens_per_block: Sequence[int], span: int
+) -> None:
+    """The plan's per-group blocks per chunk, if it gave them, are this engine's."""
     planned = extra.get("spillway_group_blocks_per_chunk")
-    if planned is not None:
-        planned = list(planned)
-        if len(planned) != len(groups):
+    if planned is None:
+        return
+    planned = list(planned)
+    if len(planned) != len(group_ids):
+        raise SpillwayConfigError(
+            f"the plan has blocks per chunk for {len(planned)} KV-cache groups, but "
+            f"this engine offloads {len(group_ids)} (groups {list(group_ids)})"
+        )
+    for gid, want, tpb in zip(group_ids, planned, tokens_per_block, strict=True):
+        if int(want) != (have := span // tpb):
             raise SpillwayConfigError(
-                f"the plan has blocks per chunk for {len(planned)} KV-cache groups, but "
-                f"this engine offloads {len(groups)} (groups {list(group_ids)})"
+                f"KV-cache group {gid}: the plan cuts {want} blocks per chunk, this "
+                f"engine {have} ({span}-token chunks); the plan was made for another "
+                "engine configuration"
             )
-        for gid, want, have in zip(group_ids, planned, blocks_per_chunk, strict=True):
-            if int(want) != have:
-                raise SpillwayConfigError(
-                    f"KV-cache group {gid}: the plan cuts {want} blocks per chunk, this "
-                    f"engine {have} ({span}-token chunks); the plan was made for another "
-                    "engine configuration"
-                )
+
+
+def _scheduler_view(
+    kv_cache_config: Any,
+    group_ids: Sequence[int],
+    tokens_per_block: Sequence[int],
+    tokens_per_hash: int,
+) -> tuple[int, dict[int, int], Any]:
+    """The virtual block size, the expanded groups (id -> virtual blocks per real one)
+    and the KV-cache config the scheduler sees with them."""
+    from vllm.v1.kv_cache_interface import MambaSpec, UniformTypeKVCacheSpecs
 
     virtual = math.gcd(*tokens_per_block)
     if virtual % tokens_per_hash:
@@ -193,6 +265,8 @@ def build_geometry(vllm_config: Any, kv_cache_config: Any) -> ConnectorGeometry:
         for gid, tpb in zip(group_ids, tokens_per_block, strict=True)
         if tpb != virtual
     }
+    if not expansion:
+        return virtual, expansion, kv_cache_config
     view_groups = list(kv_cache_config.kv_cache_groups)
     for gid, m in expansion.items():
         spec = view_groups[gid].kv_cache_spec
@@ -205,59 +279,63 @@ def build_geometry(vllm_config: Any, kv_cache_config: Any) -> ConnectorGeometry:
         view_groups[gid] = replace(
             view_groups[gid], kv_cache_spec=replace(spec, block_size=spec.block_size // m)
         )
-    scheduler_kv_cache_config = (
-        replace(kv_cache_config, kv_cache_groups=view_groups) if expansion else kv_cache_config
+    return virtual, expansion, replace(kv_cache_config, kv_cache_groups=view_groups)
+
+
+def _offloading_config(
+    vllm_config: Any,
+    kv_cache_config: Any,
+    scheduler_kv_cache_config: Any,
+    extra: Mapping[str, Any],
+    virtual_blocks_per_chunk: int,
+    span: int,
+) -> Any:
+    """Upstream's OffloadingConfig over the scheduler's virtual blocks, with sliding
+    windows sized in true ``span``-token chunks."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
+        build_offloading_config,
+        get_sliding_window_size_in_chunks,
     )
 
     upstream_extra = {k: v for k, v in extra.items() if k != "block_size"}
-    upstream_extra["blocks_per_chunk"] = span // virtual
-    offloading_config = build_offloading_config(
+    upstream_extra["blocks_per_chunk"] = virtual_blocks_per_chunk
+    config = build_offloading_config(
         with_extra_config(vllm_config, upstream_extra), scheduler_kv_cache_config
     )
-    # vLLM sized windows in chunks with the virtual blocks; recheck with the true span.
-    offloading_config = replace(
-        offloading_config,
-        groups=tuple(
-            replace(
-                g,
-                sliding_window_size_in_chunks=get_sliding_window_size_in_chunks(
-                    next(
-                        iter(
-                            _layer_specs(
-                                kv_cache_config.kv_cache_groups[g.group_id].kv_cache_spec,
-                                kv_cache_config.kv_cache_groups[g.group_id].layer_names,
-                            )
-                        )
-                    ),
-                    span,
-                ),
-            )
-            for g in offloading_config.groups
-        ),
-    )
 
-    replicated = offloading_config.replicated_layout and _uses_shared_region()
-    copies = 1 if replicated else vllm_config.parallel_config.world_size
-    chunk_bytes = [
-        true_bytes_per_block(g) * bpc for g, bpc in zip(groups, blocks_per_chunk, strict=True)
-    ]
-    unit, units = host_units(chunk_bytes)
-    num_units = cpu_bytes // (unit * copies)
-    if num_units < sum(units):
-        raise SpillwayConfigError(
-            pool_too_small(
-                cpu_bytes,
-                [
-                    (gid, _describe(g.kv_cache_spec), k * unit * copies)
-                    for gid, g, k in zip(group_ids, groups, units, strict=True)
-                ],
-            )
-        )
-    layout = HostLayout(
+    def window(group_id: int) -> int | None:
+        group = kv_cache_config.kv_cache_groups[group_id]
+        first = _layer_specs(group.kv_cache_spec, group.layer_names)[0]
+        return get_sliding_window_size_in_chunks(first, span)
+
+    # vLLM sized windows in chunks with the virtual blocks; recheck with the true span.
+    groups = tuple(
+        replace(g, sliding_window_size_in_chunks=window(g.group_id)) for g in config.groups
+    )
+    return replace(config, groups=groups)
+
+
+def _host_layout(
+    pool: UnitPool,
+    span: int,
+    group_ids: Sequence[int],
+    tokens_per_block: Sequence[int],
+    offloading_config: Any,
+) -> HostLayout:
+    slots = zip(
+        group_ids,
+        tokens_per_block,
+        pool.blocks_per_chunk,
+        pool.chunk_bytes,
+        pool.units,
+        offloading_config.groups,
+        strict=True,
+    )
+    return HostLayout(
         chunk_tokens=span,
-        unit_bytes=unit,
-        copies=copies,
-        num_units=num_units,
+        unit_bytes=pool.unit_bytes,
+        copies=pool.copies,
+        num_units=pool.num_units,
         groups=tuple(
             GroupSlots(
                 group_id=gid,
@@ -268,26 +346,8 @@ def build_geometry(vllm_config: Any, kv_cache_config: Any) -> ConnectorGeometry:
                 units=k,
                 window_chunks=off_group.sliding_window_size_in_chunks,
             )
-            for position, (gid, tpb, bpc, nbytes, k, off_group) in enumerate(
-                zip(
-                    group_ids,
-                    tokens_per_block,
-                    blocks_per_chunk,
-                    chunk_bytes,
-                    units,
-                    offloading_config.groups,
-                    strict=True,
-                )
-            )
+            for position, (gid, tpb, bpc, nbytes, k, off_group) in enumerate(slots)
         ),
-    )
-    return ConnectorGeometry(
-        chunk_tokens=span,
-        virtual_tokens_per_block=virtual,
-        expansion=expansion,
-        layout=layout,
-        offloading_config=offloading_config,
-        scheduler_kv_cache_config=scheduler_kv_cache_config,
     )
 
 

@@ -18,10 +18,11 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Collection, Iterable
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from spillway_engine.arith import cdiv
 from spillway_engine.metrics import (
     HOST_POOL_EVICTIONS,
     HOST_POOL_THRASH,
@@ -30,8 +31,246 @@ from spillway_engine.metrics import (
 )
 from spillway_engine.offloader.host_layout import HostLayout
 
+if TYPE_CHECKING:
+    from vllm.v1.kv_offload.base import LookupResult, OffloadKey, PrepareStoreOutput, ReqContext
+    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+    from vllm.v1.kv_offload.cpu.policies.base import ChunkStatus
+
 #: Evicted keys remembered for the thrash counter (a later lookup of one is thrash).
 EVICTED_MEMORY = 65_536
+
+
+class _StoreRefused(Exception):
+    """Raised inside vLLM's ``prepare_store`` when the admitted keys cannot fit."""
+
+
+class _EvictableUnits:
+    """vLLM's cache policy, plus a count of the units its evictable keys hold.
+
+    The manager calls ``mark_evictable`` / ``mark_non_evictable`` on every ref-count
+    change to or from 0, so the count is exact; it lets a store be refused before
+    anything is evicted.
+    """
+
+    def __init__(self, policy: Any, units_of: Any):
+        self._policy = policy
+        self._units_of = units_of
+        self.units = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._policy, name)
+
+    def mark_evictable(self, key: OffloadKey) -> None:
+        self._policy.mark_evictable(key)
+        self.units += self._units_of(key)
+
+    def mark_non_evictable(self, key: OffloadKey) -> None:
+        self._policy.mark_non_evictable(key)
+        self.units -= self._units_of(key)
+
+    def insert(self, key: OffloadKey, chunk: ChunkStatus, req_context: ReqContext) -> None:
+        self._policy.insert(key, chunk, req_context)
+        if chunk.ref_cnt == 0:
+            self.units += self._units_of(key)
+
+    def remove(self, key: OffloadKey) -> None:
+        chunk = self._policy.get(key)
+        if chunk is not None and chunk.ref_cnt == 0:
+            self.units -= self._units_of(key)
+        self._policy.remove(key)
+
+    def evict(self, n: int, protected: set[OffloadKey]) -> Any:
+        evicted = self._policy.evict(n, protected)
+        for key, _ in evicted or ():
+            self.units -= self._units_of(key)
+        return evicted
+
+    def clear(self) -> None:
+        self._policy.clear()
+        self.units = 0
+
+
+class _UnitSlots:
+    """The slot half of the manager: which units each key holds, and the pool figures.
+
+    Mixed in before vLLM's ``CPUOffloadingManager`` (whose slot hooks it overrides);
+    vLLM's types come as class attributes from :func:`make_manager_class`.
+    """
+
+    def units_of(self, key: OffloadKey) -> int:
+        return self._group_units[self._group_idx(key)]
+
+    @property
+    def free_units(self) -> int:
+        return self.layout.num_units - self._fresh_units + len(self._free_units)
+
+    def _get_num_free_chunks(self) -> int:
+        # vLLM's prepare_store counts slots in keys; here a key takes its group's
+        # units, so admission is decided in _allocate_chunks, which vLLM calls with
+        # exactly the keys it admitted. Tell it every key has a slot, so that it
+        # never evicts by key count itself.
+        return 1 << 62
+
+    def _allocate_chunks(self, keys: list[OffloadKey]) -> list[ChunkStatus]:
+        self._make_room(sum(self.units_of(k) for k in keys))
+        chunks = []
+        for key in keys:
+            k = self.units_of(key)
+            fresh = min(k, self.layout.num_units - self._fresh_units)
+            units = list(range(self._fresh_units, self._fresh_units + fresh))
+            self._fresh_units += fresh
+            units.extend(self._free_units.pop() for _ in range(k - fresh))
+            handle = self._free_handles.pop() if self._free_handles else self._new_handle()
+            group = self._group_idx(key)
+            self._units[handle] = np.array(units, dtype=np.int64)
+            self._handle_group[handle] = group
+            self.used_units += k
+            self.stored_bytes += self._group_chunk_bytes[group]
+            self.keys_per_group[group] += 1
+            chunks.append(self._chunk_status(handle))
+        return chunks
+
+    def _new_handle(self) -> int:
+        self._next_handle += 1
+        return self._next_handle - 1
+
+    def _free_chunk(self, chunk: ChunkStatus) -> None:
+        units = self._units.pop(chunk.chunk_id)
+        group = self._handle_group.pop(chunk.chunk_id)
+        self._free_handles.append(chunk.chunk_id)
+        # reversed, so popping hands a multi-unit slot back in its own order
+        self._free_units.extend(units[::-1].tolist())
+        self.used_units -= len(units)
+        self.stored_bytes -= self._group_chunk_bytes[group]
+        self.keys_per_group[group] -= 1
+
+    def _get_load_store_spec(
+        self, keys: Iterable[OffloadKey], chunks: Iterable[ChunkStatus]
+    ) -> CPULoadStoreSpec:
+        parts = [self._units[c.chunk_id] for c in chunks]
+        ids = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+        return self._load_store_spec(ids.tolist())
+
+    def get_stats(self) -> Any:
+        stats = super().get_stats()
+        # vLLM derives "pinned by transfers" from its own chunk counters, which this
+        # pool does not use: restate it from the keys held here.
+        pinned = len(self._units) - self._num_evictable_cache_chunks
+        usage = pinned / self._num_chunks if self._num_chunks else 0.0
+        stats.set_gauge(self._offload_metrics.CPU_CACHE_USAGE_PERC, usage)
+        read = max(usage - self._num_write_pending_chunks / max(self._num_chunks, 1), 0.0)
+        stats.set_gauge(self._offload_metrics.CPU_CACHE_READ_USAGE_PERC, read)
+        sets = sum(self._group_units.values())
+        stats.set_gauge(HOST_POOL_USED_CHUNKS.name, self.used_units // sets)
+        stats.set_gauge(
+            HOST_POOL_TOKENS.name,
+            self.keys_per_group[self.anchor_group] * self.layout.chunk_tokens,
+        )
+        evicted, thrash = self._reported
+        stats.increase_counter(HOST_POOL_EVICTIONS.name, self.evicted_keys - evicted)
+        stats.increase_counter(HOST_POOL_THRASH.name, self.thrash_chunks - thrash)
+        self._reported = (self.evicted_keys, self.thrash_chunks)
+        return stats
+
+    @property
+    def fill(self) -> float:
+        """Share of the pool's units holding a key (stored or being stored)."""
+        return self.used_units / self.layout.num_units if self.layout.num_units else 0.0
+
+    @property
+    def row_utilization(self) -> float:
+        """True KV bytes of the held keys / host bytes their slots take."""
+        slot_bytes = self.used_units * self.layout.unit_bytes
+        return self.stored_bytes / slot_bytes if slot_bytes else 1.0
+
+
+class _Eviction:
+    """The eviction half of the manager: room by units, refusals that evict nothing,
+    and the thrash count (evicted keys asked for again).
+
+    Mixed in before vLLM's ``CPUOffloadingManager``, like :class:`_UnitSlots`.
+    """
+
+    # ------------------------------------------------------------- eviction
+
+    def _make_room(self, need: int) -> None:
+        """Free ``need`` units by evicting LRU keys, or refuse having evicted nothing.
+
+        The store's own offer is never evicted for it (vLLM's rule), so keys of the
+        offer that sit evictable in the pool do not count towards the room.
+        """
+        short = need - self.free_units
+        if short <= 0:
+            return
+        offered_idle = 0
+        for key in self._offer:
+            chunk = self._policy.get(key)
+            if chunk is not None and chunk.ref_cnt == 0:
+                offered_idle += self.units_of(key)
+        if short > self._policy.units - offered_idle:
+            raise _StoreRefused
+        # As many keys as surely needed in one call (vLLM's single call when every
+        # key takes the same units), then one at a time until the units are free.
+        batch = cdiv(short, self._max_units)
+        while short > 0:
+            evicted = self._policy.evict(batch, self._offer)
+            assert evicted, "evictable units were counted but could not be evicted"
+            self._num_evictable_cache_chunks -= len(evicted)
+            for key, chunk in evicted:
+                short -= len(self._units[chunk.chunk_id])
+                self._free_chunk(chunk)
+                self._store_evicted.append(key)
+                if self._group_idx(key) == self.anchor_group:
+                    self._remember_evicted(key)
+            self.evicted_keys += len(evicted)
+            batch = 1
+        if self.events is not None:
+            removed = list(self._store_evicted)
+            self.events.append(
+                self._offloading_event(keys=removed, medium=self.medium, removed=True)
+            )
+
+    def _remember_evicted(self, key: OffloadKey) -> None:
+        self._recently_evicted[key] = None
+        self._recently_evicted.move_to_end(key)
+        if len(self._recently_evicted) > EVICTED_MEMORY:
+            self._recently_evicted.popitem(last=False)
+
+    def prepare_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> PrepareStoreOutput | None:
+        keys = list(keys)
+        self._offer, self._store_evicted = set(keys), []
+        try:
+            output = super().prepare_store(keys, req_context)
+        except _StoreRefused:
+            # vLLM's own refusal point: its bookkeeping of the offer is done, nothing
+            # was evicted or allocated.
+            return None
+        finally:
+            self._offer = set()
+        if output is not None and self._store_evicted:
+            output = replace(output, evicted_keys=self._store_evicted)
+        return output
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        result = super().lookup(key, req_context)
+        if result is not self._lookup_hit and key in self._recently_evicted:
+            del self._recently_evicted[key]
+            self.thrash_chunks += 1
+        return result
+
+    def reset_cache(self) -> None:
+        super().reset_cache()
+        self._fresh_units = 0
+        self._free_units = []
+        self._units.clear()
+        self._handle_group.clear()
+        self.keys_per_group = dict.fromkeys(self._group_units, 0)
+        self._free_handles.clear()
+        self._next_handle = 0
+        self.used_units = 0
+        self.stored_bytes = 0
 
 
 def make_manager_class() -> type:
@@ -39,64 +278,20 @@ def make_manager_class() -> type:
     from vllm.v1.kv_offload.base import (
         LookupResult,
         OffloadingEvent,
-        OffloadKey,
-        PrepareStoreOutput,
-        ReqContext,
         get_offload_group_idx,
     )
     from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec, CPUOffloadingMetrics
     from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
     from vllm.v1.kv_offload.cpu.policies.base import ChunkStatus
 
-    class _StoreRefused(Exception):
-        """Raised inside vLLM's ``prepare_store`` when the admitted keys cannot fit."""
+    class SpillwayHostManager(_Eviction, _UnitSlots, CPUOffloadingManager):
+        _group_idx = staticmethod(get_offload_group_idx)
+        _load_store_spec = CPULoadStoreSpec
+        _offload_metrics = CPUOffloadingMetrics
+        _chunk_status = ChunkStatus
+        _offloading_event = OffloadingEvent
+        _lookup_hit = LookupResult.HIT
 
-    class _EvictableUnits:
-        """vLLM's cache policy, plus a count of the units its evictable keys hold.
-
-        The manager calls ``mark_evictable`` / ``mark_non_evictable`` on every ref-count
-        change to or from 0, so the count is exact; it lets a store be refused before
-        anything is evicted.
-        """
-
-        def __init__(self, policy: Any, units_of: Any):
-            self._policy = policy
-            self._units_of = units_of
-            self.units = 0
-
-        def __getattr__(self, name: str) -> Any:
-            return getattr(self._policy, name)
-
-        def mark_evictable(self, key: OffloadKey) -> None:
-            self._policy.mark_evictable(key)
-            self.units += self._units_of(key)
-
-        def mark_non_evictable(self, key: OffloadKey) -> None:
-            self._policy.mark_non_evictable(key)
-            self.units -= self._units_of(key)
-
-        def insert(self, key: OffloadKey, chunk: ChunkStatus, req_context: ReqContext) -> None:
-            self._policy.insert(key, chunk, req_context)
-            if chunk.ref_cnt == 0:
-                self.units += self._units_of(key)
-
-        def remove(self, key: OffloadKey) -> None:
-            chunk = self._policy.get(key)
-            if chunk is not None and chunk.ref_cnt == 0:
-                self.units -= self._units_of(key)
-            self._policy.remove(key)
-
-        def evict(self, n: int, protected: set[OffloadKey]) -> Any:
-            evicted = self._policy.evict(n, protected)
-            for key, _ in evicted or ():
-                self.units -= self._units_of(key)
-            return evicted
-
-        def clear(self) -> None:
-            self._policy.clear()
-            self.units = 0
-
-    class SpillwayHostManager(CPUOffloadingManager):
         def __init__(self, layout: HostLayout, **kwargs: Any):
             self.layout = layout
             self._group_units = {g.group_id: g.units for g in layout.groups}
@@ -127,174 +322,5 @@ def make_manager_class() -> type:
             self.thrash_chunks = 0
             self._reported = (0, 0)
             self._recently_evicted: OrderedDict[OffloadKey, None] = OrderedDict()
-
-        # ---------------------------------------------------------------- slots
-
-        def units_of(self, key: OffloadKey) -> int:
-            return self._group_units[get_offload_group_idx(key)]
-
-        @property
-        def free_units(self) -> int:
-            return self.layout.num_units - self._fresh_units + len(self._free_units)
-
-        def _get_num_free_chunks(self) -> int:
-            # vLLM's prepare_store counts slots in keys; here a key takes its group's
-            # units, so admission is decided in _allocate_chunks, which vLLM calls with
-            # exactly the keys it admitted. Tell it every key has a slot, so that it
-            # never evicts by key count itself.
-            return 1 << 62
-
-        def _allocate_chunks(self, keys: list[OffloadKey]) -> list[ChunkStatus]:
-            self._make_room(sum(self.units_of(k) for k in keys))
-            chunks = []
-            for key in keys:
-                k = self.units_of(key)
-                fresh = min(k, self.layout.num_units - self._fresh_units)
-                units = list(range(self._fresh_units, self._fresh_units + fresh))
-                self._fresh_units += fresh
-                units.extend(self._free_units.pop() for _ in range(k - fresh))
-                handle = self._free_handles.pop() if self._free_handles else self._new_handle()
-                group = get_offload_group_idx(key)
-                self._units[handle] = np.array(units, dtype=np.int64)
-                self._handle_group[handle] = group
-                self.used_units += k
-                self.stored_bytes += self._group_chunk_bytes[group]
-                self.keys_per_group[group] += 1
-                chunks.append(ChunkStatus(handle))
-            return chunks
-
-        def _new_handle(self) -> int:
-            self._next_handle += 1
-            return self._next_handle - 1
-
-        def _free_chunk(self, chunk: ChunkStatus) -> None:
-            units = self._units.pop(chunk.chunk_id)
-            group = self._handle_group.pop(chunk.chunk_id)
-            self._free_handles.append(chunk.chunk_id)
-            # reversed, so popping hands a multi-unit slot back in its own order
-            self._free_units.extend(units[::-1].tolist())
-            self.used_units -= len(units)
-            self.stored_bytes -= self._group_chunk_bytes[group]
-            self.keys_per_group[group] -= 1
-
-        def _get_load_store_spec(
-            self, keys: Iterable[OffloadKey], chunks: Iterable[ChunkStatus]
-        ) -> CPULoadStoreSpec:
-            parts = [self._units[c.chunk_id] for c in chunks]
-            ids = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
-            return CPULoadStoreSpec(ids.tolist())
-
-        # ------------------------------------------------------------- eviction
-
-        def _make_room(self, need: int) -> None:
-            """Free ``need`` units by evicting LRU keys, or refuse having evicted nothing.
-
-            The store's own offer is never evicted for it (vLLM's rule), so keys of the
-            offer that sit evictable in the pool do not count towards the room.
-            """
-            short = need - self.free_units
-            if short <= 0:
-                return
-            offered_idle = 0
-            for key in self._offer:
-                chunk = self._policy.get(key)
-                if chunk is not None and chunk.ref_cnt == 0:
-                    offered_idle += self.units_of(key)
-            if short > self._policy.units - offered_idle:
-                raise _StoreRefused
-            # As many keys as surely needed in one call (vLLM's single call when every
-            # key takes the same units), then one at a time until the units are free.
-            batch = -(-short // self._max_units)
-            while short > 0:
-                evicted = self._policy.evict(batch, self._offer)
-                assert evicted, "evictable units were counted but could not be evicted"
-                self._num_evictable_cache_chunks -= len(evicted)
-                for key, chunk in evicted:
-                    short -= len(self._units[chunk.chunk_id])
-                    self._free_chunk(chunk)
-                    self._store_evicted.append(key)
-                    if get_offload_group_idx(key) == self.anchor_group:
-                        self._remember_evicted(key)
-                self.evicted_keys += len(evicted)
-                batch = 1
-            if self.events is not None:
-                removed = list(self._store_evicted)
-                self.events.append(OffloadingEvent(keys=removed, medium=self.medium, removed=True))
-
-        def _remember_evicted(self, key: OffloadKey) -> None:
-            self._recently_evicted[key] = None
-            self._recently_evicted.move_to_end(key)
-            if len(self._recently_evicted) > EVICTED_MEMORY:
-                self._recently_evicted.popitem(last=False)
-
-        def prepare_store(
-            self, keys: Collection[OffloadKey], req_context: ReqContext
-        ) -> PrepareStoreOutput | None:
-            keys = list(keys)
-            self._offer, self._store_evicted = set(keys), []
-            try:
-                output = super().prepare_store(keys, req_context)
-            except _StoreRefused:
-                # vLLM's own refusal point: its bookkeeping of the offer is done, nothing
-                # was evicted or allocated.
-                return None
-            finally:
-                self._offer = set()
-            if output is not None and self._store_evicted:
-                output = replace(output, evicted_keys=self._store_evicted)
-            return output
-
-        def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-            result = super().lookup(key, req_context)
-            if result is not LookupResult.HIT and key in self._recently_evicted:
-                del self._recently_evicted[key]
-                self.thrash_chunks += 1
-            return result
-
-        def reset_cache(self) -> None:
-            super().reset_cache()
-            self._fresh_units = 0
-            self._free_units = []
-            self._units.clear()
-            self._handle_group.clear()
-            self.keys_per_group = dict.fromkeys(self._group_units, 0)
-            self._free_handles.clear()
-            self._next_handle = 0
-            self.used_units = 0
-            self.stored_bytes = 0
-
-        # ---------------------------------------------------------------- stats
-
-        def get_stats(self) -> Any:
-            stats = super().get_stats()
-            # vLLM derives "pinned by transfers" from its own chunk counters, which this
-            # pool does not use: restate it from the keys held here.
-            pinned = len(self._units) - self._num_evictable_cache_chunks
-            usage = pinned / self._num_chunks if self._num_chunks else 0.0
-            stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_USAGE_PERC, usage)
-            read = max(usage - self._num_write_pending_chunks / max(self._num_chunks, 1), 0.0)
-            stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_READ_USAGE_PERC, read)
-            sets = sum(self._group_units.values())
-            stats.set_gauge(HOST_POOL_USED_CHUNKS.name, self.used_units // sets)
-            stats.set_gauge(
-                HOST_POOL_TOKENS.name,
-                self.keys_per_group[self.anchor_group] * self.layout.chunk_tokens,
-            )
-            evicted, thrash = self._reported
-            stats.increase_counter(HOST_POOL_EVICTIONS.name, self.evicted_keys - evicted)
-            stats.increase_counter(HOST_POOL_THRASH.name, self.thrash_chunks - thrash)
-            self._reported = (self.evicted_keys, self.thrash_chunks)
-            return stats
-
-        @property
-        def fill(self) -> float:
-            """Share of the pool's units holding a key (stored or being stored)."""
-            return self.used_units / self.layout.num_units if self.layout.num_units else 0.0
-
-        @property
-        def row_utilization(self) -> float:
-            """True KV bytes of the held keys / host bytes their slots take."""
-            slot_bytes = self.used_units * self.layout.unit_bytes
-            return self.stored_bytes / slot_bytes if slot_bytes else 1.0
 
     return SpillwayHostManager

@@ -40,17 +40,15 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 
+from spillway_engine.arith import cdiv, round_up
 from spillway_engine.offloader.host_layout import GroupSlots, HostLayout
+from spillway_engine.planner.offload_geometry import host_copies
 
 logger = logging.getLogger(__name__)
 
 # Split the shared region into this many shm files so ranks pre-fault them in
 # parallel (upstream's CPU spec does the same).
 _REGION_SEGMENTS = 32
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(a // -b)
 
 
 # --------------------------------------------------------------------------- planning
@@ -218,7 +216,7 @@ def plan_copies(
 
     # Count units first so a mismatch fails before any copy.
     chunks = [
-        _cdiv(b % g.blocks_per_chunk + n, g.blocks_per_chunk) if n else 0
+        cdiv(b % g.blocks_per_chunk + n, g.blocks_per_chunk) if n else 0
         for g, n, b in zip(groups, sizes, first_blocks, strict=True)
     ]
     expected = sum(c * g.units for c, g in zip(chunks, groups, strict=True))
@@ -584,7 +582,7 @@ def allocate_host_pool(
     and every rank reads. ``barrier`` defaults to vLLM's all-workers barrier. Elsewhere
     it is a private zeroed tensor. Drop every reference to the view before cleanup.
     """
-    copies = 1 if replicated else world_size
+    copies = host_copies(world_size, replicated)
     if layout.copies != copies:
         raise ValueError(
             f"host layout has {layout.copies} copies per unit row; "
@@ -606,7 +604,6 @@ def allocate_host_pool(
         )
         return pool, lambda: None
 
-    from vllm.utils.math_utils import round_up
     from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
     row = round_up(layout.unit_bytes * copies, SharedOffloadRegion.BLOCK_SIZE_ALIGNMENT)

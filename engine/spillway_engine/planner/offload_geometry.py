@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Literal
 
+from spillway_engine.arith import cdiv, round_up
 from spillway_engine.planner.kv_layout import KVGroup, KVLayout
 
 #: ``SharedOffloadRegion.BLOCK_SIZE_ALIGNMENT`` (``mmap.PAGESIZE`` on x86-64 Linux).
@@ -41,14 +42,6 @@ Offloader = Literal["upstream", "spillway"]
 
 class OffloadRefused(ValueError):
     """vLLM (or Spillway's offloader) would refuse this offloading configuration."""
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass(frozen=True)
@@ -112,10 +105,10 @@ def _window_chunks(group: KVGroup, tokens_per_chunk: int) -> int | None:
     if group.kind == "sliding_window":
         assert group.sliding_window
         w = group.sliding_window
-        return max(_cdiv(w, tokens_per_chunk), _cdiv(w - 1, tokens_per_chunk))
+        return max(cdiv(w, tokens_per_chunk), cdiv(w - 1, tokens_per_chunk))
     if group.kind == "chunked_local":
         assert group.attention_chunk_size
-        return _cdiv(group.attention_chunk_size, tokens_per_chunk)
+        return cdiv(group.attention_chunk_size, tokens_per_chunk)
     if group.kind == "mamba":
         return 1
     return None
@@ -133,7 +126,7 @@ def unit_pool_gauge_tokens(
     per_request = sum(
         units * (c if window is None else min(c, window))
         for window, units in groups
-        for c in (_cdiv(max_model_len, chunk_tokens),)
+        for c in (cdiv(max_model_len, chunk_tokens),)
     )
     return num_units * max_model_len // per_request
 
@@ -141,9 +134,14 @@ def unit_pool_gauge_tokens(
 def _chunks_per_request(groups: tuple[GroupChunk, ...], max_model_len: int) -> list[int]:
     out = []
     for g in groups:
-        c = _cdiv(max_model_len, g.tokens_per_chunk)
+        c = cdiv(max_model_len, g.tokens_per_chunk)
         out.append(c if g.window_chunks is None else min(c, g.window_chunks))
     return out
+
+
+def host_copies(world_size: int, replicated: bool) -> int:
+    """Worker slots per host row or unit: one per worker, or 1 for the replicated layout."""
+    return 1 if replicated else world_size
 
 
 def replicated_layout(layout: KVLayout, world_size: int, single_node: bool) -> bool:
@@ -188,19 +186,10 @@ def resolve_blocks_per_chunk(layout: KVLayout, request: OffloadRequest) -> int:
         if tokens <= 0 or tokens % tpb:
             raise OffloadRefused(
                 f"block_size={tokens} must be a multiple of the GPU block size ({tpb} "
-                f"tokens); use {_round_up(max(tokens, 1), tpb)} or blocks per chunk"
+                f"tokens); use {round_up(max(tokens, 1), tpb)} or blocks per chunk"
             )
         return tokens // tpb
     return default_blocks_per_chunk(layout)
-
-
-def pool_too_small(cpu_bytes: int, rows: list[tuple[int, str, int]]) -> str:
-    """Refusal for a pool below one chunk of every group: (group, kind, row bytes) each."""
-    parts = ", ".join(f"group {i} ({kind}) {row} bytes" for i, kind, row in rows)
-    return (
-        f"the host pool ({cpu_bytes} bytes) is smaller than one chunk of every KV-cache "
-        f"group ({sum(r for _, _, r in rows)} bytes: {parts}); every store would fail"
-    )
 
 
 def _check_pool(cpu_bytes: int, row: int, what: str) -> None:
@@ -227,9 +216,9 @@ def upstream_geometry(layout: KVLayout, request: OffloadRequest) -> UpstreamGeom
             )
     bpc = resolve_blocks_per_chunk(layout, request)
     replicated = replicated_layout(layout, request.world_size, request.single_node)
-    copies = 1 if replicated else request.world_size
+    copies = host_copies(request.world_size, replicated)
     kv_bytes_per_chunk = layout.worker_bytes_per_block * copies * bpc
-    row = _round_up(kv_bytes_per_chunk, ROW_ALIGNMENT)
+    row = round_up(kv_bytes_per_chunk, ROW_ALIGNMENT)
     _check_pool(request.cpu_bytes, row, "row")
     num_chunks = request.cpu_bytes // row
     groups = tuple(
@@ -284,8 +273,8 @@ def host_units(chunk_bytes: list[int]) -> tuple[int, list[int]]:
     smallest, total = min(chunk_bytes), sum(chunk_bytes)
     best: tuple[Fraction, int, list[int]] | None = None
     for split in range(1, MAX_UNITS_PER_CHUNK + 1):
-        unit = _round_up(_cdiv(smallest, split), ROW_ALIGNMENT)
-        units = [_cdiv(b, unit) for b in chunk_bytes]
+        unit = round_up(cdiv(smallest, split), ROW_ALIGNMENT)
+        units = [cdiv(b, unit) for b in chunk_bytes]
         if max(units) > MAX_UNITS_PER_CHUNK:
             break
         fill = Fraction(total, unit * sum(units))
@@ -295,6 +284,54 @@ def host_units(chunk_bytes: list[int]) -> tuple[int, list[int]]:
             break
     assert best is not None
     return best[1], best[2]
+
+
+@dataclass(frozen=True)
+class UnitPool:
+    """A host pool cut into units for chunks of one span: the per-group figures."""
+
+    blocks_per_chunk: tuple[int, ...]
+    #: true bytes of one chunk of each group on one worker
+    chunk_bytes: tuple[int, ...]
+    #: bytes of one unit on one worker
+    unit_bytes: int
+    #: units one chunk of each group takes
+    units: tuple[int, ...]
+    copies: int
+    num_units: int
+
+    @property
+    def num_chunks(self) -> int:
+        """Chunks of every group the pool holds (each group's chunks counted densely)."""
+        return self.num_units // sum(self.units)
+
+
+def unit_pool(
+    cpu_bytes: int,
+    span: int,
+    groups: list[tuple[int, str, int, int]],
+    copies: int,
+) -> UnitPool:
+    """Spillway's pool for ``span``-token chunks; ``groups`` is (group id, kind, tokens
+    per block, true bytes per block) each. Refuses a pool smaller than one chunk of
+    every group (every store would fail)."""
+    blocks_per_chunk = tuple(span // tpb for _, _, tpb, _ in groups)
+    chunk_bytes = tuple(
+        per_block * bpc for (_, _, _, per_block), bpc in zip(groups, blocks_per_chunk, strict=True)
+    )
+    unit, units = host_units(list(chunk_bytes))
+    num_units = cpu_bytes // (unit * copies)
+    if num_units < sum(units):
+        row = [k * unit * copies for k in units]
+        parts = ", ".join(
+            f"group {gid} ({kind}) {r} bytes"
+            for (gid, kind, _, _), r in zip(groups, row, strict=True)
+        )
+        raise OffloadRefused(
+            f"the host pool ({cpu_bytes} bytes) is smaller than one chunk of every KV-cache "
+            f"group ({sum(row)} bytes: {parts}); every store would fail"
+        )
+    return UnitPool(blocks_per_chunk, chunk_bytes, unit, tuple(units), copies, num_units)
 
 
 def chunk_span(
@@ -335,19 +372,22 @@ def chunk_span(
     if blocks_per_chunk is not None:
         if blocks_per_chunk <= 0:
             raise OffloadRefused("blocks per chunk must be greater than 0")
-        return _round_up(blocks_per_chunk * min(tokens_per_block), base)
+        return round_up(blocks_per_chunk * min(tokens_per_block), base)
     if has_mamba:
         return base
-    return _round_up(DEFAULT_CHUNK_TOKENS, base)
+    return round_up(DEFAULT_CHUNK_TOKENS, base)
 
 
-def spillway_chunk_tokens(layout: KVLayout, blocks_per_chunk: int | None) -> int:
+def spillway_chunk_tokens(
+    layout: KVLayout, blocks_per_chunk: int | None, chunk_tokens: int | None = None
+) -> int:
     """:func:`chunk_span` for a planned layout."""
     return chunk_span(
         [g.tokens_per_block for g in layout.groups],
         layout.tokens_per_hash,
         has_mamba=any(g.kind == "mamba" for g in layout.groups),
         blocks_per_chunk=blocks_per_chunk,
+        chunk_tokens=chunk_tokens,
     )
 
 
@@ -365,21 +405,19 @@ def spillway_geometry(layout: KVLayout, request: OffloadRequest) -> SpillwayGeom
             "Mamba states are only cached per block with prefix caching on (mamba cache "
             "mode 'align'); without it there is nothing chunkable to offload"
         )
-    span = chunk_span(
-        [g.tokens_per_block for g in layout.groups],
-        layout.tokens_per_hash,
-        has_mamba=any(g.kind == "mamba" for g in layout.groups),
-        blocks_per_chunk=request.blocks_per_chunk,
-        chunk_tokens=request.chunk_block_size_tokens,
-    )
+    span = spillway_chunk_tokens(layout, request.blocks_per_chunk, request.chunk_block_size_tokens)
     replicated = replicated_layout(layout, request.world_size, request.single_node)
-    copies = 1 if replicated else request.world_size
-    blocks_per_chunk = [span // g.tokens_per_block for g in layout.groups]
-    chunk_bytes = [
-        true_bytes_per_block(layout, g) * bpc
-        for g, bpc in zip(layout.groups, blocks_per_chunk, strict=True)
-    ]
-    unit, units = host_units(chunk_bytes)
+    _check_pool(request.cpu_bytes, 1, "byte")
+    pool = unit_pool(
+        request.cpu_bytes,
+        span,
+        [
+            (i, g.kind, g.tokens_per_block, true_bytes_per_block(layout, g))
+            for i, g in enumerate(layout.groups)
+        ],
+        host_copies(request.world_size, replicated),
+    )
+    copies, unit = pool.copies, pool.unit_bytes
     groups = tuple(
         GroupChunk(
             group_index=i,
@@ -392,30 +430,17 @@ def spillway_geometry(layout: KVLayout, request: OffloadRequest) -> SpillwayGeom
             units=k,
         )
         for i, (g, bpc, nbytes, k) in enumerate(
-            zip(layout.groups, blocks_per_chunk, chunk_bytes, units, strict=True)
+            zip(layout.groups, pool.blocks_per_chunk, pool.chunk_bytes, pool.units, strict=True)
         )
     )
-    chunk_set = sum(g.row_bytes for g in groups)
-    _check_pool(request.cpu_bytes, 1, "byte")
-    if request.cpu_bytes < chunk_set:
-        raise OffloadRefused(
-            pool_too_small(
-                request.cpu_bytes,
-                [
-                    (g.group_index, k.kind, g.row_bytes)
-                    for g, k in zip(groups, layout.groups, strict=True)
-                ],
-            )
-        )
-    num_units = request.cpu_bytes // (unit * copies)
-    num_chunks = num_units // sum(units)
+    num_units, num_chunks = pool.num_units, pool.num_chunks
     return SpillwayGeometry(
         chunk_tokens=span,
         copies=copies,
         unit_bytes=unit,
         num_units=num_units,
         groups=groups,
-        chunk_set_bytes=chunk_set,
+        chunk_set_bytes=sum(g.row_bytes for g in groups),
         num_chunks=num_chunks,
         region_bytes=num_units * unit * copies,
         capacity_tokens=num_chunks * span,

@@ -27,6 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fractions import Fraction
 
+from spillway_engine.arith import round_up
+
 GIB = 2**30
 MIB = 2**20
 
@@ -45,10 +47,6 @@ class PodSizingError(ValueError):
     pass
 
 
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
-
-
 @dataclass(frozen=True)
 class PodMemory:
     shm_bytes: int
@@ -61,7 +59,7 @@ class PodMemory:
 
 def headroom(request_bytes: int) -> int:
     """Slack above the request, in whole MiB."""
-    return _round_up(max(MIN_HEADROOM_BYTES, int(HEADROOM_FRACTION * request_bytes)), MIB)
+    return round_up(max(MIN_HEADROOM_BYTES, int(HEADROOM_FRACTION * request_bytes)), MIB)
 
 
 def overhead_bytes(workers_per_engine: int, data_parallel_size: int) -> int:
@@ -73,7 +71,7 @@ def size_pod(region_bytes: int, workers_per_engine: int, data_parallel_size: int
     """Pod memory for a pool region of ``region_bytes`` per engine."""
     if region_bytes < 0 or workers_per_engine < 1 or data_parallel_size < 1:
         raise PodSizingError("pool, worker count and data-parallel size must be positive")
-    shm = _round_up(data_parallel_size * region_bytes + SHM_QUEUE_BYTES, MIB)
+    shm = round_up(data_parallel_size * region_bytes + SHM_QUEUE_BYTES, MIB)
     processes = overhead_bytes(workers_per_engine, data_parallel_size)
     request = shm + processes
     slack = headroom(request)
@@ -97,7 +95,7 @@ def max_pool_bytes(memory_limit: int, workers_per_engine: int, data_parallel_siz
         memory_limit - MIN_HEADROOM_BYTES,
         int(Fraction(memory_limit) / (1 + HEADROOM_FRACTION)),
     )
-    fixed = _round_up(SHM_QUEUE_BYTES, MIB) + overhead_bytes(workers_per_engine, data_parallel_size)
+    fixed = round_up(SHM_QUEUE_BYTES, MIB) + overhead_bytes(workers_per_engine, data_parallel_size)
     pool = (request - fixed) // data_parallel_size
     # MiB rounding of shm and headroom can overshoot by a MiB or two: step back.
     while pool > 0 and size_pod(pool, workers_per_engine, data_parallel_size).memory_limit_bytes > (
