@@ -87,6 +87,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from spillway_engine.arith import cdiv
 from spillway_engine.simulator.plan_input import (
     PREFIX_KINDS,
     SimPlan,
@@ -420,11 +421,11 @@ class EngineCore:
         total = 0
         chunk = self.sched.max_num_batched_tokens
         for g in self.groups:
-            blocks = -(-length // g.tokens_per_block)
+            blocks = cdiv(length, g.tokens_per_block)
             if g.kind == "mamba":
                 blocks = 1
             elif g.window_blocks is not None:
-                blocks = min(blocks, g.window_blocks + 2 + -(-chunk // g.tokens_per_block))
+                blocks = min(blocks, g.window_blocks + 2 + cdiv(chunk, g.tokens_per_block))
             total += blocks * g.weight
         return total
 
@@ -604,7 +605,7 @@ class EngineCore:
                 if not blocks:
                     need += g.weight
             else:
-                more = -(-upto // g.tokens_per_block) - len(blocks)
+                more = cdiv(upto, g.tokens_per_block) - len(blocks)
                 if more > 0:
                     need += more * g.weight
         return need
@@ -616,7 +617,7 @@ class EngineCore:
             k = (
                 1 - len(blocks)
                 if g.kind == "mamba"
-                else -(-upto // g.tokens_per_block) - len(blocks)
+                else cdiv(upto, g.tokens_per_block) - len(blocks)
             )
             if k <= 0:
                 continue
@@ -821,7 +822,7 @@ class EngineCore:
             firsts[g.index] = first
             hit = [cached[k] for k in req.bkeys[g.index][first:hit_blocks]]
             kept.append(hit)
-            need += (-(-upto // tpb) - max(hit_blocks, first)) * g.weight
+            need += (cdiv(upto, tpb) - max(hit_blocks, first)) * g.weight
             need += sum(1 for blk in hit if not blk[1]) * g.weight
         if need > self.gpu.num_free:
             return -2
@@ -874,7 +875,7 @@ class EngineCore:
                     first = max(first, high // tpb - g.window_blocks)
                 blocks = max(0, high // tpb - first)
             loaded_bytes += blocks * g.block_bytes
-            rows += -(-blocks // g.blocks_per_chunk) * g.weight
+            rows += cdiv(blocks, g.blocks_per_chunk) * g.weight
         self._touch_host(req, low, high)
         seconds = loaded_bytes / self.plan.copies / self.latency.pcie_bytes_per_s
         self.h2d_free_at = max(self.now, self.h2d_free_at) + seconds
