@@ -6,14 +6,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from spillway_engine.planner.families import model_shape
 from spillway_engine.planner.gpus import UnknownGpu, get_gpu
-from spillway_engine.planner.kv_layout import (
-    LayoutRequest,
-    ModelConfigError,
-    UnsupportedModel,
-    compute_layout,
-    model_shape,
-)
+from spillway_engine.planner.kv_layout import LayoutRequest, compute_layout
+from spillway_engine.planner.shape import ModelConfigError, UnsupportedModel
 
 from .planner_fixtures import load_model
 

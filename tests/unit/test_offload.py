@@ -7,8 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from spillway_engine.planner.families import model_shape
 from spillway_engine.planner.gpus import get_gpu
-from spillway_engine.planner.kv_layout import KVGroup, LayoutRequest, compute_layout, model_shape
+from spillway_engine.planner.kv_layout import KVGroup, LayoutRequest, compute_layout
 from spillway_engine.planner.offload_geometry import (
     OffloadRefused,
     OffloadRequest,

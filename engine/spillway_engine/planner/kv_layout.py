@@ -28,29 +28,14 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from spillway_engine.arith import cdiv
-from spillway_engine.planner.families import SUPPORTED_ARCHITECTURES, model_shape
 from spillway_engine.planner.gpus import Backend, Gpu
 from spillway_engine.planner.shape import (
     DTYPE_BYTES,
     KV_CACHE_DTYPES,
     Kind,
-    ModelConfigError,
     ModelShape,
     UnsupportedModel,
 )
-
-# Planner callers take the shape rules and their errors from here with the layout.
-__all__ = [
-    "SUPPORTED_ARCHITECTURES",
-    "KVGroup",
-    "KVLayout",
-    "LayoutRequest",
-    "ModelConfigError",
-    "UnsupportedModel",
-    "compute_layout",
-    "model_shape",
-]
-
 
 # --------------------------------------------------------------------------- layout
 

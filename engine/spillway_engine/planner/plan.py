@@ -17,15 +17,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from spillway_engine import __version__
+from spillway_engine.planner.families import model_shape
 from spillway_engine.planner.gpus import DEFAULT_GPU, UnknownGpu, get_gpu
-from spillway_engine.planner.kv_layout import (
-    KVLayout,
-    LayoutRequest,
-    ModelConfigError,
-    UnsupportedModel,
-    compute_layout,
-    model_shape,
-)
+from spillway_engine.planner.kv_layout import KVLayout, LayoutRequest, compute_layout
 from spillway_engine.planner.offload_geometry import (
     OffloadRefused,
     OffloadRequest,
@@ -40,6 +34,7 @@ from spillway_engine.planner.pod_sizing import (
     max_pool_bytes,
     size_pod,
 )
+from spillway_engine.planner.shape import ModelConfigError, UnsupportedModel
 from spillway_engine.vllm_pins import (
     SPILLWAY_CONNECTOR,
     SPILLWAY_CONNECTOR_MODULE,
