@@ -46,14 +46,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
 )
 from vllm.engine.arg_utils import EngineArgs
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
-from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.model_executor.model_loader.utils import get_model_architecture
 from vllm.platforms import current_platform
 from vllm.platforms.interface import Platform
-from vllm.utils.import_utils import resolve_obj_by_qualname
 from vllm.utils.network_utils import get_open_port
-from vllm.v1.attention.backends.mla.triton_mla import TritonMLABackend
-from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.attention.backends.utils import (
     _DEFAULT_LAYOUT_PREFERENCE,
     resolve_kv_cache_layout,
@@ -73,43 +69,17 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
-from vllm.v1.worker.utils import customize_attention_spec
+
+# The layers' planned-GPU backends and spec rule, shared with the emulated GPU worker.
+from spillway_engine.emulator.backends import (
+    FlashMLAStandIn,
+    construct_backend_path,
+    give_planned_backends,
+    layer_kv_cache_specs,
+)
 
 VLLM_VERSION = vllm.__version__
-
-
-class FlashMLAStandIn(TritonMLABackend):
-    """FlashMLA's kernel block rule (exactly 64 tokens) on a class that imports on a CPU.
-
-    The real FlashMLA backend asserts its CUDA extension at construction; only its
-    block sizes matter to the KV plan (it has no ``customize_spec``).
-    """
-
-    @staticmethod
-    def get_supported_kernel_block_sizes(kv_cache_spec: Any = None) -> list[Any]:
-        return [64]
-
-    @classmethod
-    def supports_block_size(cls, block_size: int | None) -> bool:
-        # the base AttentionBackend rule: any multiple of a kernel block size
-        return block_size is None or block_size % 64 == 0
-
-    @staticmethod
-    def get_name() -> str:
-        return "FLASHMLA"
-
-
-# The planner's backend names -> the vLLM class whose kernel block rule stands in for it
-# on the CPU (FlashAttention and FlashAttention-MLA need CUDA to import; Triton and
-# Triton-MLA share their MultipleOf(16) rule).
-_BACKENDS = {
-    "FLASH_ATTN": AttentionBackendEnum.FLASH_ATTN,
-    "TRITON_FLASH_ATTN": AttentionBackendEnum.FLASH_ATTN,
-    "FLASH_ATTN_MLA": AttentionBackendEnum.TRITON_MLA,
-    "TRITON_MLA": AttentionBackendEnum.TRITON_MLA,
-}
-_BACKEND_PATHS = {name: backend.get_path() for name, backend in _BACKENDS.items()}
-_BACKEND_PATHS["FLASHMLA"] = f"{__name__}.FlashMLAStandIn"
+__all__ = ["VLLM_VERSION", "Case", "FlashMLAStandIn", "VllmLayout", "build_layout"]
 
 
 @dataclass(frozen=True)
@@ -262,12 +232,7 @@ def build_layout(config: dict[str, Any], case: Case, attention_backend: str | No
         vc.cache_config.mamba_ssm_cache_dtype = "auto"  # undo CpuPlatform's float32 reset
 
     global _construct_backend_path
-    _construct_backend_path = None
-    if attention_backend in ("FLASH_ATTN_MLA", "TRITON_MLA", "FLASHMLA"):
-        _construct_backend_path = _BACKEND_PATHS[attention_backend]
-    elif case.kv_cache_dtype != "auto":
-        # FlashAttention's impl needs CUDA for FP8; Triton has the same 16-token rule.
-        _construct_backend_path = AttentionBackendEnum.TRITON_ATTN.get_path()
+    _construct_backend_path = construct_backend_path(attention_backend, case.kv_cache_dtype)
     with set_current_vllm_config(vc):
         _init_distributed()
         parallel_state.destroy_model_parallel()
@@ -279,28 +244,9 @@ def build_layout(config: dict[str, Any], case: Case, attention_backend: str | No
         with torch.device("meta"):
             model_cls(vllm_config=vc, prefix="")
         layers = get_layers_from_vllm_config(vc, AttentionLayerBase)
-        for layer in layers.values():
-            backend = layer.get_attn_backend()
-            if backend.is_ssm():
-                hopper = case.gpu in ("h100", "h200")
-                if (
-                    hopper
-                    and case.enable_prefix_caching
-                    and hasattr(layer, "_checkpoint_alignment")
-                ):
-                    layer._checkpoint_alignment = 64  # FlashInfer GDN prefill on SM90
-                continue
-            assert attention_backend is not None
-            layer.attn_backend = resolve_obj_by_qualname(_BACKEND_PATHS[attention_backend])
+        give_planned_backends(layers, attention_backend, case.gpu, case.enable_prefix_caching)
         Platform.update_block_size_for_backend(vc)
-        specs = {}
-        for name, layer in layers.items():
-            spec = layer.get_kv_cache_spec(vc)
-            if spec is None:
-                continue
-            if not isinstance(layer, MambaBase):
-                spec = customize_attention_spec(layer.get_attn_backend(), spec)
-            specs[name] = spec
+        specs = layer_kv_cache_specs(vc, layers)
 
     register_all_kvcache_specs(vc)
     resolve_kv_cache_layout(vc, [[p.name for p in _DEFAULT_LAYOUT_PREFERENCE]], specs.values())
