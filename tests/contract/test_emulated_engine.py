@@ -27,18 +27,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from spillway_engine.emulator import emulator_args, emulator_env
-from spillway_engine.emulator.tiny import llama_config, write_model
+from spillway_engine.emulator.tiny import gemma3_config, llama_config, write_model
 from spillway_engine.planner.plan import Plan, PlanRequest, make_plan
 
 MIB = 1 << 20
 MAX_MODEL_LEN = 1024
 POOL_BYTES = 16 * MIB
-#: Emulated GPU KV memory: 80 blocks of the tiny Llama (4096 bytes a block), enough
-#: for max_model_len (64 blocks) and small enough that a few prompts evict each other.
-KV_BYTES = 80 * 4096
+#: model -> (config.json, emulated GPU KV bytes). The budgets hold max_model_len and
+#: little more (80 blocks of 4096 bytes; 160 of 2048), so a few prompts evict others.
+MODELS: dict[str, tuple[dict[str, Any], int]] = {
+    "llama": (llama_config(num_layers=2), 80 * 4096),
+    # sliding-window (64 tokens) + full attention, two KV-cache groups
+    "gemma3": (gemma3_config(num_layers=4, sliding_window=64), 160 * 2048),
+}
 START_TIMEOUT_S = 300
 EXIT_TIMEOUT_S = 300
 REQUEST_TIMEOUT_S = 60
@@ -51,6 +56,7 @@ ENGINE = (
 
 @dataclass
 class Server:
+    name: str
     proc: subprocess.Popen[bytes]
     port: int
     log: Path
@@ -99,7 +105,7 @@ def _write_plan(root: Path, plan: dict[str, Any] | Plan, model_dir: Path) -> Pat
     return root / "plan.json"
 
 
-def _launch(plan_path: Path, log: Path, port: int) -> subprocess.Popen[bytes]:
+def _launch(plan_path: Path, log: Path, port: int, kv_bytes: int) -> subprocess.Popen[bytes]:
     """``spillway-engine serve`` as the pod runs it, plus the emulator's flag; its own
     process group, so teardown reaches the engine core too."""
     cmd = [*ENGINE, "serve", "--plan", str(plan_path), "--host", "127.0.0.1"]
@@ -109,7 +115,7 @@ def _launch(plan_path: Path, log: Path, port: int) -> subprocess.Popen[bytes]:
             cmd,
             stdout=out,
             stderr=subprocess.STDOUT,
-            env=_env(KV_BYTES),
+            env=_env(kv_bytes),
             start_new_session=True,
         )
 
@@ -187,24 +193,27 @@ def _wait_ready(server: Server) -> None:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_model(tmp_path_factory.mktemp("emulated") / "tiny-llama", llama_config())
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("emulated")
+    return {name: write_model(root / name, config) for name, (config, _) in MODELS.items()}
 
 
-@pytest.fixture(scope="module")
-def server(model_dir: Path) -> Iterator[Server]:
+@pytest.fixture(scope="module", params=list(MODELS))
+def server(request: pytest.FixtureRequest, models: dict[str, Path]) -> Iterator[Server]:
+    name = request.param
+    model_dir = models[name]
     plan = _plan(model_dir)
-    root = model_dir.parent / "good"
+    root = model_dir.parent / f"{name}-good"
     plan_path = _write_plan(root, plan, model_dir)
     port = _free_port()
     t0 = time.monotonic()
-    proc = _launch(plan_path, root / "engine.log", port)
-    srv = Server(proc, port, root / "engine.log", plan, 0.0)
+    proc = _launch(plan_path, root / "engine.log", port, MODELS[name][1])
+    srv = Server(name, proc, port, root / "engine.log", plan, 0.0)
     try:
         _wait_ready(srv)
         srv.startup_s = time.monotonic() - t0
         print(
-            f"\n[emulated engine] ready in {srv.startup_s:.1f} s; RSS MiB {_rss_mib(proc.pid)}",
+            f"\n[emulated {name}] ready in {srv.startup_s:.1f} s; RSS MiB {_rss_mib(proc.pid)}",
             file=sys.stderr,
         )
         yield srv
@@ -255,10 +264,12 @@ def output_ids(reply: dict[str, Any]) -> list[int]:
 
 def test_plan_check_ran_and_passed(server: Server):
     log = server.log_text()
-    assert "Spillway plan check passed: 1 KV-cache group(s), 16 tokens per hash" in log
+    groups = len(server.plan.kv_groups)
+    assert f"Spillway plan check passed: {groups} KV-cache group(s), 16 tokens per hash" in log
     assert "FAILED" not in log
-    # the emulated budget (SPILLWAY_EMULATE_KV_BYTES) is what vLLM sized the cache by
-    assert re.search(r"KV cache size: 1,?280 tokens", log)
+    if server.name == "llama":
+        # the emulated budget (SPILLWAY_EMULATE_KV_BYTES) is what vLLM sized the cache by
+        assert re.search(r"KV cache size: 1,?280 tokens", log)
 
 
 def test_completion_returns_tokens_from_the_kv_bytes(server: Server):
@@ -287,7 +298,7 @@ def test_prompt_evicted_from_the_gpu_comes_back_from_the_host_pool(server: Serve
     pool, and the tokens derived from the loaded bytes equal the recomputed ones."""
     a = prompt(10, 600)
     first = complete(server, a)
-    for seed in (11, 12, 13):  # 3 x 38 blocks push a's 38 blocks out of 79
+    for seed in range(11, 16):  # 5 x 600 tokens push a's blocks out of the GPU cache
         complete(server, prompt(seed, 600), max_tokens=2)
     before = metrics(server)
     again = complete(server, a)
@@ -298,7 +309,12 @@ def test_prompt_evicted_from_the_gpu_comes_back_from_the_host_pool(server: Serve
 
     assert delta("vllm:external_prefix_cache_hits_total") >= 512  # two 256-token chunks
     assert delta("spillway_host_hit_tokens_total") >= 512
-    assert delta("vllm:kv_offload_load_bytes_total") >= 512 * 4096 // 16  # real bytes moved
+    full = sum(
+        g.bytes_per_block // g.tokens_per_block
+        for g in server.plan.kv_groups
+        if g.kind == "full_attention"
+    )
+    assert delta("vllm:kv_offload_load_bytes_total") >= 512 * full  # real bytes moved
     assert output_ids(again) == output_ids(first)
 
 
@@ -319,17 +335,16 @@ def test_spillway_series_are_exported(server: Server):
     assert m["vllm:kv_offload_store_bytes_total"] > 0
 
 
-def test_wrong_plan_stops_the_engine(model_dir: Path, server: Server):
+def test_wrong_plan_stops_the_engine(models: dict[str, Path]):
     """A plan sized for another pool than the engine runs: the plan check refuses,
     and the whole server exits non-zero (no API server left behind)."""
-    # Run after the good server's tests (module order), which are done with it now.
-    _kill_group(server.proc)
+    model_dir = models["llama"]
     good = _plan(model_dir)
     stale = json.loads(_plan(model_dir, cpu_memory_bytes=2 * POOL_BYTES).model_dump_json())
     stale["kv_transfer_config"] = good.kv_transfer_config  # the engine runs the 16 MiB pool
     root = model_dir.parent / "stale"
     plan_path = _write_plan(root, stale, model_dir)
-    proc = _launch(plan_path, root / "engine.log", _free_port())
+    proc = _launch(plan_path, root / "engine.log", _free_port(), MODELS["llama"][1])
     try:
         rc = proc.wait(timeout=EXIT_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -341,3 +356,26 @@ def test_wrong_plan_stops_the_engine(model_dir: Path, server: Server):
     assert "Spillway plan check FAILED" in log
     assert re.search(rf"cpu_bytes_to_use\s+\|\s+{2 * POOL_BYTES}\s+\|\s+{POOL_BYTES}", log)
     assert re.search(r"spillway\.num_units\s+\|\s+\d+\s+\|\s+\d+", log)
+
+
+def test_a_page_that_differs_from_recomputation_changes_the_token():
+    """The emulated forward pass reads the signature of the previous position from
+    every layer's page: the same prefix gives the same token whether computed or
+    reused, and one flipped byte in a reused page gives another."""
+    from spillway_engine.emulator.worker import EmulatedGpuWorker, _Pages, _Request
+
+    worker = object.__new__(EmulatedGpuWorker)  # no vLLM process needed for the step logic
+    worker._pages = [_Pages(0, 7 + i, 16, 64, np.zeros((8, 16 * 64), np.uint8)) for i in range(2)]
+    worker._vocab, worker._avoid, worker._requests = 512, {2}, {}
+    tokens = prompt(5, 40)
+
+    def run(blocks: list[int], computed: int) -> list[int]:
+        rid = f"r{len(worker._requests)}"
+        worker._requests[rid] = _Request(list(tokens), [blocks], computed)
+        return worker._run(rid, len(tokens) - computed)
+
+    computed = run([1, 2, 3], 0)
+    assert computed == run([4, 5, 6], 0)  # recomputed elsewhere
+    assert computed == run([1, 2, 7], 32)  # positions 0-31 reused from blocks 1, 2
+    worker._pages[1].pages[2, 15 * 64] ^= 1  # position 31, layer 1
+    assert computed != run([1, 2, 7], 32)
