@@ -83,6 +83,13 @@ ShapeRule = Callable[[dict[str, Any], str], ModelShape]
 
 _MISSING = object()
 
+# Integers past these are no model's: without a bound, a hostile config.json (say
+# num_hidden_layers = 10**12) makes the planner build that many layers, or
+# multiply numbers of thousands of digits, instead of refusing it in one line.
+INT_MAX = 2**40
+LAYERS_MAX = 100_000
+_INT_MAXIMA = {"num_hidden_layers": LAYERS_MAX, "num_layers": LAYERS_MAX, "n_layer": LAYERS_MAX}
+
 
 class ConfigReader:
     """Typed reads from a config.json dict with clear errors."""
@@ -98,7 +105,8 @@ class ConfigReader:
         value = self.data.get(key)
         return default if value is None else value
 
-    def int(self, key: str, default: Any = _MISSING, *, minimum: int = 1) -> int:
+    def int(self, key: str, default: Any = _MISSING, *, minimum: int = 1,
+            maximum: int | None = None) -> int:
         value = self.data.get(key)
         if value is None:
             if default is _MISSING:
@@ -111,6 +119,10 @@ class ConfigReader:
                 raise ModelConfigError(f"{self.where}: {key!r} must be an integer, got {value!r}")
         if value < minimum:
             raise ModelConfigError(f"{self.where}: {key!r} must be >= {minimum}, got {value}")
+        top = maximum if maximum is not None else _INT_MAXIMA.get(key, INT_MAX)
+        if value > top:
+            raise ModelConfigError(f"{self.where}: {key!r} must be <= {top}, got "
+                                   f"{value if value.bit_length() < 200 else 'a huge number'}")
         return value
 
     def str_list(self, key: str, length: int) -> list[str] | None:
@@ -213,3 +225,30 @@ def divide_for_tp(numerator: int, denominator: int, what: str) -> int:
             f"({denominator}); vLLM refuses this split"
         )
     return numerator // denominator
+
+
+def attention_shape(
+    config: dict[str, Any],
+    cfg: ConfigReader,
+    arch: str,
+    layers: tuple[LayerKind, ...],
+    *,
+    model_type: str | None = None,
+    **extra: Any,
+) -> ModelShape:
+    """The shape of a model whose attention layers use ``num_attention_heads`` /
+    ``num_key_value_heads`` / ``head_dim`` (every family but MLA); ``extra`` sets the
+    family's own fields (sinks, Mamba state, notes...)."""
+    heads, kv_heads, head = attention_heads(cfg)
+    return ModelShape(
+        architecture=arch,
+        model_type=str(cfg.get("model_type", "")) if model_type is None else model_type,
+        dtype=model_dtype(config, cfg.data),
+        layers=layers,
+        num_attention_heads=heads,
+        num_kv_heads=kv_heads,
+        head_size=head,
+        head_size_v=head,
+        derived_max_model_len=derived_max_len(cfg),
+        **extra,
+    )

@@ -9,9 +9,7 @@ from spillway_engine.planner.shape import (
     ModelShape,
     ShapeRule,
     UnsupportedModel,
-    attention_heads,
-    derived_max_len,
-    model_dtype,
+    attention_shape,
     sliding_window_of,
     text_config,
 )
@@ -21,7 +19,6 @@ def _dense(config: dict[str, Any], arch: str) -> ModelShape:
     """Llama-style decoders (``llama.py``, ``qwen2.py``, ``qwen3.py``, ``phi3``...)."""
     cfg = text_config(config, {})
     n = cfg.int("num_hidden_layers")
-    heads, kv_heads, head = attention_heads(cfg)
     model_type = str(cfg.get("model_type", ""))
     window = sliding_window_of(cfg)
     notes: list[str] = []
@@ -55,16 +52,12 @@ def _dense(config: dict[str, Any], arch: str) -> ModelShape:
         )
     if window and all(layer.kind == "sliding_window" for layer in layers):
         notes.append(f"sliding window {window} on every layer (config sliding_window)")
-    return ModelShape(
-        architecture=arch,
+    return attention_shape(
+        config,
+        cfg,
+        arch,
+        tuple(layers),
         model_type=model_type,
-        dtype=model_dtype(config, cfg.data),
-        layers=tuple(layers),
-        num_attention_heads=heads,
-        num_kv_heads=kv_heads,
-        head_size=head,
-        head_size_v=head,
-        derived_max_model_len=derived_max_len(cfg),
         notes=tuple(notes),
     )
 

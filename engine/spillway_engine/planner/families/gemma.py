@@ -8,9 +8,7 @@ from spillway_engine.planner.shape import (
     LayerKind,
     ModelShape,
     ShapeRule,
-    attention_heads,
-    derived_max_len,
-    model_dtype,
+    attention_shape,
     sliding_window_of,
     text_config,
 )
@@ -32,7 +30,6 @@ def _gemma(config: dict[str, Any], arch: str) -> ModelShape:
     gemma3 = arch.startswith("Gemma3")
     cfg = text_config(config, _GEMMA3_DEFAULTS if gemma3 else _GEMMA2_DEFAULTS)
     n = cfg.int("num_hidden_layers")
-    heads, kv_heads, head = attention_heads(cfg)
     window = sliding_window_of(cfg)
     layer_types = cfg.str_list("layer_types", n)
     if layer_types is None:
@@ -47,18 +44,13 @@ def _gemma(config: dict[str, Any], arch: str) -> ModelShape:
         else LayerKind("full_attention")
         for t in layer_types
     )
-    return ModelShape(
-        architecture=arch,
-        model_type=str(cfg.get("model_type", "")),
-        dtype=model_dtype(config, cfg.data),
-        layers=layers,
-        num_attention_heads=heads,
-        num_kv_heads=kv_heads,
-        head_size=head,
-        head_size_v=head,
+    return attention_shape(
+        config,
+        cfg,
+        arch,
+        layers,
         # Gemma 3 with a vision tower is a prefix-LM: vLLM picks a composite backend.
         mm_prefix=arch == "Gemma3ForConditionalGeneration",
-        derived_max_model_len=derived_max_len(cfg),
     )
 
 

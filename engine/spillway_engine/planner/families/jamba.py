@@ -9,10 +9,8 @@ from spillway_engine.planner.shape import (
     MambaState,
     ModelShape,
     ShapeRule,
-    attention_heads,
-    derived_max_len,
+    attention_shape,
     divide_for_tp,
-    model_dtype,
     text_config,
 )
 
@@ -21,7 +19,6 @@ def _jamba(config: dict[str, Any], arch: str) -> ModelShape:
     """Jamba: Mamba-1 layers with attention every ``attn_layer_period``-th layer."""
     cfg = text_config(config, {"attn_layer_period": 8, "attn_layer_offset": 4})
     n = cfg.int("num_hidden_layers")
-    heads, kv_heads, head = attention_heads(cfg)
     period, offset = cfg.int("attn_layer_period"), cfg.int("attn_layer_offset", minimum=0)
     layers = tuple(
         LayerKind("full_attention") if i % period == offset else LayerKind("mamba")
@@ -29,24 +26,19 @@ def _jamba(config: dict[str, Any], arch: str) -> ModelShape:
     )
     inner = cfg.int("mamba_expand", 2) * cfg.int("hidden_size")
     d_state, d_conv = cfg.int("mamba_d_state", 16), cfg.int("mamba_d_conv", 4)
-    dtype = model_dtype(config, cfg.data)
 
     def states(tp: int, dtype: str) -> list[tuple[int, str]]:
         # MambaStateShapeCalculator.mamba1_state_shape
         dim = divide_for_tp(inner, tp, "Mamba intermediate size")
         return [(dim * (d_conv - 1), dtype), (dim * d_state, dtype)]
 
-    return ModelShape(
-        architecture=arch,
+    return attention_shape(
+        config,
+        cfg,
+        arch,
+        layers,
         model_type="jamba",
-        dtype=dtype,
-        layers=layers,
-        num_attention_heads=heads,
-        num_kv_heads=kv_heads,
-        head_size=head,
-        head_size_v=head,
         mamba=MambaState("mamba1", states),
-        derived_max_model_len=derived_max_len(cfg),
     )
 
 

@@ -9,9 +9,7 @@ from spillway_engine.planner.shape import (
     ModelConfigError,
     ModelShape,
     ShapeRule,
-    attention_heads,
-    derived_max_len,
-    model_dtype,
+    attention_shape,
     text_config,
 )
 
@@ -20,7 +18,6 @@ def _llama4(config: dict[str, Any], arch: str) -> ModelShape:
     """Llama 4: chunked local attention, with a global NoPE layer every interval-th layer."""
     cfg = text_config(config, {"no_rope_layer_interval": 4, "attention_chunk_size": 8192})
     n = cfg.int("num_hidden_layers")
-    heads, kv_heads, head = attention_heads(cfg)
     chunk = cfg.int("attention_chunk_size")
     rope = cfg.get("no_rope_layers") or None  # transformers treats [] as "derive it"
     if rope is None:
@@ -35,16 +32,11 @@ def _llama4(config: dict[str, Any], arch: str) -> ModelShape:
         else LayerKind("full_attention")
         for i in range(n)
     )
-    return ModelShape(
-        architecture=arch,
-        model_type=str(cfg.get("model_type", "")),
-        dtype=model_dtype(config, cfg.data),
-        layers=layers,
-        num_attention_heads=heads,
-        num_kv_heads=kv_heads,
-        head_size=head,
-        head_size_v=head,
-        derived_max_model_len=derived_max_len(cfg),
+    return attention_shape(
+        config,
+        cfg,
+        arch,
+        layers,
     )
 
 

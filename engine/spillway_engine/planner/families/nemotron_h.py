@@ -12,10 +12,8 @@ from spillway_engine.planner.shape import (
     ModelShape,
     ShapeRule,
     UnsupportedModel,
-    attention_heads,
-    derived_max_len,
+    attention_shape,
     divide_for_tp,
-    model_dtype,
     text_config,
 )
 
@@ -29,7 +27,6 @@ def _nemotron_h(config: dict[str, Any], arch: str) -> ModelShape:
     unknown = set(pattern) - set("M*-E")
     if unknown:
         raise UnsupportedModel(f"{arch}: layer codes {sorted(unknown)} are not modelled")
-    heads, kv_heads, head = attention_heads(cfg)
     layers = tuple(
         LayerKind("mamba") if c == "M" else LayerKind("full_attention")
         for c in pattern
@@ -38,7 +35,6 @@ def _nemotron_h(config: dict[str, Any], arch: str) -> ModelShape:
     m_heads, head_dim = cfg.int("mamba_num_heads"), cfg.int("mamba_head_dim")
     groups, d_state = cfg.int("n_groups"), cfg.int("ssm_state_size")
     kernel = cfg.int("conv_kernel")
-    dtype = model_dtype(config, cfg.data)
     # NemotronHForCausalLMConfig: the SSM state defaults to float32 (accuracy).
     ssm_dtype = TORCH_DTYPE_NAMES.get(str(cfg.get("mamba_ssm_cache_dtype", "float32")))
     if ssm_dtype is None:
@@ -53,17 +49,13 @@ def _nemotron_h(config: dict[str, Any], arch: str) -> ModelShape:
             (divide_for_tp(m_heads, tp, "mamba_num_heads") * head_dim * d_state, ssm_dtype),
         ]
 
-    return ModelShape(
-        architecture=arch,
+    return attention_shape(
+        config,
+        cfg,
+        arch,
+        layers,
         model_type="nemotron_h",
-        dtype=dtype,
-        layers=layers,
-        num_attention_heads=heads,
-        num_kv_heads=kv_heads,
-        head_size=head,
-        head_size_v=head,
         mamba=MambaState("mamba2", states),
-        derived_max_model_len=derived_max_len(cfg),
     )
 
 

@@ -10,10 +10,8 @@ from spillway_engine.planner.shape import (
     ModelShape,
     ShapeRule,
     UnsupportedModel,
-    attention_heads,
-    derived_max_len,
+    attention_shape,
     divide_for_tp,
-    model_dtype,
     text_config,
 )
 
@@ -22,7 +20,6 @@ def _qwen3_next(config: dict[str, Any], arch: str) -> ModelShape:
     """Qwen3-Next: gated-delta-net (GDN) layers + full attention every interval-th layer."""
     cfg = text_config(config, {"full_attention_interval": 4, "head_dim": 256})
     n = cfg.int("num_hidden_layers")
-    heads, kv_heads, head = attention_heads(cfg)
     layer_types = cfg.str_list("layer_types", n)
     if layer_types is None:
         interval = cfg.int("full_attention_interval")
@@ -37,7 +34,6 @@ def _qwen3_next(config: dict[str, Any], arch: str) -> ModelShape:
     k_heads, v_heads = cfg.int("linear_num_key_heads"), cfg.int("linear_num_value_heads")
     k_dim, v_dim = cfg.int("linear_key_head_dim"), cfg.int("linear_value_head_dim")
     kernel = cfg.int("linear_conv_kernel_dim")
-    dtype = model_dtype(config, cfg.data)
 
     def states(tp: int, dtype: str) -> list[tuple[int, str]]:
         # MambaStateShapeCalculator.gated_delta_net_state_shape (no speculative tokens)
@@ -47,18 +43,13 @@ def _qwen3_next(config: dict[str, Any], arch: str) -> ModelShape:
             (divide_for_tp(v_heads, tp, "linear_num_value_heads") * v_dim * k_dim, dtype),
         ]
 
-    return ModelShape(
-        architecture=arch,
-        model_type=str(cfg.get("model_type", "")),
-        dtype=dtype,
-        layers=tuple(layers),
-        num_attention_heads=heads,
-        num_kv_heads=kv_heads,
-        head_size=head,
-        head_size_v=head,
+    return attention_shape(
+        config,
+        cfg,
+        arch,
+        tuple(layers),
         mamba=MambaState("gdn", states),
         gdn=True,
-        derived_max_model_len=derived_max_len(cfg),
     )
 
 
