@@ -118,26 +118,19 @@ def effective_plan(plan: Plan, kv_connector: str | None) -> Plan:
     )
 
 
-def _group_fields(group: KVGroupInfo) -> dict[str, Any]:
-    return {
-        "kind": group.kind,
-        "num_layers": group.num_layers,
-        "tokens_per_block": group.tokens_per_block,
-        "page_bytes": group.page_bytes,
-        "bytes_per_block": group.bytes_per_block,
-        "sliding_window": group.sliding_window,
-    }
+#: The per-group facts the plan and the engine must agree on (same names on both sides).
+GROUP_FIELDS = (
+    "kind",
+    "num_layers",
+    "tokens_per_block",
+    "page_bytes",
+    "bytes_per_block",
+    "sliding_window",
+)
 
 
-def _observed_group_fields(group: ObservedGroup) -> dict[str, Any]:
-    return {
-        "kind": group.kind,
-        "num_layers": group.num_layers,
-        "tokens_per_block": group.tokens_per_block,
-        "page_bytes": group.page_bytes,
-        "bytes_per_block": group.bytes_per_block,
-        "sliding_window": group.sliding_window,
-    }
+def _group_fields(group: KVGroupInfo | ObservedGroup) -> dict[str, Any]:
+    return {name: getattr(group, name) for name in GROUP_FIELDS}
 
 
 def compare(plan: Plan, observed: ObservedGeometry) -> list[Mismatch]:
@@ -155,7 +148,7 @@ def compare(plan: Plan, observed: ObservedGeometry) -> list[Mismatch]:
 
     check("kv_groups (count)", len(plan.kv_groups), len(observed.groups))
     for i, (want, got) in enumerate(zip(plan.kv_groups, observed.groups, strict=False)):
-        got_fields = _observed_group_fields(got)
+        got_fields = _group_fields(got)
         for name, value in _group_fields(want).items():
             check(f"kv_groups[{i}].{name}", value, got_fields[name])
 
