@@ -34,28 +34,31 @@ from dataclasses import dataclass, field, replace
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from spillway_engine import metrics as m
+
 TARGET_GPU_KV = 0.80
 TARGET_RECOMPUTED_SHARE = 0.05
 TARGET_QUEUE_RATIO = 0.5
 TARGET_PREEMPTIONS_PER_S = 0.1
 MAX_RATE_TERM = 2.0
 
+# The series read, by their catalogue entries (spillway_engine.metrics).
 GAUGES = {
-    "vllm:kv_cache_usage_perc": "gpu_kv",
-    "vllm:num_requests_waiting": "waiting",
-    "vllm:num_requests_running": "running",
-    "spillway_host_pool_used_chunks": "host_used_chunks",
-    "spillway_host_pool_capacity_chunks": "host_capacity_chunks",
-    "spillway_host_pool_capacity_tokens": "host_capacity_tokens",
-    "spillway_host_pool_tokens": "host_tokens",
+    m.KV_CACHE_USAGE_PERC.name: "gpu_kv",
+    m.NUM_REQUESTS_WAITING.name: "waiting",
+    m.NUM_REQUESTS_RUNNING.name: "running",
+    m.HOST_POOL_USED_CHUNKS.name: "host_used_chunks",
+    m.HOST_POOL_CAPACITY_CHUNKS.name: "host_capacity_chunks",
+    m.HOST_POOL_CAPACITY_TOKENS.name: "host_capacity_tokens",
+    m.HOST_POOL_TOKENS.name: "host_tokens",
 }
 COUNTERS = {
-    "vllm:prompt_tokens": "prompt_tokens",
-    "vllm:num_preemptions": "preemptions",
-    "spillway_host_pool_thrash": "thrash_chunks",
-    "spillway_host_pool_evictions": "evictions",
+    m.PROMPT_TOKENS.name: "prompt_tokens",
+    m.NUM_PREEMPTIONS.name: "preemptions",
+    m.HOST_POOL_THRASH.name: "thrash_chunks",
+    m.HOST_POOL_EVICTIONS.name: "evictions",
 }
-HOST_HITS = "vllm:prompt_tokens_cached_by_source"
+HOST_HITS = m.PROMPT_TOKENS_CACHED_BY_SOURCE.name
 
 
 @dataclass(frozen=True)
