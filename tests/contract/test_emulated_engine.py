@@ -267,6 +267,7 @@ def test_plan_check_ran_and_passed(server: Server):
     groups = len(server.plan.kv_groups)
     assert f"Spillway plan check passed: {groups} KV-cache group(s), 16 tokens per hash" in log
     assert "FAILED" not in log
+    assert f"Emulated GPU h100: {server.plan.model.architecture} built on the meta device" in log
     if server.name == "llama":
         # the emulated budget (SPILLWAY_EMULATE_KV_BYTES) is what vLLM sized the cache by
         assert re.search(r"KV cache size: 1,?280 tokens", log)

@@ -20,6 +20,7 @@ What it does, step by step (the GPU worker's duties, emulated):
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +33,6 @@ from vllm.distributed.kv_transfer import (
     has_kv_transfer_group,
 )
 from vllm.forward_context import set_forward_context
-from vllm.logger import init_logger
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.model_executor.model_loader.utils import get_model_architecture
 from vllm.v1.attention.backends.utils import record_kv_cache_layout
@@ -50,7 +50,8 @@ from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 from spillway_engine.emulator.backends import give_planned_backends, layer_kv_cache_specs
 from spillway_engine.emulator.platform import kv_budget_bytes, planned_gpu
 
-logger = init_logger(__name__)
+# Under vLLM's logger, so its handlers print it in the engine log.
+logger = logging.getLogger("vllm.spillway.emulator")
 
 _MASK = (1 << 64) - 1
 _SEED = 0x5BD1E9955BD1E995
