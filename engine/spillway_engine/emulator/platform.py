@@ -12,7 +12,6 @@ scheduling, pinned memory).
 
 from __future__ import annotations
 
-import json
 import os
 from functools import cache
 from typing import Any
@@ -28,6 +27,8 @@ from spillway_engine.emulator import (
     EXECUTOR_QUALNAME,
     WORKER_QUALNAME,
 )
+from spillway_engine.launcher.plugin import ENV_PLAN
+from spillway_engine.planner.plan import read_plan
 
 logger = init_logger(__name__)
 
@@ -40,8 +41,8 @@ _DEVICE_OVERHEAD_BYTES = 1 << 30
 def planned_gpu() -> dict[str, Any]:
     """The GPU facts the plan records (``SPILLWAY_PLAN``), or the env fallbacks.
 
-    Read as JSON, not through the planner's reader: the platform is resolved while
-    vLLM itself is still importing, and only four fields matter here.
+    The plan goes through the planner's one reader (it imports no vLLM, so it is safe
+    while vLLM resolves its platform); the launcher has already refused a bad plan.
     """
     facts: dict[str, Any] = {
         "name": os.environ.get(ENV_GPU, "h100"),
@@ -50,15 +51,17 @@ def planned_gpu() -> dict[str, Any]:
         "attention_backend": os.environ.get(ENV_BACKEND) or None,
         "enable_prefix_caching": True,
     }
-    path = os.environ.get("SPILLWAY_PLAN")
+    path = os.environ.get(ENV_PLAN)
     if path:
         with open(path, encoding="utf-8") as f:
-            plan = json.load(f)
-        gpu = plan.get("gpu") or {}
-        for key in ("name", "product", "compute_capability", "attention_backend"):
-            if gpu.get(key) is not None:
-                facts[key] = gpu[key]
-        facts["enable_prefix_caching"] = bool(plan.get("enable_prefix_caching", True))
+            plan = read_plan(f.read(), path)
+        facts.update(
+            name=plan.gpu.name,
+            product=plan.gpu.product,
+            compute_capability=plan.gpu.compute_capability,
+            attention_backend=plan.gpu.attention_backend or facts["attention_backend"],
+            enable_prefix_caching=plan.enable_prefix_caching,
+        )
     if os.environ.get(ENV_BACKEND):
         facts["attention_backend"] = os.environ[ENV_BACKEND]
     return facts
