@@ -29,6 +29,16 @@ def sim_plan(name: str = LLAMA, num_chunks: int | None = None) -> SimPlan:
     if num_chunks is not None:
         tpc = data["kv_groups"][0]["tokens_per_block"] * data["blocks_per_chunk"]
         data.update(num_chunks=num_chunks, capacity_tokens=num_chunks * tpc)
+        spillway = data.get("spillway")
+        if data["offloader"] == "spillway" and spillway:
+            # the unit pool holds num_chunks chunks of every group: that many units
+            # times the units of one chunk of every group (the plan's own rule)
+            per_chunk = sum(g["units"] for g in spillway["groups"])
+            spillway.update(
+                num_units=num_chunks * per_chunk,
+                num_chunks=num_chunks,
+                capacity_tokens=num_chunks * spillway["chunk_tokens"],
+            )
     return parse_plan(read_plan(json.dumps(data), name))
 
 

@@ -190,8 +190,12 @@ def test_sliding_window_groups_hold_only_the_window():
 def test_sliding_window_host_store_keeps_only_window_tails_per_group():
     core = make_core(GEMMA, gpu_tokens=32768)
     run_one(core, tokens(3000, 1))
-    # full group: 3000 // 256 = 11 chunks; 6 window groups x 2 chunks before 2816
-    assert core.host_used_chunks() == 11 + 6 * 2
+    # full group: 3000 // 256 = 11 chunks of 4 units; 6 window groups x 2 chunks before
+    # 2816 (four groups of 4 units, two of 3): units in the one pool, and the manager's
+    # used_chunks is those units // the 26 units of one chunk of every group
+    units = 11 * 4 + 2 * (4 * 4 + 2 * 3)
+    assert core.pools[0].used == units
+    assert core.host_used_chunks() == units // 26
     assert core.host_tokens() == 11 * 256
 
 

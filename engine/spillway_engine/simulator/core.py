@@ -39,8 +39,15 @@ GPU KV cache (vLLM's ``BlockPool`` + hybrid ``KVCacheCoordinator``)
 Host pool (vLLM's ``OffloadingConnector`` + ``CPUOffloadingManager``, LRU policy)
     A chunk of group g is ``blocks_per_chunk_g`` of its blocks (``tpc_g`` tokens), named
     by the hash ending at its last token. Upstream plans: one pool of ``num_chunks``
-    rows shared by all (chunk, group) keys; Spillway plans: ``num_chunks`` rows per
-    group. When a prefill completes, its complete prompt chunks are stored (prompt only,
+    rows shared by all (chunk, group) keys, a key takes one row. Spillway plans: the
+    shipped manager's unit pool (``offloader/manager.py``): ``num_units`` units, a key
+    of group g takes ``units_g``, one LRU over every group's keys; a store is admitted
+    whole or refused (``allocation_failures``), room is made by evicting LRU keys that
+    are neither in the store's own offer nor pinned by an in-flight load or store, and
+    keys are ranked like vLLM's LRU policy ranks them (a request's keys tail first,
+    so a pool evicts a prefix's tail before its head). A merged class key is evicted
+    member by member (highest group first); a key missing a member is no hit.
+    When a prefill completes, its complete prompt chunks are stored (prompt only,
     like ``offload_prompt_only``): every chunk of full/MLA groups, the chunks of the
     last window before the replay boundary ``floor((P-1)/A)*A`` and before the shared-
     prefix junction for windowed groups (A = the full groups' chunk span, vLLM's
@@ -85,6 +92,7 @@ import random
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any, Protocol
 
 from spillway_engine.arith import cdiv
@@ -305,6 +313,22 @@ class _HostPool:
         self.ghost_cap = max(4 * capacity, 1024)
 
 
+class _UnitPool(_HostPool):
+    """Spillway's unit pool: ``capacity`` and ``used`` count units.
+
+    ``keys`` holds complete class keys (every member group's key present), in LRU
+    order; ``broken`` those that lost members to eviction (key -> [class, members
+    left]); they are no hit and go first. ``pins`` counts in-flight transfers per key.
+    """
+
+    __slots__ = ("broken", "pins")
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self.broken: OrderedDict[int, list[int]] = OrderedDict()
+        self.pins: dict[int, int] = {}
+
+
 class EngineCore:
     """One simulated engine. Drive with add_request / step / advance_to, or replay()."""
 
@@ -347,21 +371,32 @@ class EngineCore:
                 if g.window is not None
             }
         )
-        # Upstream: one pool of num_chunks rows, a class key weighs one row per group.
-        # Spillway: num_chunks rows per group; the groups of a class hold the same keys,
-        # so one pool of num_chunks keys of weight 1 stands for them.
-        if plan.per_group_pools:
-            self.pools = [_HostPool(plan.num_chunks) for _ in self.groups]
-            self.pool_of = [g.index for g in self.groups]
-            self.key_weight = [1 for _ in self.groups]
-        else:
-            self.pools = [_HostPool(plan.num_chunks)]
-            self.pool_of = [0 for _ in self.groups]
-            self.key_weight = [g.weight for g in self.groups]
-        self.host_slots = plan.num_chunks * (len(plan.groups) if plan.per_group_pools else 1)
+        self.pool_of = [0 for _ in self.groups]
         self.host_class_keys = [0 for _ in self.groups]
         token_group = next((g for g in self.groups if g.kind in PREFIX_KINDS), self.groups[0])
         self.token_group = token_group.index
+        layout = plan.host_layout
+        self.unit_pool = layout is not None
+        if layout is not None:
+            # Spillway: one pool of units; a class key takes its members' units.
+            self.pools = [_UnitPool(layout.num_units)]
+            self.key_weight = [g.units for g in self.groups]
+            #: units an entry of class c holds with m members left: held_units[c][m]
+            self.held_units = [list(accumulate(g.member_units, initial=0)) for g in self.groups]
+            #: units of one chunk of every group (the manager's used_chunks divisor)
+            self.chunk_set_units = sum(gs.units for gs in layout.groups)
+            # the layout's anchor rule (first full-attention group) for pool tokens
+            anchor = layout.anchor_group
+            self.token_group = next(g.index for g in self.groups if anchor in g.members)
+            # vLLM's cache gauges count keys over num_units // the smallest key
+            self.host_slots = layout.num_units // min(gs.units for gs in layout.groups)
+            #: within one chunk position, vLLM's LRU ranks higher groups older
+            self.class_rank = [max(g.members) for g in self.groups]
+        else:
+            # Upstream: one pool of num_chunks rows, a class key weighs one row per group.
+            self.pools = [_HostPool(plan.num_chunks)]
+            self.key_weight = [g.weight for g in self.groups]
+            self.host_slots = plan.num_chunks
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self.counters = Counters()
@@ -370,8 +405,9 @@ class EngineCore:
         self.load_ops: list[int] = []
         self.h2d_free_at = 0.0
         self.d2h_free_at = 0.0
-        self._inflight_loads: deque[tuple[float, int]] = deque()
-        self._inflight_stores: deque[tuple[float, int]] = deque()
+        #: (done at, keys pinned x member groups, the unit pool's pinned class keys)
+        self._inflight_loads: deque[tuple[float, int, list[int]]] = deque()
+        self._inflight_stores: deque[tuple[float, int, list[int]]] = deque()
         self._pinned_loads = 0
         self._pinned_stores = 0
         self._next_id = 0
@@ -452,7 +488,10 @@ class EngineCore:
         return 1.0 - self.gpu.num_free / self.gpu.total
 
     def host_used_chunks(self) -> int:
-        """Rows in use: a class key holds one row for each of its groups."""
+        """Rows in use: a class key holds one row for each of its groups. Unit pool: the
+        manager's figure, units in use // units of one chunk of every group."""
+        if self.unit_pool:
+            return self.pools[0].used // self.chunk_set_units
         return sum(n * g.weight for n, g in zip(self.host_class_keys, self.groups, strict=False))
 
     def host_tokens(self) -> int:
@@ -718,6 +757,9 @@ class EngineCore:
         if not self.plan.num_chunks:
             c.allocation_failures += 1
             return
+        if self.unit_pool:
+            self._store_units(req)
+            return
         stored_rows = 0
         stored_bytes = 0
         groups = self.groups
@@ -755,7 +797,7 @@ class EngineCore:
         if stored_rows:
             seconds = stored_bytes / self.plan.copies / self.latency.pcie_bytes_per_s
             self.d2h_free_at = max(self.now, self.d2h_free_at) + seconds
-            self._inflight_stores.append((self.d2h_free_at, stored_rows))
+            self._inflight_stores.append((self.d2h_free_at, stored_rows, []))
             self._pinned_stores += stored_rows
             c.store_bytes += stored_bytes
             c.store_time += seconds * self.plan.copies
@@ -772,12 +814,17 @@ class EngineCore:
             tpc = self.groups[gi].tokens_per_chunk
             # chunk c ends at (c + 1) * tpc; only chunks ending past reused_upto count
             skip = max(0, reused_upto // tpc - first)
+            # the manager counts anchor-group keys only (one each); upstream every row
+            weight = 1 if self.unit_pool else self.groups[gi].weight
             for key in run[skip:]:
                 if key in ghosts:
                     del ghosts[key]
-                    self.counters.host_thrash += self.groups[gi].weight
+                    self.counters.host_thrash += weight
 
-    def _touch_host(self, req: SimRequest, low: int, high: int) -> None:
+    def _touch_host(self, req: SimRequest, low: int, high: int) -> list[int]:
+        """Refresh the keys a load reads; the unit pool pins them (returned)."""
+        if self.unit_pool:
+            return self._load_units(req, low, high)
         for g in self.groups:
             keys = self.pools[self.pool_of[g.index]].keys
             tpc = g.tokens_per_chunk
@@ -786,13 +833,169 @@ class EngineCore:
                 key = ckeys[c]
                 if key in keys:
                     keys.move_to_end(key)
+        return []
+
+    # ------------------------------------------------------------------ unit pool
+
+    def _rank_tail_first(self, entries: list[tuple[int, int, int]]) -> None:
+        """Make (end token, class, key) entries the newest, tail first: vLLM's LRU
+        re-ranks a request's keys so that its tail is evicted before its head, and at
+        one position the highest group first."""
+        keys = self.pools[0].keys
+        rank = self.class_rank
+        for _, _, key in sorted(entries, key=lambda e: (-e[0], -rank[e[1]])):
+            if key in keys:
+                keys.move_to_end(key)
+
+    def _held(self, key: int) -> int:
+        pool = self.pools[0]
+        gi = pool.keys.get(key)
+        if gi is not None:
+            return self.key_weight[gi]
+        gi, members = pool.broken[key]
+        return self.held_units[gi][members]
+
+    def _unpin(self, keys: list[int]) -> None:
+        pins = self.pools[0].pins
+        for key in keys:
+            n = pins[key] - 1
+            if n:
+                pins[key] = n
+            else:
+                del pins[key]
+
+    def _load_units(self, req: SimRequest, low: int, high: int) -> list[int]:
+        pool = self.pools[0]
+        entries = []
+        for g in self.groups:
+            tpc = g.tokens_per_chunk
+            ckeys = self._chunk_keys(req, g)
+            for c in range(low // tpc, min(high // tpc, len(ckeys))):
+                if ckeys[c] in pool.keys:
+                    entries.append(((c + 1) * tpc, g.index, ckeys[c]))
+        self._rank_tail_first(entries)
+        pinned = [key for _, _, key in entries]
+        for key in pinned:
+            pool.pins[key] = pool.pins.get(key, 0) + 1
+        return pinned
+
+    def _store_units(self, req: SimRequest) -> None:
+        """Store the prompt's chunks in the unit pool, whole or not at all."""
+        c = self.counters
+        pool = self.pools[0]
+        keys, broken = pool.keys, pool.broken
+        groups = self.groups
+        entries: list[tuple[int, int, int]] = []  # (end token, class, key) offered
+        fresh: list[tuple[int, int, int]] = []  # (class, key, units missing)
+        need = 0
+        for gi, run, first in self._request_store_keys(req):
+            tpc = groups[gi].tokens_per_chunk
+            full = self.key_weight[gi]
+            for i, key in enumerate(run):
+                entries.append(((first + i + 1) * tpc, gi, key))
+                if key in keys:
+                    continue
+                missing = full - (self.held_units[gi][broken[key][1]] if key in broken else 0)
+                fresh.append((gi, key, missing))
+                need += missing
+        short = need - (pool.capacity - pool.used)
+        if short > 0 and not self._make_room(short, {key for _, _, key in entries}):
+            # vLLM's refusal: nothing evicted, nothing stored; the offer's resident keys
+            # were still accessed by this request
+            c.allocation_failures += 1
+            self._rank_tail_first(entries)
+            return
+        stored_rows = stored_bytes = 0
+        for gi, key, missing in fresh:
+            g = groups[gi]
+            if key in broken:
+                members = broken.pop(key)[1]
+                rows = g.weight - members
+            else:
+                self.host_class_keys[gi] += 1
+                rows = g.weight
+                if pool.ghosts:
+                    pool.ghosts.pop(key, None)
+            keys[key] = gi
+            pool.used += missing
+            pool.pins[key] = pool.pins.get(key, 0) + 1
+            stored_rows += rows
+            stored_bytes += g.blocks_per_chunk * g.block_bytes * missing // self.key_weight[gi]
+        self._rank_tail_first(entries)
+        if stored_rows:
+            seconds = stored_bytes / self.plan.copies / self.latency.pcie_bytes_per_s
+            self.d2h_free_at = max(self.now, self.d2h_free_at) + seconds
+            pinned = [key for _, key, _ in fresh]
+            self._inflight_stores.append((self.d2h_free_at, stored_rows, pinned))
+            self._pinned_stores += stored_rows
+            c.store_bytes += stored_bytes
+            c.store_time += seconds * self.plan.copies
+            self.store_ops.append(stored_bytes)
+            if len(self.store_ops) > _MAX_PENDING_OPS:
+                del self.store_ops[: _MAX_PENDING_OPS // 2]
+
+    def _make_room(self, short: int, offer: set[int]) -> bool:
+        """Evict LRU keys (not offered, not pinned) until ``short`` units are free; False,
+        having evicted nothing, when the evictable units cannot cover it."""
+        pool = self.pools[0]
+        pins = pool.pins
+        held = self._held
+        locked = sum(held(k) for k in pins if k in pool.keys or k in pool.broken)
+        locked += sum(
+            held(k) for k in offer if k not in pins and (k in pool.keys or k in pool.broken)
+        )
+        if short > pool.used - locked:
+            return False
+        # Pick the victims first (no mutation while iterating), oldest first: keys
+        # that already lost members, then the LRU.
+        victims: list[int] = []
+        left = short
+        for od in (pool.broken, pool.keys):
+            for key in od:
+                if key in pins or key in offer:
+                    continue
+                victims.append(key)
+                left -= held(key)
+                if left <= 0:
+                    break
+            if left <= 0:
+                break
+        c = self.counters
+        anchor = self.token_group
+        for key in victims:
+            if key in pool.keys:
+                gi = pool.keys.pop(key)
+                members = self.groups[gi].weight
+            else:
+                gi, members = pool.broken.pop(key)
+            units = self.held_units[gi]
+            # members go highest group first, as vLLM's LRU ranks one position's keys
+            while members and short > 0:
+                short -= units[members] - units[members - 1]
+                pool.used -= units[members] - units[members - 1]
+                members -= 1
+                c.host_evictions += 1
+            if members:
+                pool.broken[key] = [gi, members]
+                continue
+            self.host_class_keys[gi] -= 1
+            if gi == anchor:  # the manager remembers anchor-group keys for thrash
+                pool.ghosts[key] = None
+                if len(pool.ghosts) > pool.ghost_cap:
+                    pool.ghosts.popitem(last=False)
+        return True
 
     def _expire_transfers(self) -> None:
         now = self.now
-        while self._inflight_loads and self._inflight_loads[0][0] <= now:
-            self._pinned_loads -= self._inflight_loads.popleft()[1]
-        while self._inflight_stores and self._inflight_stores[0][0] <= now:
-            self._pinned_stores -= self._inflight_stores.popleft()[1]
+        for inflight in (self._inflight_loads, self._inflight_stores):
+            while inflight and inflight[0][0] <= now:
+                _, rows, keys = inflight.popleft()
+                if inflight is self._inflight_loads:
+                    self._pinned_loads -= rows
+                else:
+                    self._pinned_stores -= rows
+                if keys:
+                    self._unpin(keys)
 
     # ------------------------------------------------------------------ admission
 
@@ -876,12 +1079,12 @@ class EngineCore:
                 blocks = max(0, high // tpb - first)
             loaded_bytes += blocks * g.block_bytes
             rows += cdiv(blocks, g.blocks_per_chunk) * g.weight
-        self._touch_host(req, low, high)
+        pinned = self._touch_host(req, low, high)
         seconds = loaded_bytes / self.plan.copies / self.latency.pcie_bytes_per_s
         self.h2d_free_at = max(self.now, self.h2d_free_at) + seconds
         req.ready_at = self.h2d_free_at
         req.state = LOADING
-        self._inflight_loads.append((req.ready_at, rows))
+        self._inflight_loads.append((req.ready_at, rows, pinned))
         self._pinned_loads += rows
         c = self.counters
         c.load_bytes += loaded_bytes

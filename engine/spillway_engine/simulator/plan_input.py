@@ -13,8 +13,10 @@ The GPU KV size is not in the plan (vLLM measures it at start-up): callers give 
 Pool layout by offloader:
 - ``upstream`` (vLLM 0.33.0): one pool of ``num_chunks`` rows shared by every
   (chunk, group) key.
-- ``spillway``: each group has its own ``num_chunks`` rows (a "chunk set" of one row
-  per group is what ``row_bytes`` prices).
+- ``spillway``: the shipped connector's unit pool (``offloader.host_layout``): one pool
+  of ``spillway.num_units`` units, a key of group g takes ``spillway.groups[g].units``
+  of them, one LRU over all groups' keys. :attr:`SimPlan.host_layout` is that layout,
+  read from the plan (no formula re-derived here).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from spillway_engine.arith import cdiv
+from spillway_engine.offloader.host_layout import GroupSlots, HostLayout
 from spillway_engine.planner.plan import Plan, PlanReadError, read_plan
 
 #: Groups whose lookup is a plain prefix scan.
@@ -53,6 +56,10 @@ class GroupGeometry:
     window_chunks: int | None  # host chunks a hit must find at its end
     weight: int = 1  # groups this entry stands for (see merge_groups)
     members: tuple[int, ...] = ()
+    #: host pool units one chunk takes (Spillway's unit pool; 1 row upstream), summed
+    #: over the members once merged; member_units lists them in member order
+    units: int = 1
+    member_units: tuple[int, ...] = ()
 
     @property
     def windowed(self) -> bool:
@@ -76,10 +83,13 @@ class SimPlan:
     gauge_tokens: int
     #: the plan this geometry was derived from
     plan: Plan
+    #: the shipped connector's host layout (Spillway plans), None for upstream plans
+    host_layout: HostLayout | None = None
 
     @property
-    def per_group_pools(self) -> bool:
-        return self.offloader == "spillway"
+    def unit_pool(self) -> bool:
+        """One pool of units shared by every group's keys (Spillway's manager)."""
+        return self.host_layout is not None
 
     @property
     def align_tokens(self) -> int:
@@ -135,7 +145,29 @@ def parse_plan(plan: Plan) -> SimPlan:
                 block_bytes=g.page_bytes * g.num_layers * section.copies,
                 window_blocks=window_blocks,
                 window_chunks=chunk.window_chunks,
+                units=chunk.units if plan.offloader == "spillway" else 1,
+                member_units=(chunk.units if plan.offloader == "spillway" else 1,),
             )
+        )
+    layout = None
+    if plan.offloader == "spillway":
+        layout = HostLayout(
+            chunk_tokens=plan.spillway.chunk_tokens,
+            unit_bytes=plan.spillway.unit_bytes,
+            copies=plan.spillway.copies,
+            num_units=plan.spillway.num_units,
+            groups=tuple(
+                GroupSlots(
+                    group_id=c.group_index,
+                    position=i,
+                    tokens_per_block=c.tokens_per_block,
+                    blocks_per_chunk=c.blocks_per_chunk,
+                    chunk_bytes=c.chunk_bytes,
+                    units=c.units,
+                    window_chunks=c.window_chunks,
+                )
+                for i, c in enumerate(section.groups)
+            ),
         )
     return SimPlan(
         model_name=plan.model.name or "spillway-sim",
@@ -151,6 +183,7 @@ def parse_plan(plan: Plan) -> SimPlan:
         max_model_len=plan.max_model_len,
         gauge_tokens=section.gauge_tokens,
         plan=plan,
+        host_layout=layout,
     )
 
 
@@ -187,6 +220,8 @@ def merge_groups(groups: tuple[GroupGeometry, ...]) -> tuple[GroupGeometry, ...]
                 block_bytes=sum(m.block_bytes for m in members),
                 weight=len(members),
                 members=tuple(m.index for m in members),
+                units=sum(m.units for m in members),
+                member_units=tuple(m.units for m in members),
             )
         )
     return tuple(out)
