@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from spillway_operator import metrics
-from spillway_operator.kube import TemporaryError
+from spillway_operator.kube import Rejected, TemporaryError
 from spillway_operator.reconciler import Reconciler
 from spillway_operator.scaler import Autoscaler
 
@@ -53,6 +53,9 @@ class Controller:
         self._active: set[Key] = set()
         self._dirty: set[Key] = set()  # changed while being reconciled
         self._tasks: list[asyncio.Task] = []
+        # Keys whose last reconcile failed temporarily: one warning when a key starts
+        # failing, quiet retries after it, one line when it recovers.
+        self._failing: dict[Key, str] = {}
 
     # ------------------------------------------------------------ inputs
 
@@ -61,6 +64,7 @@ class Controller:
         if event_type == "DELETED":
             self.objects.pop(key, None)
             self.backoff.reset(key)
+            self._failing.pop(key, None)
             if self.autoscaler:
                 self.autoscaler.observe(key, None)
             return
@@ -94,15 +98,21 @@ class Controller:
                 result = await asyncio.to_thread(self.reconciler.reconcile, body)
             except TemporaryError as exc:
                 delay = self.backoff.next(key)
-                log.warning("reconcile %s/%s: %s; retrying in %.0fs", *key, exc, delay)
+                self._temporary(key, str(exc), delay)
                 metrics.RECONCILES.labels(outcome="retry").inc()
                 self.enqueue(key, delay)
-            except Exception:  # never let one object stop the loop
+            except Rejected as exc:  # e.g. the status write itself: retrying cannot help
+                log.warning("reconcile %s/%s: refused by the API server: %s", *key, exc)
+                metrics.RECONCILES.labels(outcome="refused").inc()
+                self.backoff.reset(key)
+            except Exception:  # a bug: never let one object stop the loop
                 delay = self.backoff.next(key)
                 log.exception("reconcile %s/%s failed; retrying in %.0fs", *key, delay)
                 metrics.RECONCILES.labels(outcome="error").inc()
                 self.enqueue(key, delay)
             else:
+                if self._failing.pop(key, None) is not None:
+                    log.info("reconcile %s/%s: recovered", *key)
                 if result.requeue_after is not None:
                     self.enqueue(key, max(result.requeue_after, self.backoff.next(key)))
                 else:
@@ -113,11 +123,24 @@ class Controller:
                     self._dirty.discard(key)
                     self.enqueue(key)
 
+    def _temporary(self, key: Key, message: str, delay: float) -> None:
+        """Log a temporary failure: a warning when the key starts failing (or fails
+        differently), debug while it keeps failing the same way."""
+        kind = message.split(": ", 1)[-1].split(" (")[0][:80]  # the path varies, not this
+        if self._failing.get(key) != kind:
+            log.warning("reconcile %s/%s: %s; retrying with back-off", *key, message)
+        else:
+            log.debug("reconcile %s/%s: still failing; retrying in %.0fs", *key, delay)
+        self._failing[key] = kind
+
     async def _resync(self) -> None:
         while True:
             await asyncio.sleep(self.resync_seconds)
             for key in list(self.objects):
-                self.enqueue(key)
+                # A key in back-off is already queued for later: resync must not
+                # turn its back-off into a retry every resync period.
+                if key not in self._failing:
+                    self.enqueue(key)
 
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._work()) for _ in range(self.workers)]

@@ -37,6 +37,9 @@ def _api_client() -> client.ApiClient:
 
 def configure(settings: kopf.OperatorSettings, env: Mapping[str, str]) -> None:
     settings.posting.enabled = False  # Spillway posts its own, meaningful Events
+    # An API server outage is one warning per object from the controller; urllib3's
+    # own line per connection retry would add thousands.
+    logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
     settings.watching.server_timeout = int(env.get("SPILLWAY_WATCH_TIMEOUT", "300"))
     settings.watching.client_timeout = settings.watching.server_timeout + 30
     settings.networking.error_backoffs = [1, 2, 5, 10]

@@ -15,6 +15,7 @@ import threading
 import time
 from typing import Any
 
+import urllib3
 import yaml
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
@@ -60,6 +61,32 @@ def resource_path(api_version: str, kind: str, namespace: str, name: str = "",
 
 class TemporaryError(Exception):
     """Worth retrying with back-off (API unavailable, conflict, missing input)."""
+
+
+class Rejected(Exception):
+    """The API server refused a write for what it contains: retrying the same body
+    fails the same way, so the object's status and an Event must say so."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
+
+
+# Server-side apply answers 500 when it cannot even build the typed object
+# (duplicate list keys such as two env vars with one name): the body, not the
+# server, is at fault.
+_TYPED_PATCH_ERRORS = ("failed to create typed patch object", "duplicate entries for key")
+_RETRYABLE_STATUS = (408, 409, 429, 500, 502, 503, 504)
+
+
+def _api_message(body: bytes | None) -> str:
+    """The Status message of an error answer, else its text (one line, capped)."""
+    text = body.decode("utf-8", "replace") if body else ""
+    try:
+        message = json.loads(text).get("message") or text
+    except (ValueError, AttributeError):
+        message = text
+    return " ".join(str(message).split())[:800]
 
 
 def _quantity_equal(a: Any, b: Any) -> bool:
@@ -125,15 +152,23 @@ class Kube:
         )
         try:
             resp = self.api.call_api(method, url, headers, body, post, _request_timeout=30)
+            data = resp.read()
         except ApiException as exc:  # transport-level failure
-            raise TemporaryError(f"{verb} {path}: {exc}") from exc
-        data = resp.read()
+            raise TemporaryError(f"{verb} {path}: {exc.reason or exc}") from None
+        except (urllib3.exceptions.HTTPError, OSError) as exc:
+            # API server down or restarting: connection refused, reset, timed out.
+            raise TemporaryError(f"{verb} {path}: API server unreachable "
+                                 f"({type(exc).__name__})") from None
         if resp.status >= 400:
-            exc = ApiException(status=resp.status, reason=resp.reason,
+            message = _api_message(data)
+            if resp.status == 500 and any(m in message for m in _TYPED_PATCH_ERRORS):
+                raise Rejected(f"{verb} {path}: {message}", resp.status)
+            if resp.status in _RETRYABLE_STATUS:
+                raise TemporaryError(f"{verb} {path}: HTTP {resp.status} {resp.reason}")
+            if resp.status in (400, 403, 413, 422) and verb.lower() in ("patch", "post", "put"):
+                raise Rejected(f"{verb} {path}: HTTP {resp.status}: {message}", resp.status)
+            raise ApiException(status=resp.status, reason=resp.reason,
                                body=data.decode("utf-8", "replace") if data else None)
-            if resp.status in (409, 429, 500, 502, 503, 504):
-                raise TemporaryError(f"{verb} {path}: HTTP {resp.status} {resp.reason}") from exc
-            raise exc
         return json.loads(data) if data else None
 
     def get(self, path: str) -> dict | None:
@@ -254,5 +289,5 @@ class Kube:
             "reportingComponent": "spillway-operator",
         }
         # An Event is best effort; never fail a reconcile for it.
-        with contextlib.suppress(ApiException, TemporaryError):
+        with contextlib.suppress(ApiException, TemporaryError, Rejected):
             self.request("post", resource_path("v1", "Event", meta["namespace"]), body=body)

@@ -35,6 +35,12 @@ def run(args: argparse.Namespace) -> int:
     if args.metrics_port:
         start_http_server(args.metrics_port)
     kopf.configure(verbose=args.verbose, log_format=kopf.LogFormat[args.log_format.upper()])
+    if not args.verbose:
+        # kopf says "Handler ... succeeded" for every watch event; Spillway logs what
+        # changed and what failed itself.
+        import logging
+
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     kopf.run(
         standalone=True,
         clusterwide=bool(args.all_namespaces),

@@ -15,13 +15,14 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
 from spillway_engine.planner.model_config import ModelConfigSourceError, load_hub, parse_config_text
 from spillway_engine.planner.plan import Plan, PlanRefused, PlanRequest, make_plan
 from spillway_engine.quantity import parse_bytes
 from spillway_operator import metrics, render
-from spillway_operator.kube import Kube, TemporaryError
+from spillway_operator.kube import Kube, Rejected, TemporaryError
 from spillway_operator.spec import Condition, ConditionType, InferenceDeploymentSpec
 from spillway_operator.status import (
     Observed,
@@ -106,8 +107,30 @@ class ConfigResolver:
         return self._hub_cache[key]
 
 
+class PlanCrashed(Exception):
+    """The planner failed in a way it does not foresee (a bug a hostile config.json
+    reached): refused like an invalid config, once, instead of retried for ever."""
+
+
 # Planning failures: the PlanReady reason, and the outcome (retry or refused).
-_PLAN_FAILURES = (ValidationError, ConfigUnavailable, ConfigInvalid, PlanRefused)
+_PLAN_FAILURES = (ValidationError, ConfigUnavailable, ConfigInvalid, PlanRefused, PlanCrashed)
+MAX_MESSAGE = 600
+
+
+def _short(text: str) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= MAX_MESSAGE else text[:MAX_MESSAGE] + "..."
+
+
+def make_plan_safely(config: dict[str, Any], spec: InferenceDeploymentSpec) -> Plan:
+    """make_plan, with any exception it does not foresee turned into PlanCrashed."""
+    try:
+        return make_plan(config, plan_request(spec))
+    except PlanRefused:
+        raise
+    except Exception as exc:  # the reconciler logs its traceback once per object
+        raise PlanCrashed(_short(f"config.json could not be planned: "
+                                 f"{type(exc).__name__}: {exc}")) from exc
 
 
 def plan_failure(exc: Exception) -> tuple[str, str, str]:
@@ -118,9 +141,9 @@ def plan_failure(exc: Exception) -> tuple[str, str, str]:
         return "SpecInvalid", f"spec.{where}: {first['msg']}", "refused"
     if isinstance(exc, ConfigUnavailable):
         return "ModelConfigUnavailable", str(exc), "retry"
-    if isinstance(exc, ConfigInvalid):
-        return "ModelConfigInvalid", str(exc), "refused"
-    return "OffloadPlanInvalid", str(exc), "refused"
+    if isinstance(exc, ConfigInvalid | PlanCrashed):
+        return "ModelConfigInvalid", _short(str(exc)), "refused"
+    return "OffloadPlanInvalid", _short(str(exc)), "refused"
 
 
 def event_type(condition: Condition) -> str:
@@ -136,6 +159,16 @@ class Reconciler:
     def __init__(self, kube: Kube):
         self.kube = kube
         self.configs = ConfigResolver(kube)
+        self._crashes: set[tuple[str, str, str]] = set()  # (namespace, name, message)
+
+    def _log_crash(self, owner: render.Owner, exc: PlanCrashed) -> None:
+        """A planner crash is a bug: its traceback, once per object and message."""
+        seen = (owner.namespace, owner.name, str(exc))
+        if seen not in self._crashes:
+            self._crashes.add(seen)
+            log.error("%s/%s: the planner crashed on its config.json (a bug; refused as "
+                      "ModelConfigInvalid)", owner.namespace, owner.name,
+                      exc_info=exc.__cause__)
 
     def reconcile(self, obj: dict[str, Any]) -> Result:
         started = time.perf_counter()
@@ -158,13 +191,21 @@ class Reconciler:
             spec = InferenceDeploymentSpec.model_validate(obj.get("spec") or {})
             obs.desired_replicas = spec.replicas
             config = self.configs.resolve(owner.namespace, spec)
-            plan = make_plan(config, plan_request(spec))
+            plan = make_plan_safely(config, spec)
         except _PLAN_FAILURES as exc:
             reason, message, outcome = plan_failure(exc)
             obs.plan_error = (reason, message)
+            if isinstance(exc, PlanCrashed):
+                self._log_crash(owner, exc)
         else:
             outcome = "ok"
-            writes += self._apply(owner, spec, plan, obs)
+            try:
+                writes += self._apply(owner, spec, plan, obs)
+            except Rejected as exc:
+                # A body the API server refuses is refused again on retry: say so
+                # in status and an Event; the next spec change tries again.
+                obs.apply_error = ("ApplyRejected", _short(str(exc)))
+                outcome = "refused"
         writes += self._write_status(obj, owner, obs)
         return Result(outcome, 5.0 if outcome == "retry" else None, writes)
 
@@ -207,9 +248,18 @@ class Reconciler:
         if all(patch[k] == live.get(k) for k in patch):
             return 0
         # Merge patch: keys we leave out (status.autoscaling, the autoscaler's) stay.
-        self.kube.patch_status(owner.namespace, owner.name, patch)
+        try:
+            self.kube.patch_status(owner.namespace, owner.name, patch)
+        except ApiException as exc:
+            if exc.status == 404:  # deleted while we reconciled: nothing left to report
+                return 0
+            raise
         for c in transitions(old.conditions, status.conditions):
-            self.kube.post_event(obj, event_type(c), c.reason,
+            kind = event_type(c)
+            self.kube.post_event(obj, kind, c.reason,
                                  f"{c.type}={c.status}: {c.message}" if c.message else
                                  f"{c.type}={c.status}")
+            if kind == "Warning":  # one line per transition, never per retry
+                log.warning("%s/%s: %s=%s %s: %s", owner.namespace, owner.name, c.type,
+                            c.status, c.reason, c.message)
         return 1

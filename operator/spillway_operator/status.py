@@ -56,6 +56,7 @@ class Observed:
     generation: int
     desired_replicas: int
     plan_error: tuple[str, str] | None = None  # (reason, message)
+    apply_error: tuple[str, str] | None = None  # the API server refused a child
     plan_summary: PlanSummary | None = None
     deployment: dict[str, Any] | None = None
     pods: list[dict[str, Any]] = field(default_factory=list)
@@ -141,6 +142,9 @@ def _plan_ready(obs: Observed) -> Cond:
 def _available(obs: Observed, r: Rollout, unschedulable: str | None) -> Cond:
     want = obs.desired_replicas
     if obs.deployment is None:
+        if obs.apply_error:
+            return Cond(ConditionType.AVAILABLE, False, obs.apply_error[0],
+                        "no engine Deployment: " + obs.apply_error[1])
         reason = "PlanNotReady" if obs.plan_error else "DeploymentPending"
         return Cond(ConditionType.AVAILABLE, False, reason, "no engine Deployment yet")
     if r.ready >= want and want > 0:
@@ -157,6 +161,9 @@ def _available(obs: Observed, r: Rollout, unschedulable: str | None) -> Cond:
 
 def _progressing(obs: Observed, r: Rollout) -> Cond:
     want = obs.desired_replicas
+    if obs.apply_error:
+        return Cond(ConditionType.PROGRESSING, False, obs.apply_error[0],
+                    "the API server refused a child object; change the spec")
     if obs.deployment is None and obs.plan_error:
         return Cond(ConditionType.PROGRESSING, False, "PlanNotReady", "nothing to roll out")
     if r.complete and r.ready >= want:
@@ -171,6 +178,8 @@ def _degraded(obs: Observed, unschedulable: str | None, crash: str | None) -> Co
         return Cond(ConditionType.DEGRADED, True, obs.plan_error[0],
                     "the new spec cannot be planned; pods keep the last good plan: "
                     + obs.plan_error[1])
+    if obs.apply_error:
+        return Cond(ConditionType.DEGRADED, True, obs.apply_error[0], obs.apply_error[1])
     if unschedulable:
         return Cond(ConditionType.DEGRADED, True, "InsufficientGPUCapacity", unschedulable)
     if crash:
