@@ -91,7 +91,9 @@ def _attach_rules(spec_schema: dict[str, Any]) -> None:
     for path, rules in api.CEL_RULES.items():
         node = {"properties": {"spec": spec_schema}}
         for part in path.split("."):
-            node = node["properties"][part]
+            node = node["properties"][part.removesuffix("[]")]
+            if part.endswith("[]"):  # the rule reads each item of the list
+                node = node["items"]
         node["x-kubernetes-validations"] = rules
 
 

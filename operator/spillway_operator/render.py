@@ -202,7 +202,7 @@ def _env(spec: InferenceDeploymentSpec) -> list[dict[str, Any]]:
                 "valueFrom": {"secretKeyRef": {"name": token.name, "key": token.key}},
             }
         )
-    return env + list(spec.engine.env or [])
+    return env + [e.model_dump(by_alias=True, exclude_none=True) for e in spec.engine.env or []]
 
 
 def _volumes(owner: Owner, spec: InferenceDeploymentSpec, plan: Plan):

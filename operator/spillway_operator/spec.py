@@ -13,8 +13,10 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic.alias_generators import to_camel
+
+from spillway_engine.launcher.serve import PROTECTED_FLAGS, PROTECTED_SHORT_FLAGS, refused_flag
 
 GROUP = "spillway.dev"
 VERSION = "v1alpha1"
@@ -27,6 +29,48 @@ DEFAULT_ENGINE_IMAGE = "ghcr.io/spillway-dev/spillway-engine:0.1.0"
 # A Kubernetes resource quantity ("64Gi", "500M", "1.5Ti", "123456").
 QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
 DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+
+# A Hugging Face repo id, as huggingface_hub's validate_repo_id accepts it (ASCII):
+# "name" or "namespace/name", each part word characters joined by '-' and '.' with
+# no "--" or ".." (so separators alternate), starting and ending with a word
+# character. Each part's 96-character limit and the ".git" ending are CEL rules.
+_WORD = "[A-Za-z0-9_]+"
+_SEPARATOR = r"(-(\.-)*\.?|\.(-\.)*-?)"
+_REPO_PART = f"{_WORD}({_SEPARATOR}{_WORD})*"
+MODEL_ID_PATTERN = f"^({_REPO_PART}/)?{_REPO_PART}$"
+MODEL_ID_PART_MAX = 96
+
+
+def model_id_problem(name: str) -> str | None:
+    """What the hub refuses in a model id that the pattern lets through, if anything."""
+    if any(len(part) > MODEL_ID_PART_MAX for part in name.split("/")):
+        return f"each part of a model id is at most {MODEL_ID_PART_MAX} characters"
+    if name.endswith(".git"):
+        return "a model id cannot end in .git"
+    return None
+
+
+# Container env the engine or the operator owns, or that changes what the engine
+# runs (its plugins, its Python path, its GPUs): refused in engine.env.
+RESERVED_ENV_PREFIXES = ("SPILLWAY_",)
+RESERVED_ENV_NAMES = (
+    "HF_HOME",  # the operator's model cache volume
+    "HF_TOKEN",  # model.tokenSecretRef
+    "HUGGING_FACE_HUB_TOKEN",
+    "VLLM_PLUGINS",  # Spillway's plugin must load
+    "VLLM_ATTENTION_BACKEND",  # the planned block sizes follow the planned backend
+    "CUDA_VISIBLE_DEVICES",  # the GPUs the plan was sized for
+    "PYTHONPATH",
+    "PYTHONHOME",
+    "PYTHONSTARTUP",
+    "PYTHONUSERBASE",
+    "LD_PRELOAD",
+    "LD_LIBRARY_PATH",
+)
+
+
+def reserved_env(name: str) -> bool:
+    return name.startswith(RESERVED_ENV_PREFIXES) or name in RESERVED_ENV_NAMES
 
 
 def cel(rule: str, message: str, field_path: str | None = None) -> dict[str, str]:
@@ -72,8 +116,8 @@ class ModelSpec(_Model):
         str,
         Field(
             min_length=1,
-            max_length=256,
-            pattern=r"^[A-Za-z0-9][A-Za-z0-9._\-]*(/[A-Za-z0-9._\-]+)?$",
+            max_length=2 * MODEL_ID_PART_MAX + 1,
+            pattern=MODEL_ID_PATTERN,
             description="Hugging Face model id, e.g. Qwen/Qwen3-Next-80B-A3B-Instruct",
         ),
     ]
@@ -92,6 +136,14 @@ class ModelSpec(_Model):
         SecretKeyRef | None,
         Field(description="Secret with a Hugging Face token, for gated models"),
     ] = None
+
+    @field_validator("name")
+    @classmethod
+    def _hub_id(cls, name: str) -> str:
+        problem = model_id_problem(name)
+        if problem:
+            raise ValueError(problem)
+        return name
 
 
 class WeightsSource(StrEnum):
@@ -126,6 +178,22 @@ class ModelDtype(StrEnum):
     FLOAT16 = "float16"
 
 
+class EnvVar(_Model):
+    """A core/v1 EnvVar of the engine container."""
+
+    name: Annotated[str, Field(min_length=1, max_length=256, description="variable name")]
+    value: Annotated[str | None, Field(max_length=32768)] = None
+    value_from: dict[str, Any] | None = _free_form("core/v1 EnvVarSource")
+
+    @field_validator("name")
+    @classmethod
+    def _not_reserved(cls, name: str) -> str:
+        if reserved_env(name):
+            raise ValueError(f"{name} is set by Spillway or changes what the engine runs; "
+                             "it is refused")
+        return name
+
+
 class EngineSpec(_Model):
     """The vLLM engine each pod runs."""
 
@@ -145,18 +213,23 @@ class EngineSpec(_Model):
     kv_cache_dtype: KVCacheDtype = KVCacheDtype.AUTO
     extra_args: Annotated[
         list[Annotated[str, Field(max_length=4096)]],
-        Field(max_length=64, description="extra vLLM CLI args; plan-owned flags are refused"),
+        Field(max_length=64, description="extra vLLM CLI args; plan-owned flags (parallelism, "
+              "KV geometry, offload, model, port) are refused"),
     ] = []
     env: Annotated[
-        list[dict[str, Any]] | None,
-        Field(
-            description="extra container env (core/v1 EnvVar list)",
-            json_schema_extra={
-                "type": "array",
-                "items": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
-            },
-        ),
+        list[EnvVar] | None,
+        Field(max_length=128, description="extra container env (core/v1 EnvVar list); "
+              "SPILLWAY_*, HF_HOME, HF_TOKEN, VLLM_PLUGINS, PYTHONPATH and the like are refused"),
     ] = None
+
+    @field_validator("extra_args")
+    @classmethod
+    def _no_plan_owned_flags(cls, args: list[str]) -> list[str]:
+        for token in args:
+            hit = refused_flag(token)
+            if hit:
+                raise ValueError(f"{token!r} is refused: {hit[0]} is set by {hit[1]}")
+        return args
 
 
 class GPUProduct(StrEnum):
@@ -290,7 +363,50 @@ class InferenceDeploymentSpec(_Model):
         return e.tensor_parallel_size * e.pipeline_parallel_size * e.data_parallel_size
 
 
-# CEL rules for what can be checked statically, attached to the object they read.
+def _cel_strings(items: Any) -> str:
+    return "[" + ", ".join("'" + i + "'" for i in items) + "]"
+
+
+def _flag_prefixes() -> dict[str, bool]:
+    """Every name (no dashes) the launcher refuses as a long flag: each protected flag
+    and each prefix of it argparse would expand to it (2+ characters)."""
+    names = [f.removeprefix("--") for f in PROTECTED_FLAGS]
+    return {n[:k]: True for n in sorted(names) for k in range(2, len(n) + 1)}
+
+
+def _extra_arg_rule() -> dict[str, str]:
+    """The engine launcher's refusal (``refused_flag``) in CEL, built from its own
+    flag lists: a long flag canonicalised as the launcher does (case, '_' for '-',
+    '=value', '.key', '--no-'), exact or as an argparse prefix; or a short alias.
+
+    The names are a map literal: a lookup costs the API server's CEL budget almost
+    nothing, where a regex or a list scan over 4 KiB arguments exceeds it."""
+    prefixes = "{" + ", ".join(f"'{k}': true" for k in _flag_prefixes()) + "}"
+    flag = "('--' + self.split('=')[0].split('.')[0].substring(2).replace('_', '-').lowerAscii())"
+    name = f"({flag}.startsWith('--no-') ? {flag}.substring(5) : {flag}.substring(2))"
+    long_refused = f"(self.startsWith('--') && {name} in {prefixes})"
+    shorts = _cel_strings(sorted(PROTECTED_SHORT_FLAGS))
+    short_refused = f"(!self.startsWith('--') && {shorts}.exists(a, self.startsWith(a)))"
+    shown = "(size(self) > 80 ? self.substring(0, 80) + '...' : self)"
+    return {
+        "rule": f"!({long_refused} || {short_refused})",
+        "messageExpression": f"'engine.extraArgs: ' + {shown} + ' is refused: it sets a flag "
+        "the plan or spillway-engine serve owns (parallelism, geometry, offload, model, "
+        "port); set it through the spec'",
+    }
+
+
+def _env_rule() -> dict[str, str]:
+    prefixes = " || ".join(f"self.name.startsWith('{p}')" for p in RESERVED_ENV_PREFIXES)
+    return {
+        "rule": f"!({prefixes} || self.name in {_cel_strings(RESERVED_ENV_NAMES)})",
+        "messageExpression": "'engine.env: ' + self.name + ' is refused: Spillway sets it or "
+        "it changes what the engine runs'",
+    }
+
+
+# CEL rules for what can be checked statically, attached to the object they read
+# ("a.b[]": each item of the list a.b).
 CEL_RULES: dict[str, list[dict[str, str]]] = {
     "spec": [
         cel(
@@ -306,6 +422,16 @@ CEL_RULES: dict[str, list[dict[str, str]]] = {
             ".weights",
         ),
     ],
+    "spec.model": [
+        cel(
+            f"self.name.split('/').all(p, size(p) <= {MODEL_ID_PART_MAX})",
+            f"model.name: each part of a model id is at most {MODEL_ID_PART_MAX} characters",
+            ".name",
+        ),
+        cel("!self.name.endsWith('.git')", "model.name: a model id cannot end in .git", ".name"),
+    ],
+    "spec.engine.extraArgs[]": [_extra_arg_rule()],
+    "spec.engine.env[]": [_env_rule()],
     "spec.autoscaling": [
         cel(
             "self.minReplicas <= self.maxReplicas",
@@ -381,6 +507,12 @@ class AutoscalingStatus(_Model):
         dict[str, float] | None,
         Field(json_schema_extra={"type": "object", "additionalProperties": {"type": "number"}}),
     ] = None
+    measured_pods: Annotated[
+        int | None, Field(description="ready pods whose pressure was measured")] = None
+    unmeasured_pods: Annotated[
+        int | None, Field(description="ready pods whose /metrics could not be used")] = None
+    metrics_problems: Annotated[
+        list[str] | None, Field(description="why, for the first few of them")] = None
     desired_replicas: int | None = None
     last_decision: str | None = None
     last_decision_reason: str | None = None
