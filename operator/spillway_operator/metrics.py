@@ -30,3 +30,8 @@ OFFLOAD_PRESSURE = Gauge(
     ["namespace", "name"],
 )
 QUEUE_DEPTH = Gauge("spillway_operator_queue_depth", "InferenceDeployments waiting to reconcile.")
+SCRAPE_FAILURES = Counter(
+    "spillway_operator_scrape_failures_total",
+    "Pod /metrics scrapes the autoscaler could not use, by reason.",
+    ["reason"],  # unreachable, http, too_large, timeout, not_utf8, malformed, parse_timeout
+)

@@ -69,19 +69,40 @@ class Sample:
     values: dict[str, float]
 
 
+class MetricsError(ValueError):
+    """A pod's /metrics body cannot be used; ``reason`` is a metric label."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
 def parse_metrics(text: str, now: float) -> Sample:
-    """Parse Prometheus text; raises ValueError on garbage."""
+    """Parse Prometheus text; raises MetricsError on garbage."""
     values: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            name = s.name.removesuffix("_total")
-            key = GAUGES.get(name) or COUNTERS.get(name)
-            if name == HOST_HITS and s.labels.get("source") == "host":
-                key = "host_hit_tokens"
-            if key is None or s.name.endswith("_created"):
-                continue
-            values[key] = values.get(key, 0.0) + float(s.value)
+    try:
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                name = s.name.removesuffix("_total")
+                key = GAUGES.get(name) or COUNTERS.get(name)
+                if name == HOST_HITS and s.labels.get("source") == "host":
+                    key = "host_hit_tokens"
+                if key is None or s.name.endswith("_created"):
+                    continue
+                values[key] = values.get(key, 0.0) + float(s.value)
+    except Exception as exc:
+        raise MetricsError("malformed", f"not Prometheus text ({type(exc).__name__}: "
+                           f"{str(exc)[:120]})") from None
     return Sample(now, values)
+
+
+def parse_body(body: bytes, now: float) -> Sample:
+    """A scraped /metrics body (bytes, as received) to a Sample; MetricsError otherwise."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise MetricsError("not_utf8", f"body is not UTF-8 (byte {exc.start})") from None
+    return parse_metrics(text, now)
 
 
 @dataclass(frozen=True)

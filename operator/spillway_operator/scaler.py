@@ -13,21 +13,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
 from spillway_operator import metrics, render
-from spillway_operator.kube import Kube
+from spillway_operator.kube import Kube, TemporaryError
 from spillway_operator.pressure import (
     Aggregate,
+    MetricsError,
     Policy,
     Sample,
     State,
     aggregate,
     decide,
-    parse_metrics,
+    parse_body,
     pod_pressure,
 )
 from spillway_operator.spec import AutoscalingStatus, InferenceDeploymentSpec
@@ -37,6 +41,24 @@ log = logging.getLogger("spillway.scaler")
 
 SCRAPE_TIMEOUT = 3.0
 SCRAPE_CONCURRENCY = 16
+# vLLM's /metrics is some 100 KiB (a few MiB with many LoRAs and DP ranks); a body
+# past this is a broken or hostile pod, refused before any parsing.
+MAX_METRICS_BYTES = 4 * 2**20
+# Parsing is pure Python: it runs on its own small pool, off the event loop (whose
+# liveness endpoint and watches must keep answering) and off the reconcilers' pool.
+PARSE_TIMEOUT = 2.0
+PARSE_WORKERS = 2
+MAX_LISTED_PROBLEMS = 5
+
+
+@dataclass(frozen=True)
+class Scrape:
+    """One pod's scrape: the body, or why there is none (``reason`` is a metric label)."""
+
+    pod: str
+    body: bytes | None = None
+    reason: str | None = None
+    message: str = ""
 
 
 def policy_of(spec: InferenceDeploymentSpec) -> Policy:
@@ -68,6 +90,10 @@ class Autoscaler:
         self._states: dict[tuple[str, str], State] = {}
         self._session: aiohttp.ClientSession | None = None
         self._exported: set[tuple[str, str]] = set()
+        self._parser = ThreadPoolExecutor(PARSE_WORKERS, thread_name_prefix="metrics-parse")
+        self._failing: set[tuple[str, str]] = set()  # keys whose last tick failed
+        # Per key: the ready pods of the last tick whose /metrics were unusable, and why.
+        self.problems: dict[tuple[str, str], list[str]] = {}
 
     def observe(self, key: tuple[str, str], body: dict[str, Any] | None) -> None:
         if body is None:
@@ -77,6 +103,8 @@ class Autoscaler:
             self.objects.pop(key, None)
             self._samples.pop(key, None)
             self._states.pop(key, None)
+            self.problems.pop(key, None)
+            self._failing.discard(key)
             if key in self._exported:
                 metrics.OFFLOAD_PRESSURE.remove(*key)
                 self._exported.discard(key)
@@ -91,6 +119,7 @@ class Autoscaler:
         await asyncio.gather(*self._tasks.values(), return_exceptions=True)
         if self._session:
             await self._session.close()
+        self._parser.shutdown(wait=False, cancel_futures=True)
 
     async def _loop(self, key: tuple[str, str]) -> None:
         while True:
@@ -102,25 +131,63 @@ class Autoscaler:
                 spec = InferenceDeploymentSpec.model_validate(body.get("spec") or {})
                 interval = float(spec.autoscaling.interval_seconds)
                 await self.tick(key, body, spec, time.monotonic())
+                if key in self._failing:
+                    self._failing.discard(key)
+                    log.info("autoscaler %s/%s: recovered", *key)
             except asyncio.CancelledError:
                 raise
             except ValidationError:
                 pass  # the reconciler reports a bad spec
+            except ApiException as exc:
+                if exc.status != 404:  # 404: deleted meanwhile; its DELETED event stops us
+                    log.exception("autoscaler %s/%s: tick failed", *key)
+            except TemporaryError as exc:  # API server away: one line, then quiet
+                if key not in self._failing:
+                    log.warning("autoscaler %s/%s: %s; retrying every %.0fs", *key, exc,
+                                interval)
+                self._failing.add(key)
             except Exception:
                 log.exception("autoscaler %s/%s: tick failed", *key)
             await asyncio.sleep(interval)
 
-    async def _scrape(self, ip: str) -> str | None:
+    async def _scrape(self, pod: str, ip: str) -> Scrape:
+        """GET the pod's /metrics: a capped body, or why not. Never raises for the
+        pod's own failings (slow, huge, refused, broken)."""
         if self._session is None:
+            # No transparent decompression: a small gzip body must not turn into a
+            # huge one past the cap.
             self._session = aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT))
+                timeout=aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT), auto_decompress=False)
+        url = f"http://{ip}:{self.port}/metrics"
         try:
-            async with self._session.get(f"http://{ip}:{self.port}/metrics") as resp:
+            async with self._session.get(url, headers={"Accept-Encoding": "identity"}) as resp:
                 if resp.status != 200:
-                    return None
-                return await resp.text()
-        except (aiohttp.ClientError, TimeoutError, OSError):
-            return None
+                    return Scrape(pod, reason="http", message=f"HTTP {resp.status}")
+                too_large = Scrape(pod, reason="too_large",
+                                   message=f"body over {MAX_METRICS_BYTES} bytes")
+                if (resp.content_length or 0) > MAX_METRICS_BYTES:
+                    return too_large
+                body = bytearray()
+                async for chunk in resp.content.iter_chunked(64 * 1024):
+                    body += chunk
+                    if len(body) > MAX_METRICS_BYTES:
+                        return too_large
+                return Scrape(pod, body=bytes(body))
+        except TimeoutError:
+            return Scrape(pod, reason="timeout", message=f"no full answer in {SCRAPE_TIMEOUT:g}s")
+        except (aiohttp.ClientError, OSError, ValueError) as exc:
+            return Scrape(pod, reason="unreachable", message=type(exc).__name__)
+
+    async def _parse(self, scrape: Scrape, now: float) -> Sample:
+        """The scrape's Sample, parsed on the parse pool within PARSE_TIMEOUT."""
+        if scrape.body is None:
+            raise MetricsError(scrape.reason or "unreachable", scrape.message)
+        loop = asyncio.get_running_loop()
+        try:
+            return await asyncio.wait_for(
+                loop.run_in_executor(self._parser, parse_body, scrape.body, now), PARSE_TIMEOUT)
+        except TimeoutError:
+            raise MetricsError("parse_timeout", f"parsing took over {PARSE_TIMEOUT:g}s") from None
 
     async def tick(self, key: tuple[str, str], body: dict[str, Any],
                    spec: InferenceDeploymentSpec, now: float) -> None:
@@ -146,31 +213,38 @@ class Autoscaler:
 
     async def _measure(self, key: tuple[str, str], ready: list[dict[str, Any]],
                        spec: InferenceDeploymentSpec, now: float) -> Aggregate:
-        """Scrape the ready pods and turn this and the last scrape into pressure."""
+        """Scrape the ready pods and turn this and the last scrape into pressure.
+
+        A pod whose metrics cannot be read or parsed counts as unmeasured (its own
+        problem, listed in ``self.problems``); the other pods are measured as usual.
+        """
         sem = asyncio.Semaphore(SCRAPE_CONCURRENCY)
 
-        async def one(pod: dict[str, Any]) -> tuple[str, str | None]:
+        async def one(pod: dict[str, Any]) -> tuple[str, Sample | MetricsError]:
+            name = pod["metadata"]["name"]
             async with sem:
-                return pod["metadata"]["name"], await self._scrape(pod["status"]["podIP"])
+                scrape = await self._scrape(name, pod["status"]["podIP"])
+            try:
+                return name, await self._parse(scrape, now)
+            except MetricsError as exc:
+                return name, exc
 
-        texts = await asyncio.gather(*(one(p) for p in ready))
+        results = await asyncio.gather(*(one(p) for p in ready))
         prev = self._samples.get(key, {})
         cur: dict[str, Sample] = {}
         per_pod = []
+        problems: list[str] = []
         max_dt = 3 * float(spec.autoscaling.interval_seconds) + SCRAPE_TIMEOUT
-        for pod_name, text in texts:
-            sample = None
-            if text is not None:
-                try:
-                    sample = parse_metrics(text, now)
-                except ValueError:
-                    sample = None  # garbage: this pod counts as unmeasured
-            if sample is None:
+        for pod_name, result in results:
+            if isinstance(result, MetricsError):
+                metrics.SCRAPE_FAILURES.labels(reason=result.reason).inc()
+                problems.append(f"{pod_name}: {result}")
                 per_pod.append(None)
                 continue
-            cur[pod_name] = sample
-            per_pod.append(pod_pressure(prev.get(pod_name), sample, max_dt))
+            cur[pod_name] = result
+            per_pod.append(pod_pressure(prev.get(pod_name), result, max_dt))
         self._samples[key] = cur
+        self.problems[key] = problems
         return aggregate(per_pod)
 
     async def _scale(self, key: tuple[str, str], body: dict[str, Any],
@@ -198,9 +272,14 @@ class Autoscaler:
         else:  # keep the last known reading; the reason says why there is none now
             pressure = old.pressure
             components = old.components if old.pressure is not None else None
+        problems = self.problems.get(key, [])
         new = AutoscalingStatus(
             pressure=pressure,
             components=components,
+            # Like the pressure: the count behind the reading shown.
+            measured_pods=agg.measured if agg.pressure is not None else old.measured_pods,
+            unmeasured_pods=len(problems) or None,
+            metrics_problems=[p[:200] for p in problems[:MAX_LISTED_PROBLEMS]] or None,
             desired_replicas=desired,
             last_decision=decision,
             last_decision_reason=reason,

@@ -11,11 +11,13 @@ from hypothesis import strategies as st
 
 from spillway_operator.pressure import (
     Aggregate,
+    MetricsError,
     Policy,
     Sample,
     State,
     aggregate,
     decide,
+    parse_body,
     parse_metrics,
     pod_pressure,
 )
@@ -216,3 +218,49 @@ def test_hold_reasons_name_the_bound():
     assert "at maxReplicas" in decide(POLICY, 0, 10, 10, 0, agg_of(3.0), State()).reason
     assert "at minReplicas" in decide(Policy(scale_down_window=0), 0, 1, 1, 0, agg_of(0.1),
                                       State()).reason
+
+
+# ---------------------------------------------------------------- hostile bodies
+
+_NAMES = ["vllm:kv_cache_usage_perc", "vllm:num_requests_waiting", "vllm:prompt_tokens_total",
+          "vllm:prompt_tokens_cached_by_source_total", "spillway_host_pool_thrash_total", "x"]
+_VALUES = ["0", "1e400", "-1", "NaN", "+Inf", "0x10", "1_0", "", "1 2 3", "\u00e9", "1e-400"]
+_LINE = st.one_of(
+    st.builds(lambda n, lb, v: f"{n}{lb} {v}", st.sampled_from(_NAMES),
+              st.sampled_from(["", '{source="host"}', "{", '{a="\\', '{a="b",}', "{=}",
+                               '{a="' + "x" * 300 + '"}']),
+              st.sampled_from(_VALUES)),
+    st.builds(lambda n, t: f"# TYPE {n} {t}", st.sampled_from(_NAMES),
+              st.sampled_from(["gauge", "counter", "histogram", "bogus", ""])),
+    st.sampled_from(["# HELP", "# TYPE", "#", "# EOF", "\x00", "\r", "{}", "} 1"]),
+    st.text(max_size=40),
+)
+_BODY = st.one_of(
+    st.binary(max_size=300),
+    st.lists(_LINE, max_size=30).map(lambda ls: "\n".join(ls).encode("utf-8", "surrogatepass")),
+    st.lists(_LINE, max_size=30).map(lambda ls: "\n".join(ls).encode("utf-16")),
+    st.lists(_LINE, max_size=30).map(lambda ls: "\n".join(ls).encode("latin-1", "replace")),
+    st.builds(lambda a, b: TEXT.encode()[:a] + b + TEXT.encode()[a:], st.integers(0, 600),
+              st.binary(min_size=1, max_size=4)),
+)
+
+
+@settings(max_examples=1500, deadline=None)
+@given(_BODY)
+def test_any_body_is_a_sample_or_a_metrics_error(body):
+    """Whatever a pod answers, parsing yields a Sample or MetricsError (with a reason
+    the scrape-failure metric uses), never another exception."""
+    try:
+        got = parse_body(body, 1.0)
+    except MetricsError as exc:
+        assert exc.reason in ("not_utf8", "malformed") and str(exc)
+        assert "\n" not in str(exc)
+    else:
+        assert isinstance(got, Sample)
+        assert all(isinstance(v, float) for v in got.values.values())
+
+
+def test_non_utf8_body_says_so():
+    with pytest.raises(MetricsError, match="not UTF-8") as info:
+        parse_body(TEXT.encode() + b"\xff\xfe", 1.0)
+    assert info.value.reason == "not_utf8"
