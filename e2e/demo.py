@@ -30,6 +30,7 @@ from e2e.cluster.controlplane import (
     ClusterError,
     LocalCluster,
     Ports,
+    free_pod_net,
     locate_binaries,
 )
 from e2e.operator_process import start_operator
@@ -70,8 +71,10 @@ def main() -> int:
     ap.add_argument("--keep", action="store_true", help="leave the cluster running at the end")
     args = ap.parse_args()
 
+    # A pod network no other local cluster uses (a test session or e2e/cluster/up may
+    # run beside the demo); a demo cluster still running keeps the one it started with.
     cluster = LocalCluster(ClusterConfig(workdir=WORKDIR, ports=Ports.from_base(17380), nodes=2,
-                                         pod_net="127.7"))
+                                         pod_net=free_pod_net()))
     procs: list[subprocess.Popen] = []
     fleet = None
     stopping = False
@@ -87,7 +90,8 @@ def main() -> int:
         say("starting the local control plane (etcd, kube-apiserver, controller-manager, "
             "scheduler, KWOK) ...")
         seconds = cluster.start()
-        say(f"control plane ready ({seconds:.1f}s); KUBECONFIG={cluster.config.kubeconfig}")
+        say(f"control plane ready ({seconds:.1f}s); KUBECONFIG={cluster.config.kubeconfig}; "
+            f"pod network {cluster.config.pod_net}.0.0/16")
         print(cluster.kubectl("get", "nodes", "-L", "nvidia.com/gpu.product",
                               "-o", "wide").rstrip(), flush=True)
         cluster.kubectl("apply", "--server-side", "-f", REPO_ROOT / "crds")

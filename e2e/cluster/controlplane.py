@@ -101,6 +101,35 @@ def port_is_free(port: int) -> bool:
         return True
 
 
+def pod_nets_in_use() -> set[str]:
+    """The ``127.N`` pod networks other local clusters on this machine use: those of
+    running KWOK controllers (their ``--cidr``) and of sockets bound to 127.N.x.y
+    (engine simulators standing in for pods)."""
+    used: set[str] = set()
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        with contextlib.suppress(OSError):
+            for arg in cmdline.read_bytes().split(b"\0"):
+                if arg.startswith(b"--cidr=127."):
+                    used.add(".".join(arg[len(b"--cidr="):].decode().split(".")[:2]))
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+            local = line.split()[1].split(":")[0]  # little-endian hex IPv4
+            octets = [int(local[i:i + 2], 16) for i in (6, 4, 2, 0)]
+            if octets[0] == 127:
+                used.add(f"127.{octets[1]}")
+    return used
+
+
+def free_pod_net(avoid: set[str] | None = None) -> str:
+    """A ``127.N`` pod network no running local cluster uses (127.0 is the host's own
+    loopback, 127.1 the default of e2e/cluster/up)."""
+    taken = pod_nets_in_use() | {"127.0", "127.1"} | (avoid or set())
+    for n in range(2, 255):
+        if f"127.{n}" not in taken:
+            return f"127.{n}"
+    raise ClusterError("every 127.N pod network is in use by a local cluster")
+
+
 @dataclass
 class Ports:
     etcd_client: int
@@ -199,6 +228,7 @@ class LocalCluster:
         if not all(self._alive(pid) for pid in state["pids"].values()):
             return False
         self.config.ports = Ports(**state["ports"])
+        self.config.pod_net = state.get("pod_net", self.config.pod_net)
         self.pids = {k: int(v) for k, v in state["pids"].items()}
         return self._http_ok(f"{self.config.server}/readyz", self._ssl())
 
@@ -510,6 +540,41 @@ class LocalCluster:
             return ready >= set(names)
 
         self._wait(f"{len(names)} fake GPU nodes Ready", all_ready, "kwok", timeout)
+
+    # ---------------------------------------------------------------- outages
+
+    def stop_apiserver(self, timeout: float = 15) -> None:
+        """Stop kube-apiserver alone (an outage for the clients); etcd and the
+        controllers stay up and reconnect once ``start_apiserver`` brings it back."""
+        pid = self.pids.get("kube-apiserver")
+        if pid is None:
+            raise ClusterError("kube-apiserver is not running under this harness")
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while self._alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if self._alive(pid):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+            while self._alive(pid):
+                time.sleep(0.05)
+        del self.pids["kube-apiserver"]
+
+    def start_apiserver(self, timeout: float = 120) -> float:
+        """Start kube-apiserver again on its port, with the same PKI and etcd; returns
+        seconds until /readyz answers."""
+        t0 = time.monotonic()
+        self._start_apiserver(timeout)
+        return time.monotonic() - t0
+
+    def restart_apiserver(self, down_seconds: float, timeout: float = 120) -> float:
+        """An API server outage of ``down_seconds``; returns seconds it was unreachable."""
+        t0 = time.monotonic()
+        self.stop_apiserver()
+        time.sleep(max(0.0, down_seconds - (time.monotonic() - t0)))
+        self.start_apiserver(timeout)
+        return time.monotonic() - t0
 
     # ---------------------------------------------------------------- kubectl
 
