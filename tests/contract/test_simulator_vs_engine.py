@@ -1,0 +1,163 @@
+"""One trace through the emulated engine (vLLM 0.33.0's real server, scheduler, prefix
+cache and Spillway's connector on the CPU) and through the simulator on the same plan.
+
+The trace is serial (each request is sent when the previous one returned) and uses
+prompts whose prompt + output stays inside the last stored chunk, so the engine's
+store and eviction order is the one the simulator models: one prefill step per prompt,
+the prompt's chunks offered in one store, the request's keys ranked tail first.
+Tolerance: **exact** for host-hit tokens, host-pool evictions and preemptions, since a
+serial trace leaves neither side a scheduling choice (no batching, no racing
+transfers: each load and store is done before the next request arrives), and the
+GPU prefix cache and host pool are deterministic LRUs over the same keys. The pool's
+fill (used chunks) must agree exactly too. The GPU cache is the engine's emulated
+block count less vLLM's null block.
+
+One known drift is reported, not hidden: on the sliding-window model the simulator's
+GPU cache keeps fewer window blocks than vLLM's (vLLM still has a 600-token prompt's
+window tail on the GPU two prompts later; the simulator has evicted it), so the
+simulator fetches from the host what vLLM finds on the GPU. Seen: engine 1536 host-hit
+tokens (1184 GPU-hit), simulator 2560 (0 GPU-hit), evictions 7 = 7, used chunks
+16 = 16. That figure is an ``xfail`` (checked after every exact assertion) until the
+GPU window model is fixed; it turns into a failure to look at if it ever agrees.
+
+A Mamba/GDN hybrid is not compared: the emulator does not run one yet.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from spillway_engine.planner.plan import read_plan
+from spillway_engine.simulator.core import EngineCore, LatencyModel, SchedulerConfig
+from spillway_engine.simulator.plan_input import parse_plan
+from tests.contract.test_emulated_engine import (
+    MIB,
+    MODELS,
+    Server,
+    _free_port,
+    _kill_group,
+    _launch,
+    _plan,
+    _wait_ready,
+    _write_plan,
+    complete,
+    metrics,
+    prompt,
+)
+from tests.contract.test_emulated_engine import models as models
+
+#: 1 MiB of host pool: 16 chunks of 256 tokens for either tiny model (Gemma: 32 units,
+#: a sliding-window and a full key of one unit each per chunk), so the trace evicts.
+POOL_BYTES = 1 * MIB
+PROMPT_TOKENS = 600  # two 256-token chunks; + 2 output tokens stays below 768
+MAX_TOKENS = 2
+#: seeds in order: 10 distinct prompts fill and overflow the pool, then earlier ones
+#: come back (from the GPU, the host pool, or neither).
+TRACE = [1, 2, 3, 1, 4, 5, 6, 7, 8, 9, 10, 2, 9, 1, 11, 12, 10, 3]
+
+
+def _gpu_blocks(server: Server) -> int:
+    """Blocks of vLLM's shared pool: the emulated budget over one block of the
+    largest group's layers (hybrid groups share the pool's tensors)."""
+    kv_bytes = MODELS[server.name][1]
+    return kv_bytes // max(g.bytes_per_block for g in server.plan.kv_groups)
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def server(request: pytest.FixtureRequest, models) -> Iterator[Server]:
+    name = request.param
+    model_dir = models[name]
+    plan = _plan(model_dir, cpu_memory_bytes=POOL_BYTES)
+    root = model_dir.parent / f"{name}-vs-sim"
+    plan_path = _write_plan(root, plan, model_dir)
+    port = _free_port()
+    proc = _launch(plan_path, root / "engine.log", port, MODELS[name][1])
+    srv = Server(name, proc, port, root / "engine.log", plan, 0.0)
+    try:
+        _wait_ready(srv)
+        yield srv
+    finally:
+        _kill_group(proc)
+
+
+FIGURES = {
+    "host_hit_tokens": "spillway_host_hit_tokens_total",
+    "external_hits": "vllm:external_prefix_cache_hits_total",
+    "evictions": "spillway_host_pool_evictions_total",
+    "preemptions": "vllm:num_preemptions_total",
+    "used_chunks": "spillway_host_pool_used_chunks",
+}
+
+
+def _engine_figures(server: Server) -> dict[str, float]:
+    # the engine publishes a step's stats after the reply: read until two agree
+    last = None
+    for _ in range(20):
+        m = metrics(server)
+        now = {k: m.get(name, 0.0) for k, name in FIGURES.items()}
+        if now == last:
+            return now
+        last = now
+        time.sleep(0.5)
+    return last  # type: ignore[return-value]
+
+
+def test_one_trace_agrees_with_the_simulator(server: Server):
+    before = _engine_figures(server)
+    per_request = []
+    for seed in TRACE:
+        reply = complete(server, prompt(seed, PROMPT_TOKENS), max_tokens=MAX_TOKENS)
+        assert reply["usage"]["completion_tokens"] == MAX_TOKENS
+        m = metrics(server)
+        per_request.append(
+            (m.get("vllm:prefix_cache_hits_total"), m.get("vllm:external_prefix_cache_hits_total"))
+        )
+    after = _engine_figures(server)
+    engine = {k: after[k] - (0 if k == "used_chunks" else before[k]) for k in FIGURES}
+
+    plan = parse_plan(read_plan(server.plan.model_dump_json(), "plan"))
+    # vLLM's block pool keeps block 0 as its null block
+    core = EngineCore(
+        plan,
+        gpu_blocks=_gpu_blocks(server) - 1,
+        latency=LatencyModel(jitter=0.0),
+        scheduler=SchedulerConfig(max_model_len=server.plan.max_model_len),
+    )
+    sim_requests = []
+    for seed in TRACE:
+        sim_requests.append(core.add_request(prompt(seed, PROMPT_TOKENS), MAX_TOKENS))
+        core.run_until_idle()
+    c = core.counters
+    sim = {
+        "host_hit_tokens": c.host_hit_tokens,
+        "external_hits": c.external_hits,
+        "evictions": c.host_evictions,
+        "preemptions": c.preemptions,
+        "used_chunks": core.host_used_chunks(),
+    }
+    kv_line = [ln for ln in server.log_text().splitlines() if "KV cache size" in ln][:1]
+    print(f"\n[{server.name}] {kv_line}", file=sys.stderr)
+    print(f"\n[{server.name}] engine {engine}\n[{server.name}] simulator {sim}", file=sys.stderr)
+    print(f"[{server.name}] engine per request {per_request}", file=sys.stderr)
+    print(
+        f"[{server.name}] sim per request "
+        f"{[(r.local_hit, r.external_hit) for r in sim_requests]}",
+        file=sys.stderr,
+    )
+    assert engine["host_hit_tokens"] > 0, "the trace should reach the host pool"
+    assert engine["evictions"] > 0, "the trace should overflow the host pool"
+    hits = ("host_hit_tokens", "external_hits")
+    for key in FIGURES:
+        if server.name == "gemma3" and key in hits:
+            continue
+        assert sim[key] == engine[key], f"{key}: simulator {sim[key]} vs engine {engine[key]}"
+    if server.name == "gemma3":
+        drift = {k: (sim[k], engine[k]) for k in hits if sim[k] != engine[k]}
+        assert sim["host_hit_tokens"] >= engine["host_hit_tokens"], drift
+        if drift:
+            pytest.xfail(f"simulator GPU sliding-window cache drift (sim, engine): {drift}")
+        pytest.fail("the sliding-window drift is gone: make host hits exact for gemma3")
