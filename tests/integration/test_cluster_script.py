@@ -110,3 +110,28 @@ def test_up_is_idempotent_and_down_leaves_no_process(tmp_path, cluster):
     assert all(port_is_free(base + i) for i in range(6))
     status = run("status", "--dir", str(workdir), "--port-base", str(base))
     assert status.returncode == 1 and "down" in status.stdout
+
+
+def test_the_demo_picks_a_pod_network_no_running_cluster_uses():
+    """e2e/demo.py used a fixed 127.7: beside a cluster on 127.7 it bound that cluster's
+    pod IPs. free_pod_net() skips KWOK --cidr networks and bound 127.N addresses."""
+    from e2e.cluster.controlplane import free_pod_net, pod_nets_in_use
+
+    first = free_pod_net()
+    # A stand-in KWOK controller of another cluster on `first`, and a socket on the next.
+    fake_kwok = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)",
+                                  f"--cidr={first}.255.0/24"])
+    second = free_pod_net(avoid={first})
+    sock = socket.socket()
+    try:
+        sock.bind((f"{second}.0.1", 0))
+        sock.listen()
+        deadline = time.monotonic() + 10
+        while first not in pod_nets_in_use() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert {first, second} <= pod_nets_in_use()
+        assert free_pod_net() not in {first, second, "127.0", "127.1"}
+    finally:
+        sock.close()
+        fake_kwok.kill()
+        fake_kwok.wait()
