@@ -19,6 +19,7 @@ architecture of the offloader contract tests (vLLM's own KV-cache layout, from
 from __future__ import annotations
 
 import ctypes
+import json
 import zlib
 from dataclasses import dataclass, replace
 
@@ -278,3 +279,74 @@ def test_pointer_arrays_copy_what_the_piecewise_path_copies(
     np.testing.assert_array_equal(arch_kv.backing.numpy(), want_kv)
     arch_kv.backing.copy_(backing0)  # the next case starts from the same caches
     worker.shutdown()
+
+
+# --------------------------------------------------------------------------- the GPU check
+
+# e2e/gpu/transfer_check.py (torch + cuda-bindings on the GPU machine): everything but
+# the CUDA lanes and cuMemcpyBatchAsync runs here, on CPU tensors with memmove.
+
+
+def _transfer_check():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "e2e" / "gpu" / "transfer_check.py"
+    spec = importlib.util.spec_from_file_location("transfer_check", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+tc = _transfer_check()
+
+
+def test_gpu_check_layouts_are_the_planners() -> None:
+    full = {n: tc.model_kv(n, tc.load_config(f)) for n, f in tc.MODELS.items()}
+    # the saved copy for machines without pydantic must be make_plan's
+    saved = json.loads(tc.LAYOUTS_FILE.read_text())
+    assert saved == {n: json.loads(json.dumps(tc.kv_to_dict(kv))) for n, kv in full.items()}, (
+        "run `python e2e/gpu/transfer_check.py --write-layouts`"
+    )
+    gemma, qwen, llama = full["gemma-3-27b"], full["qwen3-next-80b"], full["llama-3.1-70b"]
+    assert len(gemma.layout.groups) == 7 and len(gemma.tensor_pages) == 10
+    assert [g.units for g in gemma.layout.groups] == [9, 9, 9, 9, 8, 8, 10]
+    # three GDN groups whose unpadded pages are shorter than the unified page
+    assert len(qwen.layout.groups) == 4 and len(qwen.tensor_pages) == 12
+    assert [r[0][1] < qwen.tensor_pages[0] for r in qwen.refs] == [True, True, True, False]
+    assert len(llama.layout.groups) == 1 and len(llama.tensor_pages) == 80
+
+
+@pytest.mark.parametrize("model", list(tc.MODELS))
+def test_gpu_check_round_trips_on_cpu(model: str) -> None:
+    kv = tc.model_kv(model, tc.shrink(tc.load_config(tc.MODELS[model]), 12))
+    res = tc.check_model(
+        kv, 3 * kv.chunk_set_bytes, 2, ["random", "sequential"], "cpu", tc.memmove_memcpy
+    )
+    assert res.problems == []
+    assert {(r.ids, r.direction) for r in res.rows} == {
+        (i, d) for i in ("random", "sequential") for d in ("store", "load")
+    }
+    assert all(r.jobs == 2 and r.descriptors > 0 and r.gbps > 0 for r in res.rows)
+    by = {(r.ids, r.direction): r.descriptors for r in res.rows}
+    assert by["sequential", "store"] < by["random", "store"]  # adjacent blocks coalesce
+
+
+def test_gpu_check_catches_a_dropped_copy() -> None:
+    kv = tc.model_kv("qwen3-next-80b", tc.shrink(tc.load_config(tc.MODELS["qwen3-next-80b"]), 8))
+
+    def lossy(src, dst, sizes, is_src_access_order_any=False):
+        tc.memmove_memcpy(src[1:], dst[1:], sizes[1:])
+
+    res = tc.check_model(kv, kv.chunk_set_bytes, 1, ["random"], "cpu", lossy)
+    assert any("loaded pages differ" in p for p in res.problems)
+
+
+def test_gpu_check_exits_3_with_one_line_without_a_gpu(tmp_path, capsys) -> None:
+    assert tc.main(["--json", str(tmp_path / "r.json")]) == tc.EXIT_MISSING
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("transfer-check: cannot run: no CUDA GPU")
+    assert json.loads((tmp_path / "r.json").read_text())["status"] == "missing"
