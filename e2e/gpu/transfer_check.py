@@ -449,22 +449,24 @@ def check_model(
         problems += check_round_trip(
             rig, [partial], {(0, *k[1:]): v for k, v in padding.items() if k[0] == len(jobs)}
         )
-        batched = [t.clone() for t in rig.tensors]
-        for t in rig.tensors:  # scribble over the loaded blocks, then load piece by piece
-            for g in partial.dst:
-                if g:
-                    t[torch.tensor(g, device=t.device)] = 0
+        # keep only the loaded rows (not whole tensors: GiBs on the GPU)
+        dev = rig.tensors[0].device
+        loaded = {
+            (g, t, page): rig.tensors[t][torch.tensor(ids, device=dev), :page].clone()
+            for g, (refs, ids) in enumerate(zip(rig.kv.refs, partial.dst, strict=True))
+            if ids
+            for t, page in refs
+        }
+        for g, t, page in loaded:  # scribble, then load piece by piece
+            rig.tensors[t][torch.tensor(partial.dst[g], device=dev), :page] = 0
         plan = rig.plan(partial, store=False)
         copy_pieces(plan, rig.gpu_flat, rig.pool_flat, non_blocking=cuda)
         if cuda:
             torch.cuda.synchronize()
-        for g, refs in enumerate(rig.kv.refs):
-            if not partial.dst[g]:
-                continue
-            idx = torch.tensor(partial.dst[g], device=rig.tensors[0].device)
-            for t, page in refs:
-                if not torch.equal(batched[t][idx, :page], rig.tensors[t][idx, :page]):
-                    problems.append(f"group {g} tensor {t}: piecewise load differs from batched")
+        for (g, t, page), want in loaded.items():
+            got = rig.tensors[t][torch.tensor(partial.dst[g], device=dev), :page]
+            if not torch.equal(got, want):
+                problems.append(f"group {g} tensor {t}: piecewise load differs from batched")
         result.problems += [f"{pattern}: {p}" for p in problems]
 
         total_bytes = sum(j.num_bytes for j in jobs)
