@@ -35,11 +35,17 @@ def _api_client() -> client.ApiClient:
     return config.new_client_from_config(config_file=os.environ.get("KUBECONFIG"))
 
 
+def _drop_retry_lines(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("Retrying (")
+
+
 def configure(settings: kopf.OperatorSettings, env: Mapping[str, str]) -> None:
     settings.posting.enabled = False  # Spillway posts its own, meaningful Events
     # An API server outage is one warning per object from the controller; urllib3's
-    # own line per connection retry would add thousands.
-    logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
+    # own line per connection retry would add thousands (its request lines stay).
+    pool_log = logging.getLogger("urllib3.connectionpool")
+    if _drop_retry_lines not in pool_log.filters:
+        pool_log.addFilter(_drop_retry_lines)
     settings.watching.server_timeout = int(env.get("SPILLWAY_WATCH_TIMEOUT", "300"))
     settings.watching.client_timeout = settings.watching.server_timeout + 30
     settings.networking.error_backoffs = [1, 2, 5, 10]
