@@ -795,15 +795,7 @@ class EngineCore:
                 stored_rows += added * g.weight
                 stored_bytes += added * g.blocks_per_chunk * g.block_bytes
         if stored_rows:
-            seconds = stored_bytes / self.plan.copies / self.latency.pcie_bytes_per_s
-            self.d2h_free_at = max(self.now, self.d2h_free_at) + seconds
-            self._inflight_stores.append((self.d2h_free_at, stored_rows, []))
-            self._pinned_stores += stored_rows
-            c.store_bytes += stored_bytes
-            c.store_time += seconds * self.plan.copies
-            self.store_ops.append(stored_bytes)
-            if len(self.store_ops) > _MAX_PENDING_OPS:
-                del self.store_ops[: _MAX_PENDING_OPS // 2]
+            self._queue_store(stored_rows, stored_bytes, [])
 
     def _count_thrash(self, req: SimRequest, reused_upto: int) -> None:
         """Count the evicted chunks this request needs again (beyond what it reuses)."""
@@ -923,16 +915,20 @@ class EngineCore:
             stored_bytes += g.blocks_per_chunk * g.block_bytes * missing // self.key_weight[gi]
         self._rank_tail_first(entries)
         if stored_rows:
-            seconds = stored_bytes / self.plan.copies / self.latency.pcie_bytes_per_s
-            self.d2h_free_at = max(self.now, self.d2h_free_at) + seconds
-            pinned = [key for _, key, _ in fresh]
-            self._inflight_stores.append((self.d2h_free_at, stored_rows, pinned))
-            self._pinned_stores += stored_rows
-            c.store_bytes += stored_bytes
-            c.store_time += seconds * self.plan.copies
-            self.store_ops.append(stored_bytes)
-            if len(self.store_ops) > _MAX_PENDING_OPS:
-                del self.store_ops[: _MAX_PENDING_OPS // 2]
+            self._queue_store(stored_rows, stored_bytes, [key for _, key, _ in fresh])
+
+    def _queue_store(self, rows: int, nbytes: int, pinned: list[int]) -> None:
+        """Put a store on the device-to-host lane; its keys stay pinned until it lands."""
+        c = self.counters
+        seconds = nbytes / self.plan.copies / self.latency.pcie_bytes_per_s
+        self.d2h_free_at = max(self.now, self.d2h_free_at) + seconds
+        self._inflight_stores.append((self.d2h_free_at, rows, pinned))
+        self._pinned_stores += rows
+        c.store_bytes += nbytes
+        c.store_time += seconds * self.plan.copies
+        self.store_ops.append(nbytes)
+        if len(self.store_ops) > _MAX_PENDING_OPS:
+            del self.store_ops[: _MAX_PENDING_OPS // 2]
 
     def _make_room(self, short: int, offer: set[int]) -> bool:
         """Evict LRU keys (not offered, not pinned) until ``short`` units are free; False,
