@@ -30,7 +30,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from spillway_engine.emulator import emulator_args, emulator_env
 from spillway_engine.emulator.tiny import gemma3_config, llama_config, write_model
 from spillway_engine.planner.plan import Plan, PlanRequest, make_plan
 
@@ -76,12 +75,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _env(kv_bytes: int) -> dict[str, str]:
+def _env() -> dict[str, str]:
     env = dict(os.environ)
     # The contract harness sets these for in-process planning; the server must pick
     # its platform itself (Spillway's plug-in) and log the plan check.
     env.pop("VLLM_TARGET_DEVICE", None)
-    env.update(emulator_env(kv_bytes))
     env.update(VLLM_LOGGING_LEVEL="INFO", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     return env
 
@@ -106,16 +104,18 @@ def _write_plan(root: Path, plan: dict[str, Any] | Plan, model_dir: Path) -> Pat
 
 
 def _launch(plan_path: Path, log: Path, port: int, kv_bytes: int) -> subprocess.Popen[bytes]:
-    """``spillway-engine serve`` as the pod runs it, plus the emulator's flag; its own
-    process group, so teardown reaches the engine core too."""
+    """``spillway-engine serve --emulate-gpu``: the pod's launch on the emulated GPU,
+    with no step-time sleeping (speed 0) so the tests stay fast; its own process
+    group, so teardown reaches the engine core too."""
     cmd = [*ENGINE, "serve", "--plan", str(plan_path), "--host", "127.0.0.1"]
-    cmd += ["--port", str(port), "--", *emulator_args()]
+    cmd += ["--port", str(port), "--emulate-gpu", "--emulate-speed", "0"]
+    cmd += ["--emulate-kv-bytes", str(kv_bytes)]
     with open(log, "wb") as out:
         return subprocess.Popen(
             cmd,
             stdout=out,
             stderr=subprocess.STDOUT,
-            env=_env(kv_bytes),
+            env=_env(),
             start_new_session=True,
         )
 
@@ -380,3 +380,36 @@ def test_a_page_that_differs_from_recomputation_changes_the_token():
     assert computed == run([1, 2, 7], 32)  # positions 0-31 reused from blocks 1, 2
     worker._pages[1].pages[2, 15 * 64] ^= 1  # position 31, layer 1
     assert computed != run([1, 2, 7], 32)
+
+
+def test_a_step_lasts_the_modelled_gpu_time(monkeypatch):
+    """At a speed factor above 0 a step sleeps out the latency model's time for the
+    scheduled tokens and the KV they read (null blocks outside a window not counted);
+    at 0 it never sleeps."""
+    from types import SimpleNamespace
+
+    from spillway_engine.emulator import latency
+    from spillway_engine.emulator import worker as worker_mod
+    from spillway_engine.emulator.worker import EmulatedGpuWorker, _Request
+
+    worker = object.__new__(EmulatedGpuWorker)
+    worker._gpu, worker._cost = latency.gpu_profile("h200"), latency.ModelCost.of(8e9)
+    worker._group_kv = {0: (16, 1000), 1: (16, 10)}  # group 1: a window (null blocks)
+    worker._requests = {
+        "a": _Request([0] * 40, [[1, 2, 3], [0, 2, 3]], computed=39),  # decode, 40 tokens
+        "b": _Request([0] * 20, [[4, 5], [4, 5]], computed=0),  # 20-token prefill
+    }
+    assert worker._kv_bytes_read("a", 1) == 40 * 1000 + 24 * 10
+    assert worker._kv_bytes_read("b", 20) == 20 * 1000 + 20 * 10
+    slept: list[float] = []
+    monkeypatch.setattr(worker_mod.time, "sleep", slept.append)
+    out = SimpleNamespace(num_scheduled_tokens={"a": 1, "b": 20}, total_num_scheduled_tokens=21)
+    worker._speed = 2.0
+    worker._sleep_out_step(out, worker_mod.time.perf_counter())
+    kv = 40 * 1000 + 24 * 10 + 20 * 1000 + 20 * 10
+    [pause] = slept
+    assert pause == pytest.approx(2 * latency.step_s(21, worker._gpu, worker._cost, kv), rel=0.05)
+    assert 0.005 < pause < 0.01  # two passes over 16 GB of weights at 3.84 TB/s
+    worker._speed = 0.0
+    worker._sleep_out_step(out, worker_mod.time.perf_counter())
+    assert slept == [pause]

@@ -717,3 +717,79 @@ def test_dry_run_never_imports_vllm(tmp_path):
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("vllm serve m ")
+
+
+# ----------------------------------------------------------- --emulate-gpu
+
+
+def test_emulate_gpu_adds_only_the_emulators_worker_and_env(tmp_path, capsys):
+    from spillway_engine import emulator
+
+    plan = plan_for(LLAMA, offloader="spillway")
+    path = write(tmp_path, plan, ENGINE_JSON)
+    argv = ["serve", "--plan", str(path), "--port", "9000", "--dry-run"]
+    code, out, err = run(capsys, *argv, "--emulate-gpu", "--emulate-speed", "0.5")
+    assert code == 0
+    planned, _ = build_command(
+        plan, serve.load_engine_options(tmp_path / "engine.json"), port=9000
+    )
+    assert shlex.split(out) == [*planned, "--worker-cls", emulator.WORKER_QUALNAME]
+    kv = serve.default_emulated_kv_bytes(plan)
+    [note] = err.splitlines()  # the env, for the record
+    assert note.startswith("spillway-engine: note: emulated GPU: ")
+    assert f"SPILLWAY_EMULATE_GPU=1 SPILLWAY_EMULATE_KV_BYTES={kv}" in note
+    assert "SPILLWAY_EMULATE_SPEED=0.5" in note and "MODEL_PARAMS" not in note
+
+
+def test_emulated_kv_budget_defaults_from_the_plan():
+    from spillway_engine import emulator
+
+    small = plan_for(LLAMA, max_model_len=1024)
+    assert serve.default_emulated_kv_bytes(small) == emulator.DEFAULT_KV_BYTES
+    big = plan_for(LLAMA, max_model_len=131072)
+    per_token = sum(g.bytes_per_block / g.tokens_per_block for g in big.kv_groups)
+    assert serve.default_emulated_kv_bytes(big) == int(2 * 131072 * per_token)
+    args, env = serve.emulated_launch(big, kv_bytes=123, speed=0, model_params=8e9)
+    assert args == emulator.emulator_args()
+    assert env == {
+        emulator.ENV_EMULATE: "1",
+        emulator.ENV_KV_BYTES: "123",
+        emulator.ENV_SPEED: "0.0",
+        emulator.ENV_MODEL_PARAMS: "8000000000.0",
+    }
+
+
+def test_emulated_serve_execs_with_the_emulator_env(tmp_path, capsys, monkeypatch):
+    plan = plan_for(LLAMA, offloader="upstream")
+    path = write(tmp_path, plan, {"model": "m"})
+    fake = Exec()
+    monkeypatch.setattr(serve.os, "execve", fake)
+    monkeypatch.setattr(serve, "installed_vllm_version", lambda: "0.33.0")
+    monkeypatch.setattr(serve, "plugin_registered", lambda: True)
+    monkeypatch.setenv("VLLM_PLUGINS", "other")
+    argv = ["serve", "--plan", str(path), "--emulate-gpu", "--emulate-kv-bytes", "4e6"]
+    code, _, _ = run(capsys, *argv, "--emulate-model-params", "8e9")
+    assert code == 0
+    [(_, argv_, env)] = fake.calls
+    assert argv_[-2:] == ["--worker-cls", "spillway_engine.emulator.worker.EmulatedGpuWorker"]
+    assert env["SPILLWAY_PLAN"] == str(path.resolve())
+    assert env["SPILLWAY_EMULATE_GPU"] == "1"
+    assert env["SPILLWAY_EMULATE_KV_BYTES"] == "4000000"
+    assert env["SPILLWAY_EMULATE_SPEED"] == "1.0"  # real time unless asked otherwise
+    assert env["SPILLWAY_EMULATE_MODEL_PARAMS"] == "8000000000.0"
+    assert env["VLLM_PLUGINS"] == "other,spillway,spillway_emulator"
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        (["--emulate-speed", "0"], "need --emulate-gpu"),
+        (["--emulate-gpu", "--emulate-speed", "-1"], "--emulate-speed"),
+        (["--emulate-gpu", "--emulate-kv-bytes", "1.5"], "whole number"),
+        (["--emulate-gpu", "--emulate-model-params", "0"], "> 0"),
+    ],
+)
+def test_bad_emulate_options_exit_2(tmp_path, capsys, extra, match):
+    path = write(tmp_path, plan_for(LLAMA, offloader="upstream"), {"model": "m"})
+    code, out, err = run(capsys, "serve", "--plan", str(path), "--dry-run", *extra)
+    assert code == 2 and out == "" and match in one_error_line(err)

@@ -25,6 +25,19 @@ ENV_KV_BYTES = "SPILLWAY_EMULATE_KV_BYTES"
 #: Attention backend / GPU name when no plan is given (SPILLWAY_PLAN names the plan).
 ENV_BACKEND = "SPILLWAY_EMULATE_ATTENTION_BACKEND"
 ENV_GPU = "SPILLWAY_EMULATE_GPU_NAME"
+#: Time factor for the modelled step time (:mod:`.latency`): 1.0 real time, 2.0 twice
+#: as slow, 0 or unset = never sleep (steps take as long as the emulator's own work).
+ENV_SPEED = "SPILLWAY_EMULATE_SPEED"
+#: Parameter count to time the steps by (e.g. ``8e9``), instead of the count of the
+#: served model's own parameters (a tiny test model then times like an 8B one).
+ENV_MODEL_PARAMS = "SPILLWAY_EMULATE_MODEL_PARAMS"
+
+#: KV budget when neither SPILLWAY_EMULATE_KV_BYTES nor the launcher gives one.
+DEFAULT_KV_BYTES = 256 << 20
+
+#: The ``vllm.platform_plugins`` entry point's name (pyproject.toml): a VLLM_PLUGINS
+#: allow-list must name it for the emulated platform to load.
+PLATFORM_PLUGIN_NAME = "spillway_emulator"
 
 PLATFORM_QUALNAME = "spillway_engine.emulator.platform.EmulatedGpuPlatform"
 WORKER_QUALNAME = "spillway_engine.emulator.worker.EmulatedGpuWorker"
@@ -42,11 +55,17 @@ def platform_plugin() -> str | None:
     return PLATFORM_QUALNAME if emulation_requested() else None
 
 
-def emulator_env(kv_bytes: int | None = None) -> dict[str, str]:
+def emulator_env(
+    kv_bytes: int | None = None, speed: float | None = None, model_params: float | None = None
+) -> dict[str, str]:
     """Environment additions that make ``vllm serve`` run on the emulated GPU."""
     env = {ENV_EMULATE: "1"}
     if kv_bytes is not None:
         env[ENV_KV_BYTES] = str(int(kv_bytes))
+    if speed is not None:
+        env[ENV_SPEED] = repr(float(speed))
+    if model_params is not None:
+        env[ENV_MODEL_PARAMS] = repr(float(model_params))
     return env
 
 

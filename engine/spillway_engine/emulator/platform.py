@@ -21,6 +21,7 @@ from vllm.logger import init_logger
 from vllm.platforms.interface import DeviceCapability, Platform, PlatformEnum
 
 from spillway_engine.emulator import (
+    DEFAULT_KV_BYTES,
     ENV_BACKEND,
     ENV_GPU,
     ENV_KV_BYTES,
@@ -32,7 +33,6 @@ from spillway_engine.planner.plan import read_plan
 
 logger = init_logger(__name__)
 
-_DEFAULT_KV_BYTES = 256 << 20
 #: Memory reported as the device's total: the KV budget plus room vLLM never sees used.
 _DEVICE_OVERHEAD_BYTES = 1 << 30
 
@@ -69,7 +69,7 @@ def planned_gpu() -> dict[str, Any]:
 
 def kv_budget_bytes() -> int:
     """Emulated GPU memory left for the KV cache after weights and activations."""
-    return int(os.environ.get(ENV_KV_BYTES) or _DEFAULT_KV_BYTES)
+    return int(os.environ.get(ENV_KV_BYTES) or DEFAULT_KV_BYTES)
 
 
 class EmulatedGpuPlatform(Platform):

@@ -15,12 +15,15 @@ What it does, step by step (the GPU worker's duties, emulated):
   and its position) is written into its slot of every attention layer's page; the
   sampled token is a function of the signatures read from the pages. A page that holds
   other bytes than recomputation would have written (a bad host load, a wrong prefix
-  hit) therefore changes the output.
+  hit) therefore changes the output. With ``SPILLWAY_EMULATE_SPEED`` > 0 the step then
+  lasts as long as :mod:`.latency` estimates for the planned GPU (times that factor).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,7 +50,17 @@ from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunne
 from vllm.v1.worker.utils import allocate_kv_cache
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
+from spillway_engine.emulator import ENV_MODEL_PARAMS, ENV_SPEED
 from spillway_engine.emulator.backends import give_planned_backends, layer_kv_cache_specs
+from spillway_engine.emulator.latency import (
+    GPU_PROFILES,
+    ModelCost,
+    gpu_profile,
+    parse_params,
+    parse_speed,
+    sleep_for,
+    step_s,
+)
 from spillway_engine.emulator.platform import kv_budget_bytes, planned_gpu
 
 # Under vLLM's logger, so its handlers print it in the engine log.
@@ -107,6 +120,12 @@ class EmulatedGpuWorker(WorkerBase):
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._vocab = 0
         self._avoid: set[int] = set()
+        # Read once: a bad value fails the start-up, not the first request.
+        self._speed = parse_speed(os.environ.get(ENV_SPEED))
+        self._gpu = gpu_profile(planned_gpu()["name"])
+        self._cost = ModelCost()
+        # KV-cache group -> (tokens per block, bytes per token over its layers)
+        self._group_kv: dict[int, tuple[int, int]] = {}
 
     # ---------------------------------------------------------------- start-up
 
@@ -137,6 +156,7 @@ class EmulatedGpuWorker(WorkerBase):
         self._vocab = vc.model_config.get_vocab_size()
         eos = getattr(vc.model_config.hf_text_config, "eos_token_id", None)
         self._avoid = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        self._cost = self._model_cost()
         logger.info(
             "Emulated GPU %s: %s built on the meta device, %d cache layers on %s",
             gpu["name"],
@@ -144,6 +164,27 @@ class EmulatedGpuWorker(WorkerBase):
             len(self._layers),
             gpu["attention_backend"],
         )
+
+    def _model_cost(self) -> ModelCost:
+        """This rank's parameters and weight bytes, counted on the meta model (vLLM's
+        layers are already tensor-parallel shards), unless SPILLWAY_EMULATE_MODEL_PARAMS
+        names a size to time by (kept at the model's bytes per parameter)."""
+        params = sum(p.numel() for p in self.model.parameters())
+        nbytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        per_param = nbytes / params if params else 2.0
+        override = parse_params(os.environ.get(ENV_MODEL_PARAMS))
+        cost = ModelCost.of(override or params or 1, per_param)
+        if self._speed > 0:
+            known = planned_gpu()["name"] in GPU_PROFILES
+            logger.info(
+                "Emulated step times: %s profile%s, %.3g parameters per GPU (%s), x%g",
+                self._gpu.name,
+                "" if known else f" (no profile for {planned_gpu()['name']})",
+                cost.params,
+                ENV_MODEL_PARAMS if override else "counted",
+                self._speed,
+            )
+        return cost
 
     def get_model(self) -> Any:
         return self.model
@@ -170,6 +211,7 @@ class EmulatedGpuWorker(WorkerBase):
         self._kv_caches = allocate_kv_cache(
             kv_cache_config, self.device, self.cache_config.get_resolved_kv_cache_layout()
         )
+        self._group_kv = {}
         self._pages = self._page_views(kv_cache_config, self._kv_caches)
         if has_kv_transfer_group():
             get_kv_transfer_group().register_kv_caches(self._kv_caches)
@@ -197,6 +239,8 @@ class EmulatedGpuWorker(WorkerBase):
                 )
                 salt = mix64(len(out), 0xA5)  # a layer-specific mask: every layer counts
                 out.append(_Pages(g, salt, layer_spec.block_size, slot, flat.numpy()))
+                size, per_token = self._group_kv.get(g, (layer_spec.block_size, 0))
+                self._group_kv[g] = (size, per_token + slot)
         return out
 
     def compile_or_warm_up_model(self) -> CompilationTimes:
@@ -211,6 +255,7 @@ class EmulatedGpuWorker(WorkerBase):
     # --------------------------------------------------------------------- steps
 
     def execute_model(self, scheduler_output: Any) -> ModelRunnerOutput:
+        t0 = time.perf_counter()
         self._update_requests(scheduler_output)
         if not scheduler_output.total_num_scheduled_tokens:
             if not has_kv_transfer_group():
@@ -228,12 +273,34 @@ class EmulatedGpuWorker(WorkerBase):
             sampled = [
                 self._run(rid, scheduler_output.num_scheduled_tokens[rid]) for rid in req_ids
             ]
+            if self._speed > 0:
+                # Inside the connector's context, as the GPU's forward pass: its loads
+                # and stores overlap the step.
+                self._sleep_out_step(scheduler_output, t0)
         return ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
             sampled_token_ids=sampled,
             kv_connector_output=kv_connector_output,
         )
+
+    def _kv_bytes_read(self, rid: str, num_tokens: int) -> int:
+        """Bytes of KV this request's attention reads in the step: its context in every
+        layer, less the null blocks a sliding window has dropped."""
+        req = self._requests[rid]
+        end = req.computed + num_tokens
+        total = 0
+        for g, (block_size, slot_bytes) in self._group_kv.items():
+            blocks = req.blocks[g][: -(-end // block_size)]
+            total += max(0, end - blocks.count(0) * block_size) * slot_bytes
+        return total
+
+    def _sleep_out_step(self, out: Any, t0: float) -> None:
+        kv = sum(self._kv_bytes_read(rid, n) for rid, n in out.num_scheduled_tokens.items())
+        modelled = step_s(out.total_num_scheduled_tokens, self._gpu, self._cost, kv)
+        pause = sleep_for(modelled, self._speed, time.perf_counter() - t0)
+        if pause > 0:
+            time.sleep(pause)
 
     def sample_tokens(self, grammar_output: Any) -> None:
         return None  # execute_model already answered with the sampled tokens

@@ -8,6 +8,13 @@ Spillway plugin (:mod:`spillway_engine.launcher.plugin`) checks vLLM's real KV-c
 config against the plan at start-up and publishes the plan metrics. ``--dry-run``
 prints the command instead.
 
+``--emulate-gpu`` runs the same command on an emulated GPU (:mod:`spillway_engine.emulator`:
+no weights, no forward pass, KV caches in CPU memory): the emulator's worker class and
+environment are added, nothing of the plan's launch is changed. ``--emulate-speed``
+scales the modelled GPU step times (1.0 real time, 0 never sleep),
+``--emulate-kv-bytes`` sets the emulated KV budget and ``--emulate-model-params`` the
+parameter count the step times assume.
+
 ``spillway-engine simulate ...`` runs the engine simulator
 (:mod:`spillway_engine.simulator`).
 
@@ -20,6 +27,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
+import math
 import os
 import shlex
 import shutil
@@ -29,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from spillway_engine import emulator
 from spillway_engine.launcher.plugin import (
     ENTRY_POINT_GROUP,
     ENTRY_POINT_NAME,
@@ -394,16 +403,46 @@ def plugin_registered() -> bool:
     )
 
 
-def serving_env(plan_path: Path, options_path: Path, base: Mapping[str, str]) -> dict[str, str]:
+def serving_env(
+    plan_path: Path,
+    options_path: Path,
+    base: Mapping[str, str],
+    plugins: Sequence[str] = (ENTRY_POINT_NAME,),
+) -> dict[str, str]:
     env = dict(base)
     env[ENV_PLAN] = str(plan_path.resolve())
     env[ENV_ENGINE_OPTIONS] = str(options_path.resolve())
     allowed = env.get("VLLM_PLUGINS")
-    if allowed is not None:
+    if allowed is not None:  # an allow-list: ours must be on it
         names = [n.strip() for n in allowed.split(",") if n.strip()]
-        if ENTRY_POINT_NAME not in names:
-            env["VLLM_PLUGINS"] = ",".join([*names, ENTRY_POINT_NAME])
+        names += [p for p in plugins if p not in names]
+        env["VLLM_PLUGINS"] = ",".join(names)
     return env
+
+
+# ------------------------------------------------------------- the emulated GPU
+
+
+def default_emulated_kv_bytes(plan: Plan) -> int:
+    """A KV budget that holds two max_model_len sequences of every group (generous:
+    windows and Mamba state counted per token), at least the emulator's default."""
+    per_token = sum(g.bytes_per_block / g.tokens_per_block for g in plan.kv_groups)
+    return max(emulator.DEFAULT_KV_BYTES, int(2 * plan.max_model_len * per_token))
+
+
+def emulated_launch(
+    plan: Plan,
+    *,
+    kv_bytes: int | None = None,
+    speed: float = 1.0,
+    model_params: float | None = None,
+) -> tuple[list[str], dict[str, str]]:
+    """The vLLM arguments and environment that put the planned launch on the emulated
+    GPU; both come from the emulator package, which owns their names."""
+    env = emulator.emulator_env(
+        default_emulated_kv_bytes(plan) if kv_bytes is None else kv_bytes, speed, model_params
+    )
+    return emulator.emulator_args(), env
 
 
 def _exec(cmd: list[str], env: dict[str, str]) -> int:
@@ -432,6 +471,24 @@ def _port(text: str) -> int:
     return value
 
 
+def _positive(kind: type, zero: bool = False) -> Any:
+    """An argparse type: a finite number > 0 (>= 0 with ``zero``); ints may be
+    written as ``256e6``."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        low_ok = value >= 0 if zero else value > 0
+        if not (low_ok and math.isfinite(value)) or (kind is int and not value.is_integer()):
+            what = "a whole number" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what} {'>= 0' if zero else '> 0'}")
+        return kind(value)
+
+    return parse
+
+
 def _serve_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog=f"{PROG} serve",
@@ -447,6 +504,34 @@ def _serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=_port, default=8000)
     p.add_argument("--dry-run", action="store_true", help="print the vLLM command and exit")
+    emu = p.add_argument_group("emulated GPU (no weights, no forward pass; for tests)")
+    emu.add_argument(
+        "--emulate-gpu",
+        action="store_true",
+        help="run the planned launch on an emulated GPU (spillway_engine.emulator)",
+    )
+    emu.add_argument(
+        "--emulate-kv-bytes",
+        type=_positive(int),
+        metavar="BYTES",
+        help="emulated KV-cache budget (default: two max_model_len sequences, at least "
+        f"{emulator.DEFAULT_KV_BYTES >> 20} MiB)",
+    )
+    emu.add_argument(
+        "--emulate-speed",
+        type=_positive(float, zero=True),
+        default=1.0,
+        metavar="FACTOR",
+        help="time factor on the modelled GPU step times: 1.0 real time, 0 no sleeping "
+        "(default 1.0)",
+    )
+    emu.add_argument(
+        "--emulate-model-params",
+        type=_positive(float),
+        metavar="N",
+        help="parameters per GPU the step times assume, e.g. 8e9 (default: counted from "
+        "the served model)",
+    )
     p.add_argument("extra", nargs="*", metavar="-- VLLM_ARG", help="more vLLM arguments")
     return p
 
@@ -462,6 +547,22 @@ def serve_main(argv: Sequence[str]) -> int:
     cmd, notes = build_command(
         plan, options, host=args.host, port=args.port, extra_args=args.extra
     )
+    emulated_env: dict[str, str] = {}
+    plugins = [ENTRY_POINT_NAME]
+    if args.emulate_gpu:
+        more, emulated_env = emulated_launch(
+            plan,
+            kv_bytes=args.emulate_kv_bytes,
+            speed=args.emulate_speed,
+            model_params=args.emulate_model_params,
+        )
+        cmd += more
+        plugins.append(emulator.PLATFORM_PLUGIN_NAME)
+        notes.append(
+            "emulated GPU: " + " ".join(f"{k}={v}" for k, v in sorted(emulated_env.items()))
+        )
+    elif any(a.startswith("--emulate-") for a in argv):
+        raise EngineCliError("the --emulate-* options need --emulate-gpu")
     if args.dry_run:
         for note in notes:
             print(f"{PROG}: note: {note}", file=sys.stderr)
@@ -482,7 +583,9 @@ def serve_main(argv: Sequence[str]) -> int:
     for note in notes:
         print(f"{PROG}: note: {note}", file=sys.stderr)
     print(f"{PROG}: exec {shlex.join(cmd)}", file=sys.stderr)
-    return _exec(cmd, serving_env(plan_path, options_path, os.environ))
+    env = serving_env(plan_path, options_path, os.environ, plugins)
+    env.update(emulated_env)
+    return _exec(cmd, env)
 
 
 def simulate_main(argv: Sequence[str]) -> int:
