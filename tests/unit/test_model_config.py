@@ -48,3 +48,21 @@ def test_broken_text_gets_one_line(text, message):
     with pytest.raises(ModelConfigSourceError, match=message) as err:
         parse_config_text(text, "c")
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("factor", [float("nan"), float("inf"), 1e308, -2.0, 0.5e4, True])
+def test_absurd_rope_factor_is_refused_by_name(factor):
+    from spillway_engine.planner.families import model_shape
+    from spillway_engine.planner.shape import ModelConfigError
+
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "hidden_size": 256,
+        "max_position_embeddings": 4096,
+        "rope_scaling": {"rope_type": "linear", "factor": factor},
+    }
+    with pytest.raises(ModelConfigError, match="rope factor"):
+        model_shape(config)

@@ -196,6 +196,10 @@ _ROPE_ALREADY_SCALED = (
 )
 
 
+#: Largest RoPE scaling factor accepted (real configs use up to a few dozen).
+MAX_ROPE_FACTOR = 1024
+
+
 def derived_max_len(cfg: ConfigReader) -> int:
     """vLLM's derived max_model_len: the smallest length key, times the RoPE factor."""
     lengths = [cfg.int(k) for k in _MAX_LEN_KEYS if cfg.has(k)]
@@ -205,8 +209,14 @@ def derived_max_len(cfg: ConfigReader) -> int:
         kind = rope.get("rope_type") or rope.get("type") or "default"
         if kind not in _ROPE_ALREADY_SCALED and kind != "default":
             factor = rope.get("factor") or 1.0
-            if not isinstance(factor, int | float):
+            if isinstance(factor, bool) or not isinstance(factor, int | float):
                 raise ModelConfigError(f"{cfg.where}: rope factor {factor!r} is not a number")
+            # NaN, inf or a factor that scales the context past any real length is not a
+            # config, and int() of it would crash (NaN, inf) or plan an absurd length.
+            if not 0 < factor <= MAX_ROPE_FACTOR:
+                raise ModelConfigError(
+                    f"{cfg.where}: rope factor {factor!r} must be in (0, {MAX_ROPE_FACTOR}]"
+                )
             length = int(length * factor)
     return length
 
