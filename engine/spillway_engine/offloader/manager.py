@@ -97,6 +97,21 @@ class _UnitSlots:
     vLLM's types come as class attributes from :func:`make_manager_class`.
     """
 
+    def _empty_slots(self) -> None:
+        """No key holds a unit: at start and after ``reset_cache``."""
+        # Units are handed out like vLLM hands out rows: never-used ones in order,
+        # then freed ones last-in first-out (single-group pools match slot for slot).
+        self._fresh_units = 0
+        self._free_units: list[int] = []
+        self._units: dict[int, np.ndarray] = {}
+        self._handle_group: dict[int, int] = {}
+        self._free_handles: list[int] = []
+        self._next_handle = 0
+        # current pool gauges
+        self.used_units = 0
+        self.stored_bytes = 0
+        self.keys_per_group = dict.fromkeys(self._group_units, 0)
+
     def units_of(self, key: OffloadKey) -> int:
         return self._group_units[self._group_idx(key)]
 
@@ -262,15 +277,7 @@ class _Eviction:
 
     def reset_cache(self) -> None:
         super().reset_cache()
-        self._fresh_units = 0
-        self._free_units = []
-        self._units.clear()
-        self._handle_group.clear()
-        self.keys_per_group = dict.fromkeys(self._group_units, 0)
-        self._free_handles.clear()
-        self._next_handle = 0
-        self.used_units = 0
-        self.stored_bytes = 0
+        self._empty_slots()
 
 
 def make_manager_class() -> type:
@@ -301,23 +308,13 @@ def make_manager_class() -> type:
             super().__init__(num_chunks=layout.num_units // min_units, **kwargs)
             self._policy = _EvictableUnits(self._policy, self.units_of)
             self._max_units = max(self._group_units.values())
-            # Units are handed out like vLLM hands out rows: never-used ones in order,
-            # then freed ones last-in first-out (single-group pools match slot for slot).
-            self._fresh_units = 0
-            self._free_units: list[int] = []
-            self._units: dict[int, np.ndarray] = {}
-            self._handle_group: dict[int, int] = {}
-            self._free_handles: list[int] = []
-            self._next_handle = 0
+            self._empty_slots()
             #: the store being prepared: its offer (never evicted for it) and evictions
             self._offer: set[OffloadKey] = set()
             self._store_evicted: list[OffloadKey] = []
-            # pool statistics (cumulative counters, current gauges)
-            self.used_units = 0
-            self.stored_bytes = 0
-            self.keys_per_group = dict.fromkeys(self._group_units, 0)
             #: the group whose chunks stand for "chunks of prefix" in the metrics
             self.anchor_group = layout.anchor_group
+            # cumulative pool statistics (the gauges are reset with the slots)
             self.evicted_keys = 0
             self.thrash_chunks = 0
             self._reported = (0, 0)
