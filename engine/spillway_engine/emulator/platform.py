@@ -28,8 +28,7 @@ from spillway_engine.emulator import (
     EXECUTOR_QUALNAME,
     WORKER_QUALNAME,
 )
-from spillway_engine.launcher.plugin import ENV_PLAN
-from spillway_engine.planner.plan import read_plan
+from spillway_engine.launcher.plugin import ENV_PLAN, load_plan_file
 
 logger = init_logger(__name__)
 
@@ -41,8 +40,9 @@ _DEVICE_OVERHEAD_BYTES = 1 << 30
 def planned_gpu() -> dict[str, Any]:
     """The GPU facts the plan records (``SPILLWAY_PLAN``), or the env fallbacks.
 
-    The plan goes through the planner's one reader (it imports no vLLM, so it is safe
-    while vLLM resolves its platform); the launcher has already refused a bad plan.
+    The plan is read as the plugin reads it (the planner's one reader, which imports
+    no vLLM, so it is safe while vLLM resolves its platform); the launcher has
+    already refused a bad plan.
     """
     facts: dict[str, Any] = {
         "name": os.environ.get(ENV_GPU, "h100"),
@@ -53,8 +53,7 @@ def planned_gpu() -> dict[str, Any]:
     }
     path = os.environ.get(ENV_PLAN)
     if path:
-        with open(path, encoding="utf-8") as f:
-            plan = read_plan(f.read(), path)
+        plan = load_plan_file(path)
         facts.update(
             name=plan.gpu.name,
             product=plan.gpu.product,
