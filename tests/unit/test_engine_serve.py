@@ -483,7 +483,9 @@ class Exec:
         self.calls.append((path, argv, env))
 
 
-def test_serve_execs_vllm_with_the_plugin_env(tmp_path, capsys, monkeypatch):
+def ready_to_exec(tmp_path, monkeypatch) -> tuple[Plan, Path, Exec]:
+    """An upstream Llama plan on disk, vLLM 0.33.0 and the plugin "installed", and
+    execve recorded instead of run (another plugin already allow-listed)."""
     plan = plan_for(LLAMA, offloader="upstream")
     path = write(tmp_path, plan, {"model": "m"})
     fake = Exec()
@@ -491,6 +493,11 @@ def test_serve_execs_vllm_with_the_plugin_env(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(serve, "installed_vllm_version", lambda: "0.33.0")
     monkeypatch.setattr(serve, "plugin_registered", lambda: True)
     monkeypatch.setenv("VLLM_PLUGINS", "other")
+    return plan, path, fake
+
+
+def test_serve_execs_vllm_with_the_plugin_env(tmp_path, capsys, monkeypatch):
+    plan, path, fake = ready_to_exec(tmp_path, monkeypatch)
     code, out, err = run(capsys, "serve", "--plan", str(path))
     assert code == 0 and out == ""
     [(exe, argv, env)] = fake.calls
@@ -760,13 +767,7 @@ def test_emulated_kv_budget_defaults_from_the_plan():
 
 
 def test_emulated_serve_execs_with_the_emulator_env(tmp_path, capsys, monkeypatch):
-    plan = plan_for(LLAMA, offloader="upstream")
-    path = write(tmp_path, plan, {"model": "m"})
-    fake = Exec()
-    monkeypatch.setattr(serve.os, "execve", fake)
-    monkeypatch.setattr(serve, "installed_vllm_version", lambda: "0.33.0")
-    monkeypatch.setattr(serve, "plugin_registered", lambda: True)
-    monkeypatch.setenv("VLLM_PLUGINS", "other")
+    _, path, fake = ready_to_exec(tmp_path, monkeypatch)
     argv = ["serve", "--plan", str(path), "--emulate-gpu", "--emulate-kv-bytes", "4e6"]
     code, _, _ = run(capsys, *argv, "--emulate-model-params", "8e9")
     assert code == 0
