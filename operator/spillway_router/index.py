@@ -1,0 +1,245 @@
+"""Where each block lives: block key -> {(pod, tier): count}, fed by vLLM KV events.
+
+Counts, not flags: the offloading connector announces a hash once per chunk that
+contains it and removes it as often (vLLM asks consumers to reference-count), and a
+hash stored by two KV-cache groups is removed once per group. A key is held by
+(pod, tier) while its count is positive.
+
+Without events, :class:`ApproxTracker` feeds the same index from the router's own
+decisions, bounded by each pod's planned capacity in tokens.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .hashing import external_key
+
+GPU = "GPU"
+HOST = "CPU"  # vLLM's medium name for the host tier
+TIERS = (GPU, HOST)
+
+
+class EventError(ValueError):
+    """A KV event batch this router cannot read (dropped, counted, never fatal)."""
+
+
+@dataclass(frozen=True)
+class Match:
+    """A pod's cached prefix of one prompt, in hash units."""
+
+    gpu_units: int = 0
+    host_units: int = 0
+
+    @property
+    def units(self) -> int:
+        return self.gpu_units + self.host_units
+
+
+class PrefixIndex:
+    def __init__(self) -> None:
+        self._holders: dict[int, dict[tuple[str, str], int]] = {}
+        self._by_pod: dict[str, set[int]] = {}
+
+    # ------------------------------------------------------------ updates
+
+    def store(self, pod: str, tier: str, keys: Iterable[int]) -> None:
+        owned = self._by_pod.setdefault(pod, set())
+        for key in keys:
+            holders = self._holders.setdefault(key, {})
+            holders[(pod, tier)] = holders.get((pod, tier), 0) + 1
+            owned.add(key)
+
+    def remove(self, pod: str, tier: str, keys: Iterable[int]) -> None:
+        for key in keys:
+            holders = self._holders.get(key)
+            if holders is None:
+                continue
+            count = holders.get((pod, tier), 0) - 1
+            if count > 0:
+                holders[(pod, tier)] = count
+                continue
+            holders.pop((pod, tier), None)
+            self._drop_if_unheld(pod, key, holders)
+
+    def clear(self, pod: str, tier: str | None = None) -> None:
+        """Forget ``pod``'s blocks in ``tier`` (every tier when None)."""
+        for key in list(self._by_pod.get(pod, ())):
+            holders = self._holders.get(key, {})
+            for t in TIERS if tier is None else (tier,):
+                holders.pop((pod, t), None)
+            self._drop_if_unheld(pod, key, holders)
+        if tier is None:
+            self._by_pod.pop(pod, None)
+
+    def forget(self, pod: str) -> None:
+        """The pod is gone: its entries go with it."""
+        self.clear(pod)
+
+    def _drop_if_unheld(self, pod: str, key: int, holders: dict[tuple[str, str], int]) -> None:
+        if not any(p == pod for p, _ in holders):
+            self._by_pod.get(pod, set()).discard(key)
+        if not holders:
+            self._holders.pop(key, None)
+
+    def apply_batch(self, pod: str, batch: Any) -> int:
+        """Apply one decoded ``EventBatch`` (``[ts, events, dp_rank]``); returns the
+        number of events applied. Raises :class:`EventError` for a malformed batch
+        (nothing of it applied)."""
+        if not isinstance(batch, Sequence) or len(batch) < 2:
+            raise EventError("an EventBatch is an array [ts, events, ...]")
+        events = batch[1]
+        if not isinstance(events, Sequence):
+            raise EventError("EventBatch events is not an array")
+        parsed = [parse_event(e) for e in events]
+        for kind, tier, keys in parsed:
+            if tier is not None and tier not in TIERS:
+                continue
+            if kind == "BlockStored":
+                self.store(pod, tier, keys)
+            elif kind == "BlockRemoved":
+                self.remove(pod, tier, keys)
+            else:
+                self.clear(pod, tier)
+        return len(parsed)
+
+    # ------------------------------------------------------------ queries
+
+    def holders(self, key: int) -> Mapping[tuple[str, str], int]:
+        return self._holders.get(key, {})
+
+    def pods(self) -> set[str]:
+        return set(self._by_pod)
+
+    def size(self, pod: str | None = None) -> int:
+        if pod is None:
+            return len(self._holders)
+        return len(self._by_pod.get(pod, ()))
+
+    def match(self, keys: Sequence[int], pods: Iterable[str], gap: int = 1) -> dict[str, Match]:
+        """Each pod's cached prefix of the prompt whose block keys are ``keys``.
+
+        The prefix is the run of held keys from the start; up to ``gap - 1`` unheld
+        keys may sit between held ones (a group whose blocks span ``gap`` hash
+        units is keyed only at every ``gap``-th hash). The GPU part is the run held
+        on the GPU; the host part continues it with keys held in either tier, since
+        vLLM takes its GPU hit first and loads the rest from the host.
+        """
+        gap = max(1, gap)
+        wanted = list(pods)
+        # per pod: [gpu_end, any_end, gpu_open, misses_gpu, misses_any]
+        state = {p: [0, 0, True, 0, 0] for p in wanted}
+        for i, key in enumerate(keys):
+            holders = self._holders.get(key)
+            live = False
+            for pod, st in state.items():
+                if st[4] >= gap:
+                    continue
+                on_gpu = bool(holders) and (pod, GPU) in holders
+                anywhere = on_gpu or (bool(holders) and (pod, HOST) in holders)
+                if st[2]:
+                    if on_gpu:
+                        st[0], st[3] = i + 1, 0
+                    else:
+                        st[3] += 1
+                        if st[3] >= gap:
+                            st[2] = False
+                if anywhere:
+                    st[1], st[4] = i + 1, 0
+                else:
+                    st[4] += 1
+                live = live or st[4] < gap
+            if not live:
+                break
+        return {p: Match(st[0], st[1] - st[0]) for p, st in state.items()}
+
+
+def parse_event(event: Any) -> tuple[str, str | None, list[int]]:
+    """``(kind, tier, keys)`` of one decoded KV event (a map with a ``type`` tag)."""
+    if not isinstance(event, Mapping):
+        raise EventError("a KV event is a map")
+    kind = event.get("type")
+    if kind == "AllBlocksCleared":
+        return kind, None, []
+    if kind not in ("BlockStored", "BlockRemoved"):
+        raise EventError(f"unknown KV event type {kind!r}")
+    medium = event.get("medium") or GPU
+    if medium not in TIERS:
+        # a storage tier behind the host one: not a tier this router scores
+        return kind, medium, []
+    hashes = event.get("block_hashes")
+    if not isinstance(hashes, Sequence) or isinstance(hashes, (str, bytes)):
+        raise EventError("block_hashes is not an array")
+    keys = []
+    for h in hashes:
+        if isinstance(h, bool) or not isinstance(h, (bytes, int)):
+            raise EventError("a block hash is bytes or an int")
+        keys.append(external_key(h))
+    return kind, medium, keys
+
+
+def decode_batch(payload: bytes) -> Any:
+    """msgpack ``EventBatch`` -> plain Python (msgspec comes with vLLM)."""
+    import msgspec
+
+    try:
+        return msgspec.msgpack.decode(payload)
+    except msgspec.DecodeError as e:
+        raise EventError(f"undecodable EventBatch: {e}") from e
+
+
+class ApproxTracker:
+    """The router's own record of what it sent where, as a GPU LRU that spills into
+    a host LRU, each bounded by the pod's planned capacity in hash units. Its stores
+    and evictions go into a :class:`PrefixIndex` as if the pod had published them."""
+
+    def __init__(self, index: PrefixIndex) -> None:
+        self.index = index
+        self._lru: dict[str, tuple[OrderedDict[int, None], OrderedDict[int, None]]] = {}
+        self._cap: dict[str, tuple[int, int]] = {}
+
+    def set_capacity(self, pod: str, gpu_units: int, host_units: int) -> None:
+        self._cap[pod] = (max(0, gpu_units), max(0, host_units))
+        self._lru.setdefault(pod, (OrderedDict(), OrderedDict()))
+        self._trim(pod)
+
+    def forget(self, pod: str) -> None:
+        self._lru.pop(pod, None)
+        self._cap.pop(pod, None)
+        self.index.forget(pod)
+
+    def record(self, pod: str, keys: Sequence[int]) -> None:
+        """``pod`` is serving a prompt with these keys: they are its newest blocks."""
+        if pod not in self._cap:
+            return
+        gpu, host = self._lru[pod]
+        for key in keys:
+            if key in gpu:
+                gpu.move_to_end(key)
+                continue
+            if key in host:
+                del host[key]
+                self.index.remove(pod, HOST, [key])
+            gpu[key] = None
+            self.index.store(pod, GPU, [key])
+        self._trim(pod)
+
+    def _trim(self, pod: str) -> None:
+        gpu, host = self._lru[pod]
+        gcap, hcap = self._cap[pod]
+        while len(gpu) > gcap:
+            key, _ = gpu.popitem(last=False)
+            self.index.remove(pod, GPU, [key])
+            if hcap:
+                host[key] = None
+                self.index.store(pod, HOST, [key])
+        while len(host) > hcap:
+            key, _ = host.popitem(last=False)
+            self.index.remove(pod, HOST, [key])
+
+    def held(self, pod: str) -> tuple[int, int]:
+        gpu, host = self._lru.get(pod, ((), ()))
+        return len(gpu), len(host)

@@ -1,0 +1,173 @@
+"""Which pod serves a request: the longest cached prefix, a host-tier hit weighted by
+what it saves, against load; cold prefixes by consistent hashing with bounded load.
+
+Everything here is pure: pods, their matches and loads in, a decision out.
+
+The estimate minimised is the time to first token on each pod:
+
+    wait(load) + prefill(tokens not cached) + transfer(tokens found on the host)
+
+A host hit saves its prefill and costs its transfer over the pod's host<->GPU
+bandwidth, with the bytes per token the pod's plan gives; when the transfer is
+slower than recomputing, the host hit scores as nothing (vLLM would still load it,
+but it is no reason to pick the pod).
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from .index import Match
+
+#: Pods may be loaded up to this factor of the mean (plus one request) before a
+#: request looks elsewhere (consistent hashing with bounded loads).
+DEFAULT_BALANCE = 1.25
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Per-pod figures, from its plan and the router's flags."""
+
+    tokens_per_hash: int
+    #: KV bytes one token occupies in the host tier, all groups (plan: chunk bytes / tokens).
+    host_bytes_per_token: float = 0.0
+    #: host -> GPU copy bandwidth, bytes/s.
+    host_bandwidth: float = 25e9
+    #: prefill time per uncached token, s.
+    prefill_s_per_token: float = 1e-4
+    #: queueing time one in-flight or waiting request adds, s.
+    wait_s_per_request: float = 0.05
+
+    def transfer_s(self, tokens: int) -> float:
+        if self.host_bandwidth <= 0:
+            return math.inf
+        return tokens * self.host_bytes_per_token / self.host_bandwidth
+
+    def ttft_s(self, prompt_tokens: int, match: Match, load: float) -> float:
+        gpu = match.gpu_units * self.tokens_per_hash
+        host = match.host_units * self.tokens_per_hash
+        gpu = min(gpu, prompt_tokens)
+        host = min(host, prompt_tokens - gpu)
+        # vLLM recomputes at least the last token, and prefers recomputing a host hit
+        # that would cost more to load.
+        host_cost = min(self.transfer_s(host), host * self.prefill_s_per_token)
+        rest = max(1, prompt_tokens - gpu - host)
+        return load * self.wait_s_per_request + rest * self.prefill_s_per_token + host_cost
+
+
+@dataclass(frozen=True)
+class PodState:
+    name: str
+    cost: CostModel
+    load: float = 0.0  # in-flight plus waiting requests
+    draining: bool = False  # marked for removal: no new requests
+
+
+@dataclass(frozen=True)
+class Decision:
+    pod: str
+    reason: str  # "prefix" | "cold"
+    cached_tokens: int = 0
+    host_tokens: int = 0
+    estimates: Mapping[str, float] = field(default_factory=dict)
+
+
+class Ring:
+    """A consistent-hash ring with virtual nodes: adding or removing a pod moves only
+    the keys that pod gains or loses."""
+
+    def __init__(self, pods: Sequence[str], vnodes: int = 64) -> None:
+        points = []
+        for pod in sorted(set(pods)):
+            for v in range(vnodes):
+                points.append((_h64(f"{pod}#{v}".encode()), pod))
+        points.sort()
+        self._points = [p for p, _ in points]
+        self._pods = [pod for _, pod in points]
+        self.members = frozenset(pods)
+
+    def walk(self, key: int) -> Iterator[str]:
+        """Distinct pods clockwise from ``key``."""
+        if not self._points:
+            return
+        # mixed again, so keys that are not hashes (small ints) still spread
+        point = _h64((key & ((1 << 64) - 1)).to_bytes(8, "big"))
+        start = bisect.bisect_left(self._points, point)
+        seen: set[str] = set()
+        n = len(self._points)
+        for i in range(n):
+            pod = self._pods[(start + i) % n]
+            if pod not in seen:
+                seen.add(pod)
+                yield pod
+                if len(seen) == len(self.members):
+                    return
+
+
+def _h64(data: bytes) -> int:
+    return int.from_bytes(hashlib.sha256(data).digest()[:8], "big")
+
+
+def cold_key(keys: Sequence[int], tokens: Sequence[int], session: str | None = None) -> int:
+    """What a cold request sticks by: its session when it names one, else its first
+    block (so every prompt sharing that block goes the same way), else its tokens."""
+    if session:
+        return _h64(session.encode())
+    if keys:
+        return keys[0]
+    return _h64(repr(list(tokens[:64])).encode())
+
+
+def load_bound(pods: Sequence[PodState], balance: float) -> float:
+    """The most load a pod may carry before the next request goes elsewhere."""
+    total = sum(p.load for p in pods)
+    return math.ceil(balance * (total + 1) / max(1, len(pods)))
+
+
+def choose(
+    pods: Sequence[PodState],
+    prompt_tokens: int,
+    matches: Mapping[str, Match],
+    ring: Ring,
+    key: int,
+    balance: float = DEFAULT_BALANCE,
+) -> Decision:
+    """The pod for one request. Raises ValueError when ``pods`` is empty."""
+    if not pods:
+        raise ValueError("no pod to choose from")
+    live = [p for p in pods if not p.draining] or list(pods)
+    bound = load_bound(live, balance)
+    allowed = [p for p in live if p.load + 1 <= bound] or live
+    estimates = {
+        p.name: p.cost.ttft_s(prompt_tokens, matches.get(p.name, Match()), p.load) for p in allowed
+    }
+    warm = [p for p in allowed if matches.get(p.name, Match()).units > 0]
+    if warm:
+        best = min(warm, key=lambda p: (estimates[p.name], p.load, p.name))
+        cold_pick = _ring_pick(allowed, ring, key)
+        # A warm pod wins only when it beats the cold choice's estimate.
+        if estimates[best.name] <= estimates[cold_pick.name]:
+            m = matches[best.name]
+            tph = best.cost.tokens_per_hash
+            return Decision(
+                best.name,
+                "prefix",
+                cached_tokens=min(prompt_tokens, m.units * tph),
+                host_tokens=min(prompt_tokens, m.host_units * tph),
+                estimates=estimates,
+            )
+        return Decision(cold_pick.name, "cold", estimates=estimates)
+    return Decision(_ring_pick(allowed, ring, key).name, "cold", estimates=estimates)
+
+
+def _ring_pick(allowed: Sequence[PodState], ring: Ring, key: int) -> PodState:
+    by_name = {p.name: p for p in allowed}
+    for name in ring.walk(key):
+        if name in by_name:
+            return by_name[name]
+    # pods not on the ring yet (just added): least loaded, then by name
+    return min(allowed, key=lambda p: (p.load, p.name))
