@@ -142,13 +142,39 @@ class Controller:
                 if key not in self._failing:
                     self.enqueue(key)
 
+    @property
+    def leading(self) -> bool:
+        return bool(self._tasks)
+
     def start(self) -> None:
+        """Start reconciling (and autoscaling): on start-up without leader election,
+        or when this replica becomes the leader. Every known object is reconciled
+        once, since a standby kept its cache but reconciled nothing."""
+        if self._tasks:
+            return
         self._tasks = [asyncio.create_task(self._work()) for _ in range(self.workers)]
         self._tasks.append(asyncio.create_task(self._resync()))
+        for key in list(self.objects):
+            self.enqueue(key)
+        if self.autoscaler:
+            self.autoscaler.activate()
+
+    def pause(self) -> None:
+        """Stop reconciling and autoscaling (this replica stopped leading); the watches
+        keep the cache fresh. A reconcile already running in a thread finishes, but its
+        writes are refused by the Kube gate, which no longer allows them."""
+        if self.autoscaler:
+            self.autoscaler.deactivate()
+        for t in self._tasks:
+            t.cancel()
+        self._tasks = []
+        self._failing.clear()
+        self.backoff.failures.clear()
 
     async def stop(self) -> None:
         if self.autoscaler:
             await self.autoscaler.stop()
-        for t in self._tasks:
+        tasks, self._tasks = self._tasks, []
+        for t in tasks:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)

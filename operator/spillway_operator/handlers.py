@@ -7,6 +7,7 @@ repaired and status follows the pods.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from collections.abc import Mapping
@@ -15,8 +16,10 @@ from typing import Any
 import kopf
 from kubernetes import client, config
 
+from spillway_operator import metrics
 from spillway_operator.controller import Controller
 from spillway_operator.kube import Kube
+from spillway_operator.leader import Election, LeaderElector, LeaseClient
 from spillway_operator.reconciler import Reconciler
 from spillway_operator.render import FIELD_MANAGER
 from spillway_operator.scaler import Autoscaler
@@ -67,20 +70,52 @@ def owner_key(namespace: str | None, labels: Mapping[str, str]) -> tuple[str, st
     return (namespace, name) if namespace and name else None
 
 
+def make_elector(election: Election, controller: Controller) -> LeaderElector:
+    """The Lease loop that starts and pauses ``controller``; its own API client, so
+    renewals never wait for a connection the reconciles hold."""
+    return LeaderElector(
+        LeaseClient(Kube(_api_client()), election.namespace, election.name),
+        election.identity, election.timing,
+        on_started=controller.start, on_stopped=controller.pause)
+
+
 @kopf.on.startup()
-async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+async def startup(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
     configure(settings, os.environ)
-    controller = make_controller(Kube(_api_client()), os.environ)
-    controller.start()
+    log = logging.getLogger("spillway")
+    election: Election | None = getattr(memo, "election", None)
+    kube = Kube(_api_client())
+    controller = make_controller(kube, os.environ)
     _state["controller"] = controller
-    logging.getLogger("spillway").info("spillway operator started")
+    if election is None:
+        metrics.LEADER.set(1)  # the only replica: it always writes
+        controller.start()
+        log.info("spillway operator started")
+        return
+    # The watches feed the controller's cache from now on, leader or not; reconciling,
+    # autoscaling and every write wait for the Lease (Kube asks the elector's gate).
+    elector = make_elector(election, controller)
+    kube.may_write = elector.may_write
+    _state["elector"] = elector
+    _state["election"] = asyncio.create_task(elector.run())
+    log.info("spillway operator started; candidate %s for lease %s/%s (duration %gs, "
+             "renew deadline %gs, retry period %gs)", election.identity, election.namespace,
+             election.name, election.timing.lease_duration, election.timing.renew_deadline,
+             election.timing.retry_period)
 
 
 @kopf.on.cleanup()
 async def cleanup(**_: Any) -> None:
     controller = _state.pop("controller", None)
+    elector: LeaderElector | None = _state.pop("elector", None)
+    task = _state.pop("election", None)
+    if task:
+        task.cancel()
     if controller:
+        controller.pause()  # stop writing first, then hand the Lease over
         await controller.stop()
+    if elector:
+        await elector.release()
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)

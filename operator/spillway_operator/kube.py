@@ -13,6 +13,7 @@ import contextlib
 import json
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import urllib3
@@ -61,6 +62,11 @@ def resource_path(api_version: str, kind: str, namespace: str, name: str = "",
 
 class TemporaryError(Exception):
     """Worth retrying with back-off (API unavailable, conflict, missing input)."""
+
+
+class NotLeader(TemporaryError):
+    """A write refused inside the operator: this replica does not hold the leader
+    Lease (or its renew deadline passed). Never sent to the API server."""
 
 
 class Rejected(Exception):
@@ -129,8 +135,11 @@ def contains(live: Any, desired: Any, path: tuple[str, ...] = ()) -> bool:
 class Kube:
     """Thin, counted wrapper around the official client (thread-safe for our use)."""
 
-    def __init__(self, api: client.ApiClient):
+    def __init__(self, api: client.ApiClient, may_write: Callable[[], bool] | None = None):
         self.api = api
+        # The leader-election gate: asked right before every write is sent. None: no
+        # election, every write goes.
+        self.may_write = may_write
         # Reconciles run in worker threads and share the discovery cache below.
         self._lock = threading.Lock()
         self._has_service_monitors: bool | None = None
@@ -139,8 +148,17 @@ class Kube:
     # ------------------------------------------------------------ raw requests
 
     def request(self, verb: str, path: str, body: Any = None, *, query: dict | None = None,
-                content_type: str = "application/json") -> Any:
-        """One API request; JSON bodies as dicts, apply patches as YAML text."""
+                content_type: str = "application/json", gated: bool = True,
+                timeout: float = 30) -> Any:
+        """One API request; JSON bodies as dicts, apply patches as YAML text.
+
+        A write (any verb but GET) is sent only while ``may_write`` allows it; the
+        leader election's own Lease requests pass ``gated=False``.
+        """
+        if gated and verb.lower() != "get" and self.may_write is not None \
+                and not self.may_write():
+            metrics.WRITES_FENCED.inc()
+            raise NotLeader(f"{verb} {path}: not the leader; write not sent")
         metrics.API_REQUESTS.labels(verb=verb.lower()).inc()
         method, url, headers, body, post = self.api.param_serialize(
             verb.upper(),
@@ -151,7 +169,8 @@ class Kube:
             auth_settings=["BearerToken"],
         )
         try:
-            resp = self.api.call_api(method, url, headers, body, post, _request_timeout=30)
+            resp = self.api.call_api(method, url, headers, body, post,
+                                     _request_timeout=timeout)
             data = resp.read()
         except ApiException as exc:  # transport-level failure
             raise TemporaryError(f"{verb} {path}: {exc.reason or exc}") from None
@@ -171,9 +190,9 @@ class Kube:
                                body=data.decode("utf-8", "replace") if data else None)
         return json.loads(data) if data else None
 
-    def get(self, path: str) -> dict | None:
+    def get(self, path: str, *, gated: bool = True, timeout: float = 30) -> dict | None:
         try:
-            return self.request("get", path)
+            return self.request("get", path, gated=gated, timeout=timeout)
         except ApiException as exc:
             if exc.status == 404:
                 return None

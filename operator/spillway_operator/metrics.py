@@ -35,3 +35,11 @@ SCRAPE_FAILURES = Counter(
     "Pod /metrics scrapes the autoscaler could not use, by reason.",
     ["reason"],  # unreachable, http, too_large, timeout, not_utf8, malformed, parse_timeout
 )
+LEADER = Gauge(
+    "spillway_operator_leader",
+    "1 while this replica holds the leader Lease (reconciles, autoscales and writes), else 0.",
+)
+WRITES_FENCED = Counter(
+    "spillway_operator_writes_fenced_total",
+    "Writes refused inside the operator because this replica was not the leader.",
+)

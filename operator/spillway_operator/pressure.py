@@ -214,6 +214,16 @@ class State:
     observing_since: float | None = None
 
 
+def resume_state(now: float, current: int) -> State:
+    """The windows of an autoscaler that starts (or takes over as the new leader) at
+    ``now`` with ``current`` replicas: they hold the observed replica count as if it
+    had been recommended now, and observation starts now. So the first window after a
+    start or a failover cannot scale down (nothing was observed before it), a
+    scale-up window still waits its full length, and the decisions already made by the
+    previous leader (visible as ``current``) are not made again."""
+    return State(recommendations=((now, current),), observing_since=now)
+
+
 @dataclass(frozen=True)
 class Decision:
     replicas: int

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from spillway_operator.pressure import (
     decide,
     parse_body,
     pod_pressure,
+    resume_state,
 )
 from spillway_operator.spec import AutoscalingStatus, InferenceDeploymentSpec
 from spillway_operator.status import now_rfc3339, read_status, to_wire
@@ -94,6 +96,8 @@ class Autoscaler:
         self._failing: set[tuple[str, str]] = set()  # keys whose last tick failed
         # Per key: the ready pods of the last tick whose /metrics were unusable, and why.
         self.problems: dict[tuple[str, str], list[str]] = {}
+        # Loops run only while active (this replica leads); objects are kept either way.
+        self.active = True
 
     def observe(self, key: tuple[str, str], body: dict[str, Any] | None) -> None:
         if body is None:
@@ -110,8 +114,27 @@ class Autoscaler:
                 self._exported.discard(key)
             return
         self.objects[key] = body
-        if key not in self._tasks:
+        if self.active and key not in self._tasks:
             self._tasks[key] = asyncio.create_task(self._loop(key))
+
+    def activate(self) -> None:
+        """Start a loop per known object, with fresh samples and windows: a new leader
+        decides from what it observes from now on (see ``pressure.resume_state``), and
+        the loops start spread over a second so their first scrapes do not come at once."""
+        self.active = True
+        self._samples.clear()
+        self._states.clear()
+        for key in list(self.objects):
+            if key not in self._tasks:
+                self._tasks[key] = asyncio.create_task(self._loop(key, random.uniform(0, 1)))
+
+    def deactivate(self) -> None:
+        """Stop every loop (this replica stopped leading)."""
+        self.active = False
+        for task in self._tasks.values():
+            task.cancel()
+        self._tasks.clear()
+        self._failing.clear()
 
     async def stop(self) -> None:
         for t in self._tasks.values():
@@ -121,7 +144,9 @@ class Autoscaler:
             await self._session.close()
         self._parser.shutdown(wait=False, cancel_futures=True)
 
-    async def _loop(self, key: tuple[str, str]) -> None:
+    async def _loop(self, key: tuple[str, str], delay: float = 0.0) -> None:
+        if delay:
+            await asyncio.sleep(delay)
         while True:
             interval = 15.0
             try:
@@ -252,8 +277,10 @@ class Autoscaler:
                      starting: int, agg: Aggregate) -> tuple[int, str, str]:
         """Decide, and write a changed replica count; returns (replicas, action, reason)."""
         ns, name = key
-        d = decide(policy_of(spec), now, current, ready, starting, agg,
-                   self._states.get(key, State()))
+        state = self._states.get(key)
+        if state is None:  # operator start or a new leader: windows start from now
+            state = resume_state(now, current)
+        d = decide(policy_of(spec), now, current, ready, starting, agg, state)
         self._states[key] = d.state
         if d.replicas != current:
             await asyncio.to_thread(self.kube.patch_scale, ns, name, d.replicas)

@@ -26,3 +26,45 @@ def test_a_child_names_its_owner_by_label():
     assert owner_key("team-a", {OWNER_LABEL: "chat"}) == ("team-a", "chat")
     assert owner_key("team-a", {}) is None
     assert owner_key(None, {OWNER_LABEL: "chat"}) is None
+
+
+def test_only_a_leading_controller_reconciles_and_a_new_leader_reconciles_everything():
+    import asyncio
+
+    from spillway_operator.controller import Controller
+
+    class Recorder:  # the reconciler's place: records what it was asked to reconcile
+        def __init__(self):
+            self.seen = []
+
+        def reconcile(self, body):
+            self.seen.append(body["metadata"]["name"])
+
+            class Result:
+                requeue_after = None
+            return Result()
+
+    def body(name):
+        return {"metadata": {"namespace": "ns", "name": name}}
+
+    async def scenario():
+        rec = Recorder()
+        c = Controller(rec, workers=2)
+        c.observe(body("a"), "ADDED")  # a standby's watch: cached, not reconciled
+        c.observe(body("b"), "ADDED")
+        await asyncio.sleep(0.05)
+        assert rec.seen == [] and not c.leading
+        c.start()  # became the leader
+        await asyncio.sleep(0.2)
+        assert sorted(rec.seen) == ["a", "b"] and c.leading
+        c.pause()  # stopped leading
+        assert not c.leading
+        c.observe(body("c"), "ADDED")
+        await asyncio.sleep(0.1)
+        assert "c" not in rec.seen and ("ns", "c") in c.objects
+        c.start()
+        await asyncio.sleep(0.2)
+        assert sorted(rec.seen) == ["a", "a", "b", "b", "c"]
+        await c.stop()
+
+    asyncio.run(scenario())

@@ -20,6 +20,7 @@ from spillway_operator.pressure import (
     parse_body,
     parse_metrics,
     pod_pressure,
+    resume_state,
 )
 
 BASE = {
@@ -264,3 +265,39 @@ def test_non_utf8_body_says_so():
     with pytest.raises(MetricsError, match="not UTF-8") as info:
         parse_body(TEXT.encode() + b"\xff\xfe", 1.0)
     assert info.value.reason == "not_utf8"
+
+
+# ---------------------------------------------------------------- after a failover
+
+
+def test_a_new_leader_never_scales_down_in_its_first_window():
+    # Takes over at t=5000 with 4 replicas; pressure is low from its first reading on.
+    state = resume_state(5_000.0, 4)
+    for t in range(5_000, 5_301, 15):  # the window includes its end
+        d = decide(POLICY, float(t), 4, 4, 0, agg_of(0.1), state)
+        assert (d.action, d.replicas) == ("hold", 4), t
+        state = d.state
+    d = decide(POLICY, 5_315.0, 4, 4, 0, agg_of(0.1), state)
+    assert (d.action, d.replicas) == ("scale-down", 3)
+
+
+def test_a_new_leader_keeps_the_scale_up_window_and_makes_no_burst():
+    # A 60 s scale-up window: the new leader's first high readings do not scale up at
+    # once (a fresh State would: its window would hold nothing but the new reading).
+    p = Policy(max_replicas=10, scale_up_window=60.0)
+    assert decide(p, 5_015.0, 2, 2, 0, agg_of(3.0), State()).action == "scale-up"
+    state = resume_state(5_000.0, 2)
+    decisions = []
+    for t in range(5_015, 5_120, 15):
+        d = decide(p, float(t), 2, 2, 0, agg_of(3.0), state)
+        state = d.state
+        decisions.append((t, d.action))
+        if d.action == "scale-up":
+            break
+    # Holds while the observed count is in the window, then one scale-up.
+    assert [a for _, a in decisions[:-1]] == ["hold"] * (len(decisions) - 1)
+    assert decisions[-1] == (5_075, "scale-up")
+    # With no stabilization window (the default), a high reading still scales up on the
+    # first measured tick.
+    assert decide(POLICY, 5_015.0, 2, 2, 0, agg_of(2.0), resume_state(5_000.0, 2)).action \
+        == "scale-up"
