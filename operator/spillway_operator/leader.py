@@ -224,6 +224,7 @@ class LeaderElector:
         self.renewed_at: float | None = None
         self.current: Seen | None = None
         self.leader: str | None = None  # the holder last seen
+        self.origin = ""  # how this candidate last got the Lease, for the log
         # One thread of its own: the default pool may be full of reconciles.
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="lease")
         self._failing = False
@@ -253,6 +254,7 @@ class LeaderElector:
                 self._note_holder(self.current.record.holder if self.current else None)
                 return
             assert step.record is not None
+            held = self.current.record.holder if self.current else None
             sent = self.clock()  # the write's send time bounds the new deadline
             if step.action == "create":
                 rv = self.client.create(step.record, timeout)
@@ -261,6 +263,9 @@ class LeaderElector:
                 rv = self.client.update(step.record, self.current.resource_version, timeout)
             self.current = Seen(step.record, rv, self.clock())
             self.renewed_at = sent
+            if held != self.identity:
+                self.origin = ("a new lease" if held is None else "the lease was released"
+                               if not held else f"the lease of {held} expired")
             self._note_holder(self.identity)
             if self._failing:
                 log.info("lease %s/%s: reachable again", self.client.namespace,
@@ -290,8 +295,8 @@ class LeaderElector:
         if fresh and not self.leading:
             self.leading = True
             metrics.LEADER.set(1)
-            log.info("became the leader: %s holds lease %s/%s", self.identity,
-                     self.client.namespace, self.client.name)
+            log.info("became the leader: %s holds lease %s/%s (%s)", self.identity,
+                     self.client.namespace, self.client.name, self.origin)
             self.on_started()
         elif self.leading and not fresh:
             self.leading = False

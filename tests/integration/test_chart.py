@@ -57,6 +57,9 @@ NAMESPACED_RULES = {
     *{("monitoring.coreos.com", "servicemonitors", v) for v in ("get", "patch", "create")},
 }
 CRD_READS = {("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("list", "watch")}
+# Leader election (operator/spillway_operator/leader.py): read, create and update the one
+# Lease, in the release namespace only.
+LEASE_RULES = {("coordination.k8s.io", "leases", v) for v in ("get", "create", "update")}
 NAMESPACE_READS = {("", "namespaces", v) for v in ("list", "watch")}
 
 
@@ -127,6 +130,13 @@ def by_kind(docs: list[dict], kind: str) -> list[dict]:
     return [d for d in docs if d["kind"] == kind]
 
 
+def split_lease_role(docs: list[dict], kind: str) -> tuple[list[dict], dict | None]:
+    """The objects of ``kind`` apart from the leader-election one, and that one."""
+    objs = by_kind(docs, kind)
+    lease = [d for d in objs if d["metadata"]["name"].endswith("-leader-election")]
+    return [d for d in objs if d not in lease], (lease[0] if lease else None)
+
+
 # ---------------------------------------------------------------- static checks
 
 
@@ -139,12 +149,30 @@ def test_helm_lint_strict(helm):
 
 
 def test_values_schema_is_strict(helm):
-    for bad, needle in (("operator.bogus=1", "bogus"), ("operator.replicas=2", "replicas"),
+    for bad, needle in (("operator.bogus=1", "bogus"), ("operator.replicas=9", "replicas"),
+                        ("operator.podAntiAffinity=maybe", "podAntiAffinity"),
+                        ("operator.leaderElection.leaseDuration=3", "leaseDuration"),
                         ("watchNamespaces={Not_A_Namespace}", "watchNamespaces"),
                         ("crds.instal=true", "instal")):
         proc = helm("template", RELEASE, CHART, "--set", bad, check=False)
         assert proc.returncode != 0, bad
         assert needle in proc.stderr, proc.stderr
+    # What a schema cannot say, the templates refuse with a reason.
+    for sets, needle in ((["operator.replicas=2", "operator.leaderElection.enabled=false"],
+                          "needs operator.leaderElection.enabled"),
+                         (["operator.leaderElection.renewDeadlineSeconds=20"],
+                          "leaseDurationSeconds must be greater than renewDeadlineSeconds"),
+                         (["operator.leaderElection.retryPeriodSeconds=9"],
+                          "greater than 1.2 x retryPeriodSeconds")):
+        proc = helm("template", RELEASE, CHART, *[a for x in sets for a in ("--set", x)],
+                    check=False)
+        assert proc.returncode != 0 and needle in proc.stderr, (sets, proc.stderr)
+    # One replica without election is still a valid chart.
+    docs = render(helm, "ops", "operator.replicas=1", "operator.leaderElection.enabled=false")
+    (dep,) = by_kind(docs, "Deployment")
+    assert dep["spec"]["strategy"] == {"type": "Recreate"}
+    assert "--leader-elect" not in dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert split_lease_role(docs, "Role")[1] is None and not by_kind(docs, "PodDisruptionBudget")
 
 
 def test_chart_crd_is_exactly_the_generated_crd(helm):
@@ -163,11 +191,18 @@ def test_chart_crd_is_exactly_the_generated_crd(helm):
 
 
 def test_rbac_rules_are_exactly_what_the_operator_calls(helm):
-    # Cluster-wide (default): one ClusterRole, no Role, no namespaces.
+    # Cluster-wide (default): one ClusterRole, no Role but the Lease's, no namespaces.
     docs = render(helm, "spillway-system")
     (role,) = by_kind(docs, "ClusterRole")
     assert rule_set(role["rules"]) == NAMESPACED_RULES | CRD_READS
-    assert not by_kind(docs, "Role")
+    roles, lease_role = split_lease_role(docs, "Role")
+    assert not roles
+    assert lease_role["metadata"]["namespace"] == "spillway-system"
+    assert rule_set(lease_role["rules"]) == LEASE_RULES
+    _, lease_binding = split_lease_role(docs, "RoleBinding")
+    assert lease_binding["roleRef"]["name"] == lease_role["metadata"]["name"]
+    assert lease_binding["subjects"] == [{"kind": "ServiceAccount", "name": "spillway",
+                                          "namespace": "spillway-system"}]
     (binding,) = by_kind(docs, "ClusterRoleBinding")
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "spillway",
                                     "namespace": "spillway-system"}]
@@ -177,9 +212,13 @@ def test_rbac_rules_are_exactly_what_the_operator_calls(helm):
 
     # Namespace-scoped: a Role per namespace; kopf's cluster reads in a small ClusterRole.
     docs = render(helm, "spillway-system", "watchNamespaces={a,b}")
-    assert {r["metadata"]["namespace"] for r in by_kind(docs, "Role")} == {"a", "b"}
-    assert all(rule_set(r["rules"]) == NAMESPACED_RULES for r in by_kind(docs, "Role"))
-    assert {b["metadata"]["namespace"] for b in by_kind(docs, "RoleBinding")} == {"a", "b"}
+    roles, lease_role = split_lease_role(docs, "Role")
+    assert {r["metadata"]["namespace"] for r in roles} == {"a", "b"}
+    assert all(rule_set(r["rules"]) == NAMESPACED_RULES for r in roles)
+    assert lease_role["metadata"]["namespace"] == "spillway-system"
+    assert rule_set(lease_role["rules"]) == LEASE_RULES
+    bindings, _ = split_lease_role(docs, "RoleBinding")
+    assert {b["metadata"]["namespace"] for b in bindings} == {"a", "b"}
     (reads,) = by_kind(docs, "ClusterRole")
     assert rule_set(reads["rules"]) == CRD_READS | NAMESPACE_READS
     (dep,) = by_kind(docs, "Deployment")
@@ -194,9 +233,13 @@ def test_operator_pod_is_restricted(helm):
     (dep,) = by_kind(render(helm, "spillway-system"), "Deployment")
     pod = dep["spec"]["template"]["spec"]
     (c,) = pod["containers"]
-    assert dep["spec"]["replicas"] == 1
     assert c["args"][1:] == ["--liveness", "http://0.0.0.0:8080/healthz", "--metrics-port",
-                             "8081", "--log-format", "json"]
+                             "8081", "--log-format", "json", "--leader-elect",
+                             "--leader-election-namespace", "spillway-system",
+                             "--leader-election-id", "spillway-leader", "--lease-duration", "15",
+                             "--renew-deadline", "10", "--retry-period", "2"]
+    assert {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in c[
+        "env"]
     assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "healthz"}
     assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"healthz": 8080,
                                                                    "metrics": 8081}
@@ -208,6 +251,43 @@ def test_operator_pod_is_restricted(helm):
     assert {"name": "tmp", "mountPath": "/tmp"} in c["volumeMounts"]
     assert {"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}} in pod["volumes"]
     assert c["resources"]["requests"] and c["resources"]["limits"]["memory"]
+
+
+def test_operator_is_highly_available(helm):
+    docs = render(helm, "spillway-system")
+    (dep,) = by_kind(docs, "Deployment")
+    pod = dep["spec"]["template"]["spec"]
+    selector = dep["spec"]["selector"]["matchLabels"]
+    # Two replicas, one writer (the Lease); rolled one at a time, never below two.
+    assert dep["spec"]["replicas"] == 2
+    assert dep["spec"]["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {
+        "maxUnavailable": 0, "maxSurge": 1}}
+    # Spread over nodes (soft by default, so a one-node cluster still runs both).
+    (term,) = pod["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert term["podAffinityTerm"] == {"topologyKey": "kubernetes.io/hostname",
+                                       "labelSelector": {"matchLabels": selector}}
+    (pdb,) = by_kind(docs, "PodDisruptionBudget")
+    assert pdb["spec"] == {"maxUnavailable": 1, "selector": {"matchLabels": selector}}
+    assert pdb["metadata"]["namespace"] == "spillway-system"
+
+    (dep,) = by_kind(render(helm, "x", "operator.podAntiAffinity=hard"), "Deployment")
+    (term,) = dep["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"]
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+    (dep,) = by_kind(render(helm, "x", "operator.podAntiAffinity=none"), "Deployment")
+    assert "affinity" not in dep["spec"]["template"]["spec"]
+    # Lease settings reach the command line; one replica renders no PDB (it would block
+    # every drain).
+    docs = render(helm, "x", "operator.replicas=1", "operator.leaderElection.leaseName=lead",
+                  "operator.leaderElection.leaseDurationSeconds=30",
+                  "operator.leaderElection.renewDeadlineSeconds=20",
+                  "operator.leaderElection.retryPeriodSeconds=4")
+    (dep,) = by_kind(docs, "Deployment")
+    args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--leader-election-id") + 1] == "lead"
+    assert [args[args.index(f) + 1] for f in ("--lease-duration", "--renew-deadline",
+                                              "--retry-period")] == ["30", "20", "4"]
+    assert not by_kind(docs, "PodDisruptionBudget")
 
 
 def test_service_monitor_and_dashboard(helm):
@@ -253,9 +333,9 @@ def test_rendered_chart_passes_server_side_dry_run(helm, cluster, namespace, sco
     proc = run(cluster.config.binaries["kubectl"], f"--kubeconfig={cluster.config.kubeconfig}",
                "apply", "--dry-run=server", "-f", "-", input=manifest)
     kinds = {line.split("/")[0].split(".")[0] for line in proc.stdout.splitlines()}
-    want = {"customresourcedefinition", "serviceaccount", "deployment", "configmap"}
-    want |= ({"clusterrole", "clusterrolebinding"} if scope == "cluster-wide"
-             else {"role", "rolebinding", "clusterrole", "clusterrolebinding"})
+    want = {"customresourcedefinition", "serviceaccount", "deployment", "configmap",
+            "poddisruptionbudget", "role", "rolebinding"}  # Role: the Lease's
+    want |= {"clusterrole", "clusterrolebinding"}
     assert kinds == want, proc.stdout
     assert proc.stdout.count("(server dry run)") == len(proc.stdout.splitlines())
     # No PodSecurity warning ("would violate PodSecurity \"restricted:latest\"").
@@ -410,7 +490,9 @@ def test_operator_runs_as_the_chart_service_account(helm, cluster, api, namespac
                ["patch", "inferencedeployments.spillway.dev", "-n", work, "--subresource",
                 "scale"],
                ["create", "events", "-n", work], ["get", "secrets", "-n", work],
-               ["watch", "customresourcedefinitions.apiextensions.k8s.io"]]
+               ["watch", "customresourcedefinitions.apiextensions.k8s.io"],
+               *[[v, "leases.coordination.k8s.io", "-n", release_ns]
+                 for v in ("get", "create", "update")]]
     # Denied: everything else, including what a looser role would hand out.
     denied = [["delete", "deployments.apps", "-n", work],
               ["update", "deployments.apps", "-n", work],
@@ -429,7 +511,11 @@ def test_operator_runs_as_the_chart_service_account(helm, cluster, api, namespac
                "scale"],
               ["create", "customresourcedefinitions.apiextensions.k8s.io"],
               ["get", "nodes"], ["create", "clusterrolebindings.rbac.authorization.k8s.io"],
-              ["delete", "namespaces"], ["create", "namespaces"]]
+              ["delete", "namespaces"], ["create", "namespaces"],
+              *[[v, "leases.coordination.k8s.io", "-n", release_ns]
+                for v in ("list", "watch", "patch", "delete")],
+              ["update", "leases.coordination.k8s.io", "-n", work],
+              ["get", "leases.coordination.k8s.io", "-n", "kube-system"]]
     if namespaced:
         granted += [["list", "namespaces"], ["watch", "namespaces"]]
         denied += [["get", "secrets", "-n", release_ns], ["get", "secrets", "-n", "default"],
@@ -455,13 +541,20 @@ def test_operator_runs_as_the_chart_service_account(helm, cluster, api, namespac
         proc = subprocess.Popen(
             [sys.executable, "-m", "spillway_operator",
              *(["-n", work] if namespaced else ["--all-namespaces"]),
-             "--liveness", "", "--metrics-port", str(port), "--verbose"],
+             "--liveness", "", "--metrics-port", str(port), "--verbose",
+             # As the chart runs it: standing for election on the release's Lease.
+             "--leader-elect", "--leader-election-namespace", release_ns,
+             "--leader-election-id", "spillway-leader"],
             stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
     text = lambda: log.read_text(errors="replace")  # noqa: E731
     try:
         wait_for(lambda: proc.poll() is not None or "spillway operator started" in text(), 60,
                  "the operator to start")
         assert proc.poll() is None, text()[-3000:]
+        wait_for(lambda: "became the leader" in text(), 30, "the operator to take the Lease")
+        lease = json.loads(cluster.kubectl("get", "lease", "spillway-leader", "-n", release_ns,
+                                           "-o", "json"))
+        assert lease["spec"]["holderIdentity"] in text()
 
         core, apps = client.CoreV1Api(api), client.AppsV1Api(api)
         custom = client.CustomObjectsApi(api)

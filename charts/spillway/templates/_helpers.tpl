@@ -21,6 +21,10 @@
 {{- printf "%s-%s" (include "spillway.fullname" .) .Release.Namespace }}
 {{- end }}
 
+{{- define "spillway.leaseName" -}}
+{{- default (printf "%s-leader" (include "spillway.fullname" .)) .Values.operator.leaderElection.leaseName }}
+{{- end }}
+
 {{- define "spillway.serviceAccountName" -}}
 {{- if .Values.serviceAccount.create }}
 {{- default (include "spillway.fullname" .) .Values.serviceAccount.name }}
