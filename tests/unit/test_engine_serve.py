@@ -40,6 +40,19 @@ QWEN_NEXT = "qwen3-next-80b-a3b-instruct"  # GDN (Mamba) hybrid: 3 Mamba + 1 att
 NEMOTRON = "nemotron-h-8b-base-8k"  # Mamba2 hybrid
 
 
+@pytest.fixture(autouse=True)
+def pod_host(tmp_path, monkeypatch) -> Path:
+    """The pod's host facts in tmp: shm folder, memory cgroup (no limit) and the
+    termination log, so no test frees the machine's /dev/shm or writes /dev."""
+    host = tmp_path / "host"
+    (host / "shm").mkdir(parents=True)
+    (host / "cgroup").mkdir()
+    monkeypatch.setenv("SPILLWAY_SHM_DIR", str(host / "shm"))
+    monkeypatch.setenv("SPILLWAY_CGROUP_ROOT", str(host / "cgroup"))
+    monkeypatch.setenv("SPILLWAY_TERMINATION_LOG", str(host / "termination-log"))
+    return host
+
+
 def plan_for(model: str, **kw: Any) -> Plan:
     kw.setdefault("cpu_memory_bytes", 8 * GIB)
     kw.setdefault("max_model_len", 8192)

@@ -15,11 +15,20 @@ scales the modelled GPU step times (1.0 real time, 0 never sleep),
 ``--emulate-kv-bytes`` sets the emulated KV budget and ``--emulate-model-params`` the
 parameter count the step times assume.
 
+Before vLLM starts, ``serve`` frees what an earlier engine of this pod left in the shm
+folder (``--shm-dir``, ``SPILLWAY_SHM_DIR``, default /dev/shm; see
+:mod:`spillway_engine.launcher.shm_cleanup`), naming each file and its bytes, then
+checks that the container can hold the plan (:mod:`spillway_engine.launcher.preflight`:
+shm room, the memory cgroup's limit under ``--cgroup-root`` / ``SPILLWAY_CGROUP_ROOT``,
+the memlock limit where the region is pinned).
+
 ``spillway-engine simulate ...`` runs the engine simulator
 (:mod:`spillway_engine.simulator`).
 
-Exit status: 0 on success, 2 on any usage problem, bad plan or refusal (one line on
-stderr, never a traceback). Once vLLM is exec'd its status is the pod's.
+Exit status: 0 on success, 2 on any usage problem, bad plan or refusal, 3 when the
+container cannot hold the plan (preflight). Either way one line on stderr, never a
+traceback, and ``serve`` writes the same line to the container's termination message
+(:mod:`spillway_engine.launcher.termination`). Once vLLM is exec'd its status is the pod's.
 """
 
 from __future__ import annotations
@@ -38,23 +47,35 @@ from pathlib import Path
 from typing import Any
 
 from spillway_engine import emulator
+from spillway_engine.launcher import preflight
 from spillway_engine.launcher.plugin import (
     ENTRY_POINT_GROUP,
     ENTRY_POINT_NAME,
     ENTRY_POINT_VALUE,
     ENV_PLAN,
 )
+from spillway_engine.launcher.shm_cleanup import free_leftovers, shm_dir
+from spillway_engine.launcher.termination import write_termination_message
 from spillway_engine.planner.plan import Plan, PlanReadError, read_plan
 from spillway_engine.vllm_pins import UPSTREAM_CONNECTOR, VLLM_VERSION
 
 PROG = "spillway-engine"
 EXIT_USAGE = 2
+EXIT_PREFLIGHT = 3
 ENGINE_OPTIONS_FILE = "engine.json"
 ENV_ENGINE_OPTIONS = "SPILLWAY_ENGINE_OPTIONS"
 
 
 class EngineCliError(Exception):
     """One line for stderr; exit status 2."""
+
+    exit_code = EXIT_USAGE
+
+
+class PreflightShortfall(EngineCliError):
+    """The container cannot hold the plan; exit status 3."""
+
+    exit_code = EXIT_PREFLIGHT
 
 
 class _Parser(argparse.ArgumentParser):
@@ -504,6 +525,18 @@ def _serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=_port, default=8000)
     p.add_argument("--dry-run", action="store_true", help="print the vLLM command and exit")
+    p.add_argument(
+        "--shm-dir",
+        metavar="PATH",
+        help="the pod's shm folder, freed of an earlier engine's leftovers and checked for "
+        "room before vLLM starts (default: $SPILLWAY_SHM_DIR or /dev/shm)",
+    )
+    p.add_argument(
+        "--cgroup-root",
+        metavar="PATH",
+        help="where the container's memory cgroup files are (default: $SPILLWAY_CGROUP_ROOT "
+        "or /sys/fs/cgroup)",
+    )
     emu = p.add_argument_group("emulated GPU (no weights, no forward pass; for tests)")
     emu.add_argument(
         "--emulate-gpu",
@@ -582,10 +615,44 @@ def serve_main(argv: Sequence[str]) -> int:
         )
     for note in notes:
         print(f"{PROG}: note: {note}", file=sys.stderr)
+    # vLLM and the GPU workers pin the region only on a real GPU, and only with offloading.
+    prepare_host(
+        plan,
+        shm_dir(args.shm_dir),
+        preflight.cgroup_root(args.cgroup_root),
+        offload=options.offload_enabled,
+        pins=options.offload_enabled and not args.emulate_gpu,
+    )
     print(f"{PROG}: exec {shlex.join(cmd)}", file=sys.stderr)
     env = serving_env(plan_path, options_path, os.environ, plugins)
     env.update(emulated_env)
     return _exec(cmd, env)
+
+
+def prepare_host(plan: Plan, shm: Path, cgroups: Path, *, offload: bool, pins: bool) -> None:
+    """Free the shm folder of an earlier engine's leftovers, then check the container
+    holds the plan. Raises PreflightShortfall (one line) when it does not."""
+    if not shm.is_dir():
+        raise PreflightShortfall(f"the shm folder {shm} does not exist (--shm-dir)")
+    try:
+        cleanup = free_leftovers(shm)
+    except OSError as e:
+        raise PreflightShortfall(f"cannot list the shm folder {shm}: {e.strerror or e}") from None
+    for line in cleanup.log_lines():
+        print(f"{PROG}: {line}", file=sys.stderr)
+    if not offload:
+        print(f"{PROG}: preflight skipped: offloading disabled in engine.json", file=sys.stderr)
+        return
+    try:
+        facts = preflight.read_facts(shm, cgroups)
+    except preflight.PreflightError as e:
+        raise PreflightShortfall(str(e)) from None
+    found = preflight.shortfalls(plan, facts, shm, pins=pins)
+    if found:
+        raise PreflightShortfall(
+            "preflight: " + "; also ".join(f"{s.check}: {s.line}" for s in found)
+        )
+    print(f"{PROG}: {preflight.summary(plan, facts, shm)}", file=sys.stderr)
 
 
 def simulate_main(argv: Sequence[str]) -> int:
@@ -615,8 +682,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as e:  # --help
         return e.code if isinstance(e.code, int) else 0
     except EngineCliError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        line = f"{PROG}: error: {e}"
+        print(line, file=sys.stderr)
+        if command == "serve":  # the operator shows it (Degraded, EngineStartFailed)
+            write_termination_message(line)
+        return e.exit_code
 
 
 if __name__ == "__main__":

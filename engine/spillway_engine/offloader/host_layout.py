@@ -14,7 +14,19 @@ the chunk's ``o // unit_bytes``-th unit at offset ``o % unit_bytes``.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+
+#: ``1`` puts the host pool in vLLM's shared ``/dev/shm`` region on any platform (the
+#: emulated GPU in tests); by default only CUDA maps it there, as upstream does.
+ENV_SHARED_REGION = "SPILLWAY_SHARED_REGION"
+#: Prefix of the region's file(s) in /dev/shm (vLLM's ``SharedOffloadRegion``:
+#: ``vllm_offload_{engine_id}.mmap`` plus ``.1``, ``.2``... segments).
+REGION_FILE_PREFIX = "vllm_offload_"
+
+
+def shared_region_forced() -> bool:
+    return os.environ.get(ENV_SHARED_REGION, "").strip().lower() in ("1", "true", "yes")
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ from spillway_engine.offloader.copy_plan import (
     plan_copies,
 )
 from spillway_engine.offloader.cuda_lanes import CudaLane, batched_copy
-from spillway_engine.offloader.host_layout import HostLayout
+from spillway_engine.offloader.host_layout import HostLayout, shared_region_forced
 from spillway_engine.planner.offload_geometry import host_copies
 
 __all__ = [
@@ -286,6 +286,8 @@ def _platform_shares_region() -> bool:
     # Same platforms as upstream's CPU spec (it keeps ROCm on private tensors).
     from vllm.platforms import current_platform
 
+    if shared_region_forced():
+        return True
     return current_platform.is_cuda()
 
 
