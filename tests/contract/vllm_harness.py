@@ -18,6 +18,7 @@ Two CPU-only differences are undone, both documented in the contract README:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -172,6 +173,55 @@ def _attn_backend_cls(
 
 type(current_platform).get_attn_backend_cls = classmethod(_attn_backend_cls)  # type: ignore
 
+_cpu_check_and_update_config = type(current_platform).check_and_update_config
+
+
+def _check_and_update_config_as_on_cuda(cls: Any, vllm_config: Any) -> None:
+    # CpuPlatform turns prefix caching and chunked prefill off for MLA models (its MLA
+    # kernel lacks them; MLA+Mamba hybrids such as Kimi-Linear then fail VllmConfig's
+    # mamba_block_size check) and may reset the SSM state dtype to float32 for its
+    # accelerated GDN kernel, depending on the CPU. CUDA keeps all three as set.
+    cache, scheduler = vllm_config.cache_config, vllm_config.scheduler_config
+    prefix, chunked = cache.enable_prefix_caching, scheduler.enable_chunked_prefill
+    ssm_dtype = cache.mamba_ssm_cache_dtype
+    _cpu_check_and_update_config(vllm_config)
+    cache.mamba_ssm_cache_dtype = ssm_dtype
+    if vllm_config.model_config is not None and vllm_config.model_config.use_mla:
+        cache.enable_prefix_caching, scheduler.enable_chunked_prefill = prefix, chunked
+
+
+type(current_platform).check_and_update_config = classmethod(  # type: ignore[method-assign]
+    _check_and_update_config_as_on_cuda
+)
+
+
+class _NoCudaStream:
+    """Stands in for ``torch.cuda.Stream``/``Event`` while a model is built on a CPU.
+
+    Some model classes (Kimi-Linear) create a side stream in ``__init__`` to overlap
+    GEMMs at run time; it decides nothing about the KV cache, and on a machine
+    without CUDA creating one raises.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __getattr__(self, name: str) -> Any:
+        return lambda *args, **kwargs: None
+
+
+@contextlib.contextmanager
+def _cuda_streams_stood_in():
+    if torch.cuda.is_available():
+        yield
+        return
+    saved = torch.cuda.Stream, torch.cuda.Event
+    torch.cuda.Stream, torch.cuda.Event = _NoCudaStream, _NoCudaStream  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        torch.cuda.Stream, torch.cuda.Event = saved  # type: ignore[misc]
+
 
 def _init_distributed() -> None:
     global _distributed_ready
@@ -241,7 +291,7 @@ def build_layout(config: dict[str, Any], case: Case, attention_backend: str | No
         tp_group.world_size = case.tensor_parallel_size
         tp_group.rank_in_group = 0
         model_cls, _ = get_model_architecture(vc.model_config)
-        with torch.device("meta"):
+        with torch.device("meta"), _cuda_streams_stood_in():
             model_cls(vllm_config=vc, prefix="")
         layers = get_layers_from_vllm_config(vc, AttentionLayerBase)
         give_planned_backends(layers, attention_backend, case.gpu, case.enable_prefix_caching)

@@ -14,7 +14,9 @@ from spillway_engine.planner.families import (
     dense,
     gemma,
     gpt_oss,
+    granite_hybrid,
     jamba,
+    kimi_linear,
     llama4,
     nemotron_h,
     qwen3_next,
@@ -30,6 +32,8 @@ _ARCHITECTURES: dict[str, ShapeRule] = {
     **qwen3_next.ARCHITECTURES,
     **jamba.ARCHITECTURES,
     **nemotron_h.ARCHITECTURES,
+    **granite_hybrid.ARCHITECTURES,
+    **kimi_linear.ARCHITECTURES,
 }
 
 SUPPORTED_ARCHITECTURES = tuple(sorted(_ARCHITECTURES))

@@ -1,12 +1,14 @@
-"""Qwen3-Next: Gated DeltaNet (GDN) linear-attention layers plus full attention."""
+"""Qwen3-Next and Qwen3.5: Gated DeltaNet (GDN) linear-attention layers plus full attention."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from spillway_engine.planner.shape import (
+    TORCH_DTYPE_NAMES,
     LayerKind,
     MambaState,
+    ModelConfigError,
     ModelShape,
     ShapeRule,
     UnsupportedModel,
@@ -17,7 +19,8 @@ from spillway_engine.planner.shape import (
 
 
 def _qwen3_next(config: dict[str, Any], arch: str) -> ModelShape:
-    """Qwen3-Next: gated-delta-net (GDN) layers + full attention every interval-th layer."""
+    """Qwen3-Next / Qwen3.5 (``qwen3_next.py``, ``qwen3_5.py``): gated-delta-net (GDN)
+    layers + full attention every interval-th layer; the same GDN state rule."""
     cfg = text_config(config, {"full_attention_interval": 4, "head_dim": 256})
     n = cfg.int("num_hidden_layers")
     layer_types = cfg.str_list("layer_types", n)
@@ -34,13 +37,23 @@ def _qwen3_next(config: dict[str, Any], arch: str) -> ModelShape:
     k_heads, v_heads = cfg.int("linear_num_key_heads"), cfg.int("linear_num_value_heads")
     k_dim, v_dim = cfg.int("linear_key_head_dim"), cfg.int("linear_value_head_dim")
     kernel = cfg.int("linear_conv_kernel_dim")
+    ssm_dtype: str | None = None
+    if arch.startswith("Qwen3_5") and cfg.has("mamba_ssm_dtype"):
+        # Qwen3_5ForCausalLMConfig: the config's mamba_ssm_dtype becomes the SSM
+        # state dtype when --mamba-ssm-cache-dtype is left at auto.
+        ssm_dtype = TORCH_DTYPE_NAMES.get(str(cfg.get("mamba_ssm_dtype")))
+        if ssm_dtype is None:
+            raise ModelConfigError(f"{cfg.where}: unknown mamba_ssm_dtype")
 
     def states(tp: int, dtype: str) -> list[tuple[int, str]]:
         # MambaStateShapeCalculator.gated_delta_net_state_shape (no speculative tokens)
         conv_dim = divide_for_tp(k_dim * k_heads * 2 + v_dim * v_heads, tp, "GDN conv dim")
         return [
             (conv_dim * (kernel - 1), dtype),
-            (divide_for_tp(v_heads, tp, "linear_num_value_heads") * v_dim * k_dim, dtype),
+            (
+                divide_for_tp(v_heads, tp, "linear_num_value_heads") * v_dim * k_dim,
+                ssm_dtype or dtype,
+            ),
         ]
 
     return attention_shape(
@@ -55,4 +68,6 @@ def _qwen3_next(config: dict[str, Any], arch: str) -> ModelShape:
 
 ARCHITECTURES: dict[str, ShapeRule] = {
     "Qwen3NextForCausalLM": _qwen3_next,
+    "Qwen3_5ForCausalLM": _qwen3_next,
+    "Qwen3_5MoeForCausalLM": _qwen3_next,
 }

@@ -1,0 +1,185 @@
+"""The 2026 frontier: hybrid KV layouts of vLLM 0.33.0's newer architectures.
+
+Each case plans a released model's public config.json facts (``frontier_configs/``,
+sources in its README) with the planner and with vLLM's own code on the CPU, and
+asserts the two agree: KV groups, block size, hash unit, bytes per block and the
+upstream offloader's rows. An architecture the planner refuses is either refused by
+vLLM at the same place, or listed in ``NOT_YET_MODELLED`` with the reason, and the
+test checks the planner says so by name.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from spillway_engine.planner.families import SUPPORTED_ARCHITECTURES
+from spillway_engine.planner.plan import Plan, PlanRefused, PlanRequest, make_plan
+
+from .vllm_harness import Case, VllmLayout, build_layout
+
+CONFIGS = Path(__file__).resolve().parent / "frontier_configs"
+GIB = 2**30
+POOL = 64 * GIB
+
+
+def load_frontier(name: str) -> dict[str, Any]:
+    return json.loads((CONFIGS / f"{name}.json").read_text())["config"]
+
+
+class FrontierLayouts:
+    """vLLM layouts built once per case for the session; a refusal is kept as a result."""
+
+    def __init__(self) -> None:
+        self._built: dict[Case, VllmLayout | Exception] = {}
+
+    def get(self, case: Case, attention_backend: str | None) -> VllmLayout | Exception:
+        if case not in self._built:
+            try:
+                self._built[case] = build_layout(load_frontier(case.model), case, attention_backend)
+            except Exception as e:  # vLLM refusing is a result too
+                self._built[case] = e
+        return self._built[case]
+
+
+@pytest.fixture(scope="session")
+def frontier_layouts() -> FrontierLayouts:
+    return FrontierLayouts()
+
+
+KIMI = "kimi-linear-48b-a3b"
+GRANITE = "granite-4.0-h-small"
+QWEN35 = "qwen3.5-35b-a3b"
+
+LAYOUT_CASES = [
+    # linear attention (KDA) + MLA: the block grows to 128-aligned tokens so one MLA
+    # page holds a KDA state; 20 KDA layers split into 3 groups beside 7 MLA layers
+    Case(KIMI, max_model_len=4096),
+    Case(KIMI, 2, max_model_len=4096),
+    Case(KIMI, 4, max_model_len=4096),
+    Case(KIMI, 8, max_model_len=4096),
+    Case(KIMI, 2, gpu="a100", max_model_len=4096),
+    Case(KIMI, kv_cache_dtype="fp8", max_model_len=4096),
+    Case(KIMI, 4, kv_cache_dtype="fp8", max_model_len=4096),
+    # Mamba-2 + NoPE attention, 36:4
+    Case(GRANITE, max_model_len=2048),
+    Case(GRANITE, 2, max_model_len=2048),
+    Case(GRANITE, 4, max_model_len=2048),
+    Case(GRANITE, 8, max_model_len=2048),
+    Case(GRANITE, 2, gpu="a100", max_model_len=2048),
+    Case(GRANITE, kv_cache_dtype="fp8", max_model_len=2048),
+    Case(GRANITE, 4, kv_cache_dtype="fp8", max_model_len=2048),
+    # Gated DeltaNet + gated full attention, 3:1, float32 SSM state from the config
+    Case(QWEN35),
+    Case(QWEN35, 2),
+    Case(QWEN35, 4),  # 2 KV heads over 4 ranks: replicated
+    Case(QWEN35, 8),
+    Case(QWEN35, 2, gpu="a100"),
+    Case(QWEN35, kv_cache_dtype="fp8"),
+    Case(QWEN35, 4, kv_cache_dtype="fp8"),
+]
+BLOCKS_PER_CHUNK = [None, 1, 4]
+
+
+def plan_for(case: Case, **kw: Any) -> Plan:
+    kw.setdefault("cpu_memory_bytes", POOL)
+    return make_plan(
+        load_frontier(case.model),
+        PlanRequest(
+            tensor_parallel_size=case.tensor_parallel_size,
+            gpu=case.gpu,
+            dtype=case.dtype,
+            kv_cache_dtype=case.kv_cache_dtype,
+            enable_prefix_caching=case.enable_prefix_caching,
+            max_model_len=case.max_model_len,
+            block_size=case.block_size,
+            offloader="upstream",
+            **kw,
+        ),
+    )
+
+
+def vllm_for(layouts: FrontierLayouts, case: Case, plan: Plan) -> VllmLayout:
+    built = layouts.get(case, plan.gpu.attention_backend)
+    if isinstance(built, Exception):
+        pytest.fail(f"vLLM refused {case} which the planner accepts: {built!r}")
+    return built
+
+
+def planned_groups(plan: Plan) -> list[dict[str, Any]]:
+    return [
+        {
+            "kind": g.kind,
+            "layer_indices": g.layer_indices,
+            "tokens_per_block": g.tokens_per_block,
+            "page_bytes": g.page_bytes,
+            "sliding_window": g.sliding_window,
+        }
+        for g in plan.kv_groups
+    ]
+
+
+def test_frontier_architectures_are_supported():
+    for arch in (
+        "KimiLinearForCausalLM",
+        "GraniteMoeHybridForCausalLM",
+        "Qwen3_5ForCausalLM",
+        "Qwen3_5MoeForCausalLM",
+    ):
+        assert arch in SUPPORTED_ARCHITECTURES
+
+
+@pytest.mark.parametrize("case", LAYOUT_CASES, ids=str)
+def test_kv_groups_match_vllm(case: Case, frontier_layouts: FrontierLayouts):
+    plan = plan_for(case)
+    built = vllm_for(frontier_layouts, case, plan)
+    assert planned_groups(plan) == built.groups
+    assert plan.block_size == built.block_size
+    assert plan.model.num_cache_layers == len(built.layer_names)
+    off = built.offload({"cpu_bytes_to_use": POOL, "blocks_per_chunk": 1})
+    assert plan.tokens_per_hash == off["tokens_per_hash"]
+    assert plan.worker_bytes_per_block == off["worker_bytes_per_block"]
+
+
+@pytest.mark.parametrize("bpc", BLOCKS_PER_CHUNK, ids=lambda b: f"bpc{b}")
+@pytest.mark.parametrize("case", LAYOUT_CASES, ids=str)
+def test_upstream_offload_matches_vllm(
+    case: Case, bpc: int | None, frontier_layouts: FrontierLayouts
+):
+    plan = plan_for(case, blocks_per_chunk=bpc)
+    built = vllm_for(frontier_layouts, case, plan)
+    off = built.offload({"cpu_bytes_to_use": POOL, "blocks_per_chunk": plan.blocks_per_chunk})
+    up = plan.upstream
+    assert up is not None
+    assert plan.kv_connector_extra_config == {
+        "cpu_bytes_to_use": POOL,
+        "blocks_per_chunk": off["blocks_per_chunk"],
+    }
+    assert up.replicated_layout == off["replicated_layout"]
+    assert (up.row_bytes, up.num_chunks) == (off["row_bytes"], off["num_chunks"])
+    assert up.gauge_tokens == off["gauge_tokens"]
+    assert [g.tokens_per_block for g in up.groups] == off["group_tokens_per_block"]
+    assert [g.window_chunks for g in up.groups] == off["window_chunks"]
+
+
+def test_kimi_linear_groups_differ_in_kind_but_share_one_page():
+    """The per-group offloader's case: KDA state groups padded to the MLA page."""
+    plan = plan_for(Case(KIMI, max_model_len=4096))
+    kinds = [g.kind for g in plan.kv_groups]
+    assert kinds.count("mamba") == 3 and kinds.count("mla") == 1
+    assert len({g.page_bytes for g in plan.kv_groups}) == 1
+    assert plan.block_size % 128 == 0
+
+
+@pytest.mark.parametrize("tp", [3, 5])
+def test_indivisible_tensor_parallel_refused_by_both(tp: int, frontier_layouts: FrontierLayouts):
+    for model, max_len in ((QWEN35, 8192), (GRANITE, 2048)):
+        case = Case(model, tp, max_model_len=max_len)
+        built = frontier_layouts.get(case, "FLASH_ATTN")
+        assert isinstance(built, Exception), f"vLLM accepted {case}"
+        assert "divisible" in str(built)
+        with pytest.raises(PlanRefused, match="divisible"):
+            plan_for(case)
