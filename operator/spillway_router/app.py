@@ -1,0 +1,510 @@
+"""The OpenAI-compatible proxy: parse, route (pure scoring), forward, retry.
+
+State changes come from three places: the backend source (static list or pod
+watch), each pod's KV events, and probes of each pod's /health and /metrics. The
+request path reads that state, calls :func:`scoring.choose`, and streams the pod's
+answer through unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client import Counter as PCounter
+from prometheus_client.parser import text_string_to_metric_families
+
+from .backends import Backend
+from .events import EventFeed, subscribe
+from .hashing import BlockHasher, HashConfig
+from .index import ApproxTracker, Match, PrefixIndex
+from .scoring import DEFAULT_BALANCE, PodState, Ring, choose, cold_key
+from .tokens import BadRequest, Prompt, Tokenizer, prompt_of, text_keys
+
+log = logging.getLogger("spillway.router")
+
+MAX_BODY = 32 * 1024 * 1024
+#: the router's own estimate of text characters per token (approximate text keys)
+CHARS_PER_TOKEN = 4
+_HOP = {
+    "host", "content-length", "connection", "keep-alive", "transfer-encoding", "te",
+    "trailer", "upgrade", "proxy-authorization", "proxy-authenticate",
+}  # fmt: skip
+
+
+@dataclass
+class RouterConfig:
+    mode: str = "events"  # "events" (approximate where a pod publishes none) | "approx"
+    hash_algorithm: str = "sha256"
+    hash_seed: str | None = None
+    balance: float = DEFAULT_BALANCE
+    host_bandwidth: float = 25e9
+    prefill_s_per_token: float = 1e-4
+    wait_s_per_request: float = 0.05
+    max_attempts: int = 3
+    probe_interval_s: float = 2.0
+    eject_s: float = 5.0
+    connect_timeout_s: float = 5.0
+    tokenizers: dict[str, Tokenizer] = field(default_factory=dict)
+
+
+def error(status: int, message: str, kind: str | None = None) -> web.Response:
+    kind = kind or {400: "BadRequestError", 404: "NotFoundError", 413: "BadRequestError"}.get(
+        status, "ServiceUnavailableError"
+    )
+    body = {"object": "error", "message": message, "type": kind, "param": None, "code": status}
+    return web.json_response(body, status=status)
+
+
+def parse_pod_metrics(text: str) -> tuple[float, int | None]:
+    """(waiting + running requests, GPU KV capacity in tokens or None) from vLLM's
+    /metrics."""
+    load = 0.0
+    gpu_tokens = None
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name in ("vllm:num_requests_waiting", "vllm:num_requests_running"):
+                load += s.value
+            elif s.name == "vllm:cache_config_info":
+                with contextlib.suppress(KeyError, ValueError):
+                    gpu_tokens = int(s.labels["num_gpu_blocks"]) * int(s.labels["block_size"])
+    return load, gpu_tokens
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = PCounter(
+            "spillway_router_requests", "Requests routed", ["model", "pod", "reason"], registry=r
+        )
+        self.errors = PCounter(
+            "spillway_router_errors", "Requests answered with an error", ["code"], registry=r
+        )
+        self.retries = PCounter(
+            "spillway_router_retries", "Requests retried on another pod", registry=r
+        )
+        self.cached = PCounter(
+            "spillway_router_expected_cached_tokens",
+            "Prompt tokens the router expected the chosen pod to hold",
+            ["tier"],
+            registry=r,
+        )
+        self.prompt_tokens = PCounter(
+            "spillway_router_prompt_tokens", "Prompt tokens of routed requests", registry=r
+        )
+        self.inflight = Gauge("spillway_router_inflight", "In-flight", ["pod"], registry=r)
+        self.index_blocks = Gauge(
+            "spillway_router_index_blocks", "Block keys held", ["pod", "source"], registry=r
+        )
+        self.event_batches = PCounter(
+            "spillway_router_event_batches", "KV event batches applied", ["pod"], registry=r
+        )
+        self.decision = Histogram(
+            "spillway_router_decision_seconds",
+            "Time to pick a pod (hashing and scoring)",
+            buckets=(1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2),
+            registry=r,
+        )
+
+
+class RouterState:
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.backends: dict[str, Backend] = {}
+        self.healthy: dict[str, bool] = {}
+        self.ejected_until: dict[str, float] = {}
+        self.index = PrefixIndex()  # from KV events
+        self.approx = ApproxTracker(PrefixIndex())  # from the router's own decisions
+        self.events_live: set[str] = set()
+        self.feeds: dict[str, EventFeed] = {}
+        self.inflight: Counter[str] = Counter()
+        self.pod_load: dict[str, float] = {}
+        self.gpu_tokens: dict[str, int] = {}
+        self._rings: dict[str, Ring] = {}
+        self._hashers: dict[int, BlockHasher] = {}
+        self.metrics = Metrics()
+
+    # ------------------------------------------------------------ backends
+
+    def upsert(self, backend: Backend) -> bool:
+        """Add or update a pod; True when it is new (its subscription must start)."""
+        new = backend.name not in self.backends
+        self.backends[backend.name] = backend
+        self.healthy.setdefault(backend.name, False)
+        self._capacity(backend.name)
+        self._rings.pop(backend.model, None)
+        return new
+
+    def remove(self, name: str) -> None:
+        """The pod is gone: it takes no requests and its index entries go with it."""
+        backend = self.backends.pop(name, None)
+        if backend is not None:
+            self._rings.pop(backend.model, None)
+        self.forget_cache(name)
+        self.approx.forget(name)
+        for table in (self.healthy, self.ejected_until, self.pod_load, self.gpu_tokens):
+            table.pop(name, None)
+        self.feeds.pop(name, None)
+
+    def forget_cache(self, name: str) -> None:
+        """The pod's cache is gone (it died or restarted)."""
+        self.index.forget(name)
+        self.events_live.discard(name)
+        self.approx.forget(name)
+        if name in self.backends:
+            self._capacity(name)
+
+    def _capacity(self, name: str) -> None:
+        p = self.backends[name].profile
+        gpu = self.gpu_tokens.get(name) or p.max_model_len or 0
+        self.approx.set_capacity(
+            name, gpu // p.tokens_per_hash, p.host_capacity_tokens // p.tokens_per_hash
+        )
+
+    def set_pod_metrics(self, name: str, load: float, gpu_tokens: int | None) -> None:
+        self.pod_load[name] = load
+        if gpu_tokens and self.gpu_tokens.get(name) != gpu_tokens and name in self.backends:
+            self.gpu_tokens[name] = gpu_tokens
+            self._capacity(name)
+
+    def set_healthy(self, name: str, ok: bool) -> None:
+        was = self.healthy.get(name, False)
+        self.healthy[name] = ok
+        if was and not ok:
+            self.forget_cache(name)
+
+    def eject(self, name: str) -> None:
+        """A pod refused a connection: off the list for a while, its cache forgotten."""
+        self.ejected_until[name] = time.monotonic() + self.config.eject_s
+        self.healthy[name] = False
+        self.forget_cache(name)
+
+    def models(self) -> list[str]:
+        return sorted({b.model for b in self.backends.values()})
+
+    def ready(self, model: str) -> list[Backend]:
+        now = time.monotonic()
+        return [
+            b
+            for b in self.backends.values()
+            if b.model == model
+            and self.healthy.get(b.name)
+            and self.ejected_until.get(b.name, 0.0) <= now
+        ]
+
+    def ring(self, model: str, names: Iterable[str]) -> Ring:
+        # one ring per model over every known pod, so a pod that is briefly unready
+        # does not remap everybody else's keys
+        ring = self._rings.get(model)
+        if ring is None:
+            ring = self._rings[model] = Ring(
+                [b.name for b in self.backends.values() if b.model == model]
+            )
+        return ring
+
+    def on_event_batch(self, name: str) -> None:
+        self.events_live.add(name)
+        self.metrics.event_batches.labels(name).inc()
+
+    # ------------------------------------------------------------ routing
+
+    def keys(self, prompt: Prompt, unit: int) -> list[int]:
+        if prompt.tokens is not None:
+            hasher = self._hashers.get(unit)
+            if hasher is None:
+                hasher = self._hashers[unit] = BlockHasher(
+                    HashConfig(unit, self.config.hash_algorithm, self.config.hash_seed)
+                )
+            return hasher.keys(prompt.tokens, prompt.cache_salt)
+        return text_keys(prompt.text or "", unit * CHARS_PER_TOKEN)
+
+    def route(self, model: str, prompt: Prompt) -> tuple[list[Backend], list[int]]:
+        """Pods to try, best first (none when none is ready), and the prompt's block
+        keys, for :meth:`served` to record where the request went."""
+        ready = self.ready(model)
+        if not ready:
+            return [], []
+        t0 = time.perf_counter()
+        unit = ready[0].profile.tokens_per_hash
+        keys = self.keys(prompt, unit)
+        n_tokens = len(prompt.tokens) if prompt.tokens is not None else len(keys) * unit
+        use_events = self.config.mode == "events" and prompt.tokens is not None
+        matches: dict[str, Match] = {}
+        for b in ready:
+            live = use_events and b.name in self.events_live
+            src = self.index if live else self.approx.index
+            matches.update(src.match(keys, [b.name], gap=b.profile.gap))
+        cfg = self.config
+        states = [
+            PodState(
+                b.name,
+                b.cost(
+                    host_bandwidth=cfg.host_bandwidth,
+                    prefill_s_per_token=cfg.prefill_s_per_token,
+                    wait_s_per_request=cfg.wait_s_per_request,
+                ),
+                load=self.inflight[b.name] + self.pod_load.get(b.name, 0.0),
+                draining=b.draining,
+            )
+            for b in ready
+        ]
+        key = cold_key(keys, prompt.tokens or [], prompt.session)
+        decision = choose(states, n_tokens, matches, self.ring(model, []), key, cfg.balance)
+        m = self.metrics
+        m.decision.observe(time.perf_counter() - t0)
+        m.requests.labels(model, decision.pod, decision.reason).inc()
+        m.prompt_tokens.inc(n_tokens)
+        m.cached.labels("host").inc(decision.host_tokens)
+        m.cached.labels("gpu").inc(decision.cached_tokens - decision.host_tokens)
+        by_name = {b.name: b for b in ready}
+        rest = sorted(
+            (b for b in ready if b.name != decision.pod),
+            key=lambda b: (b.draining, decision.estimates.get(b.name, float("inf")), b.name),
+        )
+        return [by_name[decision.pod], *rest], keys
+
+    def served(self, pod: str, keys: list[int]) -> None:
+        """``pod`` answered a request with these keys: it now holds them (approximately)."""
+        if pod in self.backends:
+            self.approx.record(pod, keys)
+
+
+# ---------------------------------------------------------------- the HTTP side
+
+
+class RouterApp:
+    def __init__(self, state: RouterState) -> None:
+        self.state = state
+        self.session: aiohttp.ClientSession | None = None
+        self._tasks: dict[str, list[asyncio.Task]] = {}
+        self._probe_task: asyncio.Task | None = None
+        self.sources: list[Any] = []  # started with the app (e.g. the pod watch)
+
+    def build(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_BODY)
+        app.router.add_post("/v1/completions", self.generate)
+        app.router.add_post("/v1/chat/completions", self.generate)
+        app.router.add_get("/v1/models", self.list_models)
+        app.router.add_get("/healthz", self.healthz)
+        app.router.add_get("/metrics", self.metrics)
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+        return app
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def _start(self, app: web.Application) -> None:
+        cfg = self.state.config
+        self.session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout_s),
+            connector=aiohttp.TCPConnector(limit=1024, limit_per_host=256),
+            auto_decompress=False,  # bytes pass through as the pod sent them
+        )
+        for backend in list(self.state.backends.values()):
+            self._start_pod_tasks(backend)
+        self._probe_task = asyncio.create_task(self._probe_loop())
+        for source in self.sources:
+            await source.start(self)
+
+    async def _stop(self, app: web.Application) -> None:
+        for source in self.sources:
+            await source.stop()
+        tasks = [t for ts in self._tasks.values() for t in ts]
+        if self._probe_task is not None:
+            tasks.append(self._probe_task)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self.session is not None:
+            await self.session.close()
+
+    def add_backend(self, backend: Backend) -> None:
+        old = self.state.backends.get(backend.name)
+        self.state.upsert(backend)
+        if old is None or old.events != backend.events:
+            self._stop_pod_tasks(backend.name)
+            if self.session is not None:
+                self._start_pod_tasks(backend)
+
+    def remove_backend(self, name: str) -> None:
+        self._stop_pod_tasks(name)
+        self.state.remove(name)
+
+    def _start_pod_tasks(self, backend: Backend) -> None:
+        if backend.events and self.state.config.mode == "events":
+            feed = EventFeed(backend.name, self.state.index, self.state.on_event_batch)
+            self.state.feeds[backend.name] = feed
+            self._tasks[backend.name] = [asyncio.create_task(subscribe(backend.events, feed))]
+
+    def _stop_pod_tasks(self, name: str) -> None:
+        for t in self._tasks.pop(name, []):
+            t.cancel()
+
+    async def _probe_loop(self) -> None:
+        while True:
+            backends = list(self.state.backends.values())
+            await asyncio.gather(*(self._probe(b) for b in backends), return_exceptions=True)
+            s = self.state
+            for b in backends:
+                s.metrics.inflight.labels(b.name).set(s.inflight[b.name])
+                s.metrics.index_blocks.labels(b.name, "events").set(s.index.size(b.name))
+                s.metrics.index_blocks.labels(b.name, "approx").set(s.approx.index.size(b.name))
+            await asyncio.sleep(s.config.probe_interval_s)
+
+    async def _probe(self, backend: Backend) -> None:
+        assert self.session is not None
+        timeout = aiohttp.ClientTimeout(total=max(1.0, self.state.config.probe_interval_s * 2))
+        ok = False
+        try:
+            async with self.session.get(backend.url + "/health", timeout=timeout) as r:
+                ok = r.status == 200
+                await r.read()
+            if ok:
+                async with self.session.get(backend.url + "/metrics", timeout=timeout) as r:
+                    if r.status == 200:
+                        load, gpu = parse_pod_metrics(await r.text())
+                        self.state.set_pod_metrics(backend.name, load, gpu)
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
+            pass
+        if backend.name in self.state.backends:
+            if ok and self.state.ejected_until.get(backend.name, 0.0) > time.monotonic():
+                return  # still ejected; the next probe after the window readmits it
+            self.state.set_healthy(backend.name, ok)
+
+    # ------------------------------------------------------------ handlers
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        s = self.state
+        ready = {m: len(s.ready(m)) for m in s.models()}
+        return web.json_response({"status": "ok", "ready_pods": ready})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        body = generate_latest(self.state.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def list_models(self, request: web.Request) -> web.Response:
+        data = [
+            {"id": m, "object": "model", "created": 0, "owned_by": "spillway"}
+            for m in self.state.models()
+        ]
+        return web.json_response({"object": "list", "data": data})
+
+    def _fail(self, status: int, message: str) -> web.Response:
+        self.state.metrics.errors.labels(str(status)).inc()
+        return error(status, message)
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return self._fail(413, f"the request body is larger than {MAX_BODY} bytes")
+        try:
+            body = json.loads(raw)
+        except (ValueError, RecursionError):
+            return self._fail(400, "the request body is not valid JSON")
+        if not isinstance(body, dict):
+            return self._fail(400, "the request body must be a JSON object")
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            return self._fail(400, "'model' must be a non-empty string")
+        s = self.state
+        if model not in s.models():
+            return self._fail(404, f"The model `{model}` does not exist.")
+        try:
+            prompt = prompt_of(request.path, body, s.config.tokenizers.get(model))
+        except BadRequest as e:
+            return self._fail(400, str(e))
+        candidates, keys = s.route(model, prompt)
+        if not candidates:
+            return self._fail(503, f"no ready pod serves the model `{model}`")
+        limit = candidates[0].profile.max_model_len
+        if prompt.tokens is not None and limit and len(prompt.tokens) > limit:
+            return self._fail(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, your "
+                f"request has {len(prompt.tokens)} input tokens.",
+            )
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+        for attempt, backend in enumerate(candidates[: s.config.max_attempts]):
+            if attempt:
+                s.metrics.retries.inc()
+            s.inflight[backend.name] += 1
+            try:
+                done = await self._forward(request, backend, raw, headers)
+            finally:
+                s.inflight[backend.name] -= 1
+            if done is not None:
+                s.served(backend.name, keys)
+                return done
+        return self._fail(503, "every pod tried failed before answering; retry later")
+
+    async def _forward(
+        self, request: web.Request, backend: Backend, raw: bytes, headers: dict[str, str]
+    ) -> web.StreamResponse | None:
+        """The pod's answer, passed through; None when it failed before a byte of it
+        reached the client (so another pod may take the request)."""
+        assert self.session is not None
+        url = backend.url + request.path
+        try:
+            async with self.session.post(url, data=raw, headers=headers) as up:
+                if up.status in (502, 503, 504):
+                    await up.read()
+                    self.state.eject(backend.name)
+                    return None
+                first = await up.content.readany()
+                return await self._pass_through(request, backend, up, first)
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            self.state.eject(backend.name)
+            return None
+
+    async def _pass_through(
+        self,
+        request: web.Request,
+        backend: Backend,
+        up: aiohttp.ClientResponse,
+        first: bytes,
+    ) -> web.StreamResponse:
+        out = web.StreamResponse(status=up.status, reason=up.reason)
+        for k, v in up.headers.items():
+            if k.lower() not in _HOP:
+                out.headers[k] = v
+        chunk = first
+        try:
+            await out.prepare(request)
+            while chunk:
+                await out.write(chunk)
+                try:
+                    chunk = await up.content.readany()
+                except (aiohttp.ClientError, TimeoutError, OSError) as e:
+                    # the pod died mid-answer: too late to retry; tell an SSE client
+                    self.state.eject(backend.name)
+                    if "event-stream" in up.headers.get("content-type", ""):
+                        msg = {
+                            "error": {
+                                "message": f"the pod failed mid-stream: {type(e).__name__}",
+                                "type": "ServiceUnavailableError",
+                                "code": 503,
+                            }
+                        }
+                        await out.write(f"data: {json.dumps(msg)}\n\n".encode())
+                    return out
+            await out.write_eof()
+        except (ConnectionError, RuntimeError):
+            pass  # the client went away; leaving the block releases the pod's connection
+        return out

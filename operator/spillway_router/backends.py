@@ -1,0 +1,107 @@
+"""The pods the router sends to, and what their plans say about them (pure)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from .scoring import CostModel
+
+
+@dataclass(frozen=True)
+class Profile:
+    """What routing needs from a pod's plan."""
+
+    tokens_per_hash: int = 16
+    max_model_len: int | None = None
+    #: host tier capacity in tokens (the plan's capacity_tokens)
+    host_capacity_tokens: int = 0
+    #: KV bytes of one token in the host tier, every group (row bytes / tokens per chunk)
+    host_bytes_per_token: float = 0.0
+    #: a group keyed at every k-th hash leaves k-1 unheld hashes between held ones
+    gap: int = 1
+
+
+def profile_from_plan(plan: Any) -> Profile:
+    """A :class:`Profile` from a ``spillway_engine.planner.plan.Plan`` (duck-typed, so
+    this module needs no pydantic model)."""
+    unit = int(plan.tokens_per_hash)
+    tokens_per_chunk = plan.capacity_tokens / plan.num_chunks if plan.num_chunks else 0
+    per_token = plan.row_bytes / tokens_per_chunk if tokens_per_chunk else 0.0
+    # full attention is kept from the first block; windowed groups drop early blocks
+    full = [
+        g.tokens_per_block
+        for g in plan.kv_groups
+        if g.sliding_window is None and getattr(g, "attention_chunk_size", None) is None
+    ]
+    stride = min(full or [g.tokens_per_block for g in plan.kv_groups] or [unit])
+    return Profile(
+        tokens_per_hash=unit,
+        max_model_len=int(plan.max_model_len),
+        host_capacity_tokens=int(plan.capacity_tokens),
+        host_bytes_per_token=float(per_token),
+        gap=max(1, stride // unit),
+    )
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    model: str
+    url: str  # http://host:port, no trailing slash
+    events: str | None = None  # tcp://host:port of the pod's KV event publisher
+    profile: Profile = field(default_factory=Profile)
+    draining: bool = False
+
+    def cost(self, **flags: float) -> CostModel:
+        p = self.profile
+        return CostModel(
+            tokens_per_hash=p.tokens_per_hash, host_bytes_per_token=p.host_bytes_per_token, **flags
+        )
+
+
+class BackendSpecError(ValueError):
+    pass
+
+
+_KEYS = {"name", "model", "url", "events", "plan", "draining"}
+
+
+def parse_backend_spec(spec: str) -> dict[str, str]:
+    """``model=M,url=U[,name=N][,events=tcp://H:P][,plan=PATH]`` (the --backend flag)."""
+    out: dict[str, str] = {}
+    for part in spec.split(","):
+        key, sep, value = part.partition("=")
+        key = key.strip()
+        if not sep or not value.strip():
+            raise BackendSpecError(f"--backend {spec!r}: {part!r} is not key=value")
+        if key not in _KEYS:
+            raise BackendSpecError(f"--backend {spec!r}: unknown key {key!r} (one of {_KEYS})")
+        if key in out:
+            raise BackendSpecError(f"--backend {spec!r}: {key} given twice")
+        out[key] = value.strip()
+    for need in ("model", "url"):
+        if need not in out:
+            raise BackendSpecError(f"--backend {spec!r}: {need}= is required")
+    if not out["url"].startswith(("http://", "https://")):
+        raise BackendSpecError(f"--backend {spec!r}: url must be http(s)://")
+    if "events" in out and not out["events"].startswith(("tcp://", "ipc://")):
+        raise BackendSpecError(f"--backend {spec!r}: events must be tcp:// or ipc://")
+    out["url"] = out["url"].rstrip("/")
+    out.setdefault("name", out["url"].split("://", 1)[1])
+    return out
+
+
+def backend_from_spec(fields: dict[str, str], profile: Profile) -> Backend:
+    return Backend(
+        name=fields["name"],
+        model=fields["model"],
+        url=fields["url"],
+        events=fields.get("events"),
+        profile=profile,
+        draining=fields.get("draining", "false").lower() == "true",
+    )
+
+
+def with_draining(backend: Backend, draining: bool) -> Backend:
+    return replace(backend, draining=draining)

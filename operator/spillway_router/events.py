@@ -1,0 +1,68 @@
+"""Subscription to one pod's vLLM KV events (ZMQ PUB, frames: topic, seq, msgpack
+EventBatch). pyzmq comes with vLLM; it is imported only when a pod publishes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from .index import EventError, PrefixIndex, decode_batch
+
+log = logging.getLogger("spillway.router.events")
+
+
+class EventFeed:
+    """Applies one pod's event stream to the index; counts what it could not apply."""
+
+    def __init__(self, pod: str, index: PrefixIndex, on_batch: Callable[[str], None]) -> None:
+        self.pod = pod
+        self.index = index
+        self.on_batch = on_batch
+        self.last_seq: int | None = None
+        self.batches = 0
+        self.errors = 0
+        self.gaps = 0
+
+    def handle(self, frames: list[bytes]) -> None:
+        """One message; never raises for a bad one."""
+        if len(frames) != 3 or len(frames[1]) != 8:
+            self.errors += 1
+            return
+        seq = int.from_bytes(frames[1], "big", signed=True)
+        if self.last_seq is not None and seq <= self.last_seq:
+            # the publisher restarted (its sequence starts again): so did its cache
+            self.index.forget(self.pod)
+        elif self.last_seq is not None and seq != self.last_seq + 1:
+            self.gaps += 1  # events lost (PUB drops at the high-water mark)
+        self.last_seq = seq
+        try:
+            self.index.apply_batch(self.pod, decode_batch(frames[2]))
+        except EventError as e:
+            self.errors += 1
+            log.debug("pod %s: %s", self.pod, e)
+            return
+        self.batches += 1
+        self.on_batch(self.pod)
+
+
+async def subscribe(endpoint: str, feed: EventFeed) -> None:
+    """Feed ``endpoint``'s messages to ``feed`` until cancelled (ZMQ reconnects itself)."""
+    import zmq
+    import zmq.asyncio
+
+    ctx = zmq.asyncio.Context.instance()
+    sock = ctx.socket(zmq.SUB)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SUBSCRIBE, b"")
+    sock.connect(endpoint)
+    try:
+        while True:
+            frames = await sock.recv_multipart()
+            feed.handle(frames)
+    except asyncio.CancelledError:
+        raise
+    except Exception:  # a broken socket must not take the router down
+        log.exception("pod %s: event subscription %s failed", feed.pod, endpoint)
+    finally:
+        sock.close(0)
