@@ -437,6 +437,14 @@ HOST_HIT_TOKENS = Metric(
     "counter",
     "Prompt tokens found in the host KV pool (loaded instead of recomputed).",
 )
+#: Only on an emulated GPU (spillway_engine.emulator), where a page's expected bytes
+#: are known: the emulated forward pass checks every page it reads against them.
+EMULATOR_KV_MISMATCH = Metric(
+    "spillway_emulator_kv_mismatch",
+    "counter",
+    "KV page slots (layer x position) an emulated GPU read that differ from what "
+    "recomputing the prefix writes (a bad host load or a wrong prefix hit); 0 when correct.",
+)
 PLAN_INFO = Metric(
     "spillway_plan_info",
     "gauge",

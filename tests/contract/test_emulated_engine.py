@@ -317,6 +317,8 @@ def test_prompt_evicted_from_the_gpu_comes_back_from_the_host_pool(server: Serve
     )
     assert delta("vllm:kv_offload_load_bytes_total") >= 512 * full  # real bytes moved
     assert output_ids(again) == output_ids(first)
+    # every page read so far held what recomputation writes
+    assert after["spillway_emulator_kv_mismatch_total"] == 0
 
 
 def test_spillway_series_are_exported(server: Server):
@@ -359,27 +361,58 @@ def test_wrong_plan_stops_the_engine(models: dict[str, Path]):
     assert re.search(r"spillway\.num_units\s+\|\s+\d+\s+\|\s+\d+", log)
 
 
+def _bare_worker(layers: int = 2, window: int | None = None) -> Any:
+    """The emulated worker's step logic without a vLLM process: ``layers`` layers of
+    one KV-cache group, 16 tokens per block, 64-byte slots, 8 blocks."""
+    from spillway_engine.emulator.worker import EmulatedGpuWorker, _Pages
+
+    worker = object.__new__(EmulatedGpuWorker)
+    worker._pages = [
+        _Pages(0, 7 + i, 16, 64, np.zeros((8, 16 * 64), np.uint8), window) for i in range(layers)
+    ]
+    worker._vocab, worker._avoid, worker._requests, worker._mismatches = 512, {2}, {}, 0
+    return worker
+
+
+def _step(worker: Any, tokens: list[int], blocks: list[int], computed: int) -> list[int]:
+    from spillway_engine.emulator.worker import _Request
+
+    rid = f"r{len(worker._requests)}"
+    worker._requests[rid] = _Request(list(tokens), [blocks], computed)
+    return worker._run(rid, len(tokens) - computed)
+
+
 def test_a_page_that_differs_from_recomputation_changes_the_token():
-    """The emulated forward pass reads the signature of the previous position from
-    every layer's page: the same prefix gives the same token whether computed or
-    reused, and one flipped byte in a reused page gives another."""
-    from spillway_engine.emulator.worker import EmulatedGpuWorker, _Pages, _Request
-
-    worker = object.__new__(EmulatedGpuWorker)  # no vLLM process needed for the step logic
-    worker._pages = [_Pages(0, 7 + i, 16, 64, np.zeros((8, 16 * 64), np.uint8)) for i in range(2)]
-    worker._vocab, worker._avoid, worker._requests = 512, {2}, {}
+    """The emulated forward pass reads every signature of the context from every
+    layer's page: the same prefix gives the same token whether computed or reused,
+    and one flipped byte anywhere in a reused page gives another and is counted."""
+    worker = _bare_worker()
     tokens = prompt(5, 40)
+    computed = _step(worker, tokens, [1, 2, 3], 0)
+    assert computed == _step(worker, tokens, [4, 5, 6], 0)  # recomputed elsewhere
+    assert computed == _step(worker, tokens, [1, 2, 7], 32)  # positions 0-31 reused
+    assert worker._mismatches == 0
+    worker._pages[1].pages[2, 15 * 64] ^= 1  # position 31 (the last reused), layer 1
+    assert computed != _step(worker, tokens, [1, 2, 7], 32)
+    assert worker._mismatches == 1
+    worker._pages[1].pages[2, 15 * 64] ^= 1
+    worker._pages[0].pages[1, 3 * 64 + 5] ^= 0x40  # position 3, deep in the prefix
+    assert computed != _step(worker, tokens, [1, 2, 7], 32)
+    assert worker._mismatches == 2
 
-    def run(blocks: list[int], computed: int) -> list[int]:
-        rid = f"r{len(worker._requests)}"
-        worker._requests[rid] = _Request(list(tokens), [blocks], computed)
-        return worker._run(rid, len(tokens) - computed)
 
-    computed = run([1, 2, 3], 0)
-    assert computed == run([4, 5, 6], 0)  # recomputed elsewhere
-    assert computed == run([1, 2, 7], 32)  # positions 0-31 reused from blocks 1, 2
-    worker._pages[1].pages[2, 15 * 64] ^= 1  # position 31, layer 1
-    assert computed != run([1, 2, 7], 32)
+def test_a_sliding_window_reads_only_its_window():
+    """Blocks before a sliding window are freed by vLLM and may hold anything: they
+    neither change the token nor count as mismatches."""
+    worker = _bare_worker(window=16)
+    tokens = prompt(6, 40)
+    computed = _step(worker, tokens, [1, 2, 3], 0)
+    worker._pages[0].pages[1, :] = 0xFF  # positions 0-15, outside the window of 40
+    assert computed == _step(worker, tokens, [1, 2, 7], 32)
+    assert worker._mismatches == 0
+    worker._pages[0].pages[2, 15 * 64] ^= 1  # position 31: inside the window
+    assert computed != _step(worker, tokens, [1, 2, 7], 32)
+    assert worker._mismatches == 1
 
 
 def test_a_step_lasts_the_modelled_gpu_time(monkeypatch):
@@ -413,3 +446,43 @@ def test_a_step_lasts_the_modelled_gpu_time(monkeypatch):
     worker._speed = 0.0
     worker._sleep_out_step(out, worker_mod.time.perf_counter())
     assert slept == [pause]
+
+
+def _region_mapping(server: Server) -> Path:
+    """The engine core's mapping of the host pool's shm region (its file is unlinked
+    once every worker has mapped it; /proc/PID/map_files still reaches it)."""
+    pids = [server.proc.pid]
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            pids += [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and "vllm_offload_" in fields[5] and "w" in fields[1]:
+                    return Path(f"/proc/{pid}/map_files/{fields[0]}")
+    pytest.fail(f"no process of the engine maps the host pool region: {pids}")
+
+
+def test_a_corrupted_host_page_is_caught(server: Server):
+    """Flip the bytes of the whole host pool (as a bad DIMM would), then ask again for a
+    prompt that lives only there: the loaded pages differ from recomputation, the
+    output changes and the mismatch is counted. Last: it leaves the pool corrupted."""
+    a = prompt(20, 600)
+    first = complete(server, a)
+    for seed in range(21, 26):  # push a's blocks out of the GPU cache (it stays in the pool)
+        complete(server, prompt(seed, 600), max_tokens=2)
+    mapping = _region_mapping(server)
+    with open(mapping, "r+b") as f:
+        data = bytearray(f.read())
+        f.seek(0)
+        f.write(bytes(b ^ 0x5A for b in data))
+    before = metrics(server)
+    again = complete(server, a)
+    after = metrics(server)
+    loaded = after["spillway_host_hit_tokens_total"] - before["spillway_host_hit_tokens_total"]
+    assert loaded >= 512
+    mismatches = "spillway_emulator_kv_mismatch_total"
+    assert after[mismatches] > before[mismatches]
+    assert output_ids(again) != output_ids(first)
+    assert "Emulated KV mismatch" in server.log_text()

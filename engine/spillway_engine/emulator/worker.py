@@ -12,11 +12,15 @@ What it does, step by step (the GPU worker's duties, emulated):
   Spillway's offloader copies real bytes between these tensors and its host pool.
 * ``execute_model``: per scheduled token a signature of the prefix it ends (a rolling
   hash of the previous position's signature, read back from the KV pages, the token id
-  and its position) is written into its slot of every attention layer's page; the
-  sampled token is a function of the signatures read from the pages. A page that holds
+  and its position) is written into its slot of every attention layer's page. Each
+  sampled token is a function of every signature its attention would read (the whole
+  context of a full-attention layer, the window of a sliding one). A page that holds
   other bytes than recomputation would have written (a bad host load, a wrong prefix
-  hit) therefore changes the output. With ``SPILLWAY_EMULATE_SPEED`` > 0 the step then
-  lasts as long as :mod:`.latency` estimates for the planned GPU (times that factor).
+  hit) therefore changes the output; it is also compared with the signature the
+  tokens imply, and each differing (layer, position) is logged and counted
+  (``spillway_emulator_kv_mismatch_total``, through the connector's stats). With
+  ``SPILLWAY_EMULATE_SPEED`` > 0 the step then lasts as long as :mod:`.latency`
+  estimates for the planned GPU (times that factor).
 """
 
 from __future__ import annotations
@@ -35,12 +39,17 @@ from vllm.distributed.kv_transfer import (
     get_kv_transfer_group,
     has_kv_transfer_group,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
+)
 from vllm.forward_context import set_forward_context
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.model_executor.model_loader.utils import get_model_architecture
 from vllm.v1.attention.backends.utils import record_kv_cache_layout
 from vllm.v1.kv_cache_interface import (
     AttentionSpec,
+    ChunkedLocalAttentionSpec,
+    SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
     group_kernel_blocks,
 )
@@ -62,6 +71,7 @@ from spillway_engine.emulator.latency import (
     step_s,
 )
 from spillway_engine.emulator.platform import kv_budget_bytes, planned_gpu
+from spillway_engine.metrics import EMULATOR_KV_MISMATCH
 
 # Under vLLM's logger, so its handlers print it in the engine log.
 logger = logging.getLogger("vllm.spillway.emulator")
@@ -90,6 +100,29 @@ class _Pages:
     block_size: int
     slot_bytes: int
     pages: np.ndarray  # uint8 (num_blocks, page_bytes), strided like the KV tensor
+    window: int | None = None  # sliding window (tokens a query sees, itself included)
+    local_chunk: int | None = None  # chunked-local attention: the chunk a query sees
+
+    def first_visible(self, end: int) -> int:
+        """First position the query at ``end - 1`` attends to in this layer. vLLM frees
+        the blocks before it (they may hold another request's bytes by then)."""
+        if self.window:
+            return max(0, end - self.window)
+        if self.local_chunk:
+            return (end - 1) // self.local_chunk * self.local_chunk
+        return 0
+
+    def visible(self, blocks: list[int], end: int) -> tuple[np.ndarray, np.ndarray]:
+        """(positions, raw signature words) the query at ``end - 1`` reads."""
+        pos = np.arange(self.first_visible(end), end, dtype=np.int64)
+        table = np.asarray(blocks, dtype=np.int64)
+        idx = pos // self.block_size
+        pos, idx = pos[idx < len(table)], idx[idx < len(table)]
+        ids = table[idx]
+        pos, ids = pos[ids != 0], ids[ids != 0]  # 0: the null block
+        offsets = (pos % self.block_size) * self.slot_bytes
+        raw = self.pages[ids[:, None], offsets[:, None] + np.arange(8)]
+        return pos, np.ascontiguousarray(raw).view("<u8").ravel()
 
     def read(self, block: int, slot: int) -> int:
         off = slot * self.slot_bytes
@@ -105,7 +138,12 @@ class _Request:
     tokens: list[int]
     blocks: list[list[int]]
     computed: int = 0
-    sampled: list[int] = field(default_factory=list)
+    # The signature of each position as recomputation writes it: a function of the
+    # tokens alone, so the reference any page read is checked against.
+    expected: list[int] = field(default_factory=list)
+    # A mismatch was counted: every later position derives from it, so it is the
+    # one cause reported for this request (until it is rescheduled from scratch).
+    poisoned: bool = False
 
 
 class EmulatedGpuWorker(WorkerBase):
@@ -126,6 +164,9 @@ class EmulatedGpuWorker(WorkerBase):
         self._cost = ModelCost()
         # KV-cache group -> (tokens per block, bytes per token over its layers)
         self._group_kv: dict[int, tuple[int, int]] = {}
+        # Counted since the last step's connector stats; None until the first report,
+        # which sends 0 so the series is exported before anything goes wrong.
+        self._mismatches: int | None = None
 
     # ---------------------------------------------------------------- start-up
 
@@ -238,7 +279,17 @@ class EmulatedGpuWorker(WorkerBase):
                     (ref.stride(0) * ref.element_size(), 1),
                 )
                 salt = mix64(len(out), 0xA5)  # a layer-specific mask: every layer counts
-                out.append(_Pages(g, salt, layer_spec.block_size, slot, flat.numpy()))
+                window = (
+                    layer_spec.sliding_window if isinstance(layer_spec, SlidingWindowSpec) else None
+                )
+                local = (
+                    layer_spec.attention_chunk_size
+                    if isinstance(layer_spec, ChunkedLocalAttentionSpec)
+                    else None
+                )
+                out.append(
+                    _Pages(g, salt, layer_spec.block_size, slot, flat.numpy(), window, local)
+                )
                 size, per_token = self._group_kv.get(g, (layer_spec.block_size, 0))
                 self._group_kv[g] = (size, per_token + slot)
         return out
@@ -277,6 +328,12 @@ class EmulatedGpuWorker(WorkerBase):
                 # Inside the connector's context, as the GPU's forward pass: its loads
                 # and stores overlap the step.
                 self._sleep_out_step(scheduler_output, t0)
+        if kv_connector_output is not None and self._mismatches != 0:
+            # The connector's stats reach vLLM's /metrics in the API server.
+            stats = kv_connector_output.kv_connector_stats or OffloadingConnectorStats()
+            stats.increase_counter(EMULATOR_KV_MISMATCH.name, self._mismatches or 0)
+            kv_connector_output.kv_connector_stats = stats
+            self._mismatches = 0
         return ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
@@ -325,6 +382,7 @@ class EmulatedGpuWorker(WorkerBase):
             new_blocks = cached.new_block_ids[i]
             if rid in cached.resumed_req_ids:
                 req.blocks = [list(b) for b in new_blocks or ()]
+                req.poisoned = False  # new blocks: a fresh check
             elif new_blocks is not None:
                 for blocks, more in zip(req.blocks, new_blocks, strict=True):
                     blocks.extend(more)
@@ -353,6 +411,49 @@ class EmulatedGpuWorker(WorkerBase):
             h = mix64(h, signature)
         return h
 
+    def _expected(self, req: _Request, end: int) -> np.ndarray:
+        """Signatures of positions ``0..end-1`` as recomputation writes them."""
+        sigs = req.expected
+        while len(sigs) < end:
+            pos = len(sigs)
+            prev = self._fold(sigs[-1]) if sigs else _SEED
+            sigs.append(mix64(prev, req.tokens[pos], pos))
+        return np.asarray(sigs[:end], dtype=np.uint64)
+
+    def _attend(self, rid: str, req: _Request, start: int, end: int) -> int:
+        """A digest of every signature the query at ``end - 1`` reads, over all layers.
+
+        Each page slot before ``start`` (written by earlier steps or reused from a
+        cache, not by this step) that differs from recomputation is logged and counted.
+        """
+        expected = self._expected(req, end)
+        digest = _SEED
+        wrong: list[tuple[int, np.ndarray]] = []
+        for layer, pages in enumerate(self._pages):
+            pos, raw = pages.visible(req.blocks[pages.group], end)
+            if not len(pos):
+                continue
+            words = raw ^ np.uint64(pages.salt)
+            weights = (2 * pos + 1).astype(np.uint64)  # position-dependent, odd
+            digest = mix64(digest, int(np.bitwise_xor.reduce(words * weights)))
+            bad = pos[(words != expected[pos]) & (pos < start)]
+            if len(bad):
+                wrong.append((layer, bad))
+        if wrong and not req.poisoned:
+            req.poisoned = True
+            for layer, bad in wrong:
+                self._mismatches = (self._mismatches or 0) + len(bad)
+                logger.warning(
+                    "Emulated KV mismatch: request %s, layer %d (KV-cache group %d): %d "
+                    "position(s) differ from recomputation, first %d",
+                    rid,
+                    layer,
+                    self._pages[layer].group,
+                    len(bad),
+                    int(bad[0]),
+                )
+        return digest
+
     def _run(self, rid: str, num_tokens: int) -> list[int]:
         req = self._requests[rid]
         start = req.computed
@@ -364,9 +465,10 @@ class EmulatedGpuWorker(WorkerBase):
                 if where is not None:
                     pages.write(*where, signature ^ pages.salt)
             prev = self._fold(signature)
-        if start + num_tokens < len(req.tokens):
+        end = start + num_tokens
+        if end < len(req.tokens):
             return []  # a prefill chunk that does not reach the last token
-        token = self._read(req, start + num_tokens - 1) % self._vocab
+        token = mix64(self._read(req, end - 1), self._attend(rid, req, start, end)) % self._vocab
         while token in self._avoid:
             token = (token + 1) % self._vocab
         req.tokens.append(token)

@@ -26,7 +26,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.cpu.common import CPUOffloadingInfo
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
-from spillway_engine.metrics import POOL_METRICS
+from spillway_engine.metrics import EMULATOR_KV_MISMATCH, POOL_METRICS
 from spillway_engine.offloader.geometry import ConnectorGeometry, contract_runs
 from spillway_engine.offloader.host_layout import HostLayout
 from spillway_engine.offloader.manager import make_manager_class
@@ -40,6 +40,16 @@ def pool_metric_definitions() -> dict[str, OffloadingMetricMetadata]:
     """Spillway's live pool series (the catalogue's), exported by vLLM's offloading metrics."""
     kinds = {"gauge": OffloadingGaugeMetadata, "counter": OffloadingCounterMetadata}
     return {m.name: kinds[m.kind](documentation=m.help) for m in POOL_METRICS}
+
+
+def emulator_metric_definitions() -> dict[str, OffloadingMetricMetadata]:
+    """The emulated GPU's page check, exported only where a GPU is emulated."""
+    from spillway_engine.emulator import emulation_requested
+
+    if not emulation_requested():
+        return {}
+    help_text = EMULATOR_KV_MISMATCH.help
+    return {EMULATOR_KV_MISMATCH.name: OffloadingCounterMetadata(documentation=help_text)}
 
 
 def host_info(config: Any, layout: HostLayout) -> CPUOffloadingInfo:
@@ -71,6 +81,7 @@ class SpillwayHostSpec(OffloadingSpec):
         return {
             **CPUOffloadingSpec.build_metric_definitions(extra_config),
             **pool_metric_definitions(),
+            **emulator_metric_definitions(),
         }
 
     @classmethod
