@@ -1,0 +1,223 @@
+"""Launch, watch and stop ``spillway-engine serve --emulate-gpu`` as a real process.
+
+Shared by the emulated-engine tests (test_emulated_engine.py, test_engine_restart.py)
+and bench/pod_memory.py: a tiny model's plan on disk, the pod's launch in its own
+process group, readiness over HTTP, and a teardown that reaches the engine core too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from spillway_engine.planner.plan import Plan, PlanRequest, make_plan
+
+MIB = 1 << 20
+MAX_MODEL_LEN = 1024
+POOL_BYTES = 16 * MIB
+START_TIMEOUT_S = 300
+EXIT_TIMEOUT_S = 300
+REQUEST_TIMEOUT_S = 60
+# The pod's entry point (the console script of this environment).
+_SCRIPT = Path(sys.executable).with_name("spillway-engine")
+ENGINE = (
+    [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "spillway_engine.launcher.serve"]
+)
+
+
+class EngineNotReady(AssertionError):
+    """The engine exited or did not serve in time; the message ends with its log."""
+
+
+@dataclass
+class Server:
+    name: str
+    proc: subprocess.Popen[bytes]
+    port: int
+    log: Path
+    plan: Plan
+    startup_s: float
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def engine_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    # The contract harness sets these for in-process planning; the server must pick
+    # its platform itself (Spillway's plug-in) and log the plan check.
+    env.pop("VLLM_TARGET_DEVICE", None)
+    env.update(VLLM_LOGGING_LEVEL="INFO", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env.update(extra or {})
+    return env
+
+
+def plan_for(model_dir: Path, **kw: Any) -> Plan:
+    config = json.loads((model_dir / "config.json").read_text())
+    kw.setdefault("cpu_memory_bytes", POOL_BYTES)
+    return make_plan(
+        config,
+        PlanRequest(model_name=str(model_dir), gpu="h100", max_model_len=MAX_MODEL_LEN, **kw),
+    )
+
+
+def write_plan(root: Path, plan: dict[str, Any] | Plan, model_dir: Path) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    text = plan.model_dump_json(indent=1) if isinstance(plan, Plan) else json.dumps(plan)
+    (root / "plan.json").write_text(text)
+    (root / "engine.json").write_text(
+        json.dumps({"model": str(model_dir), "served_model_name": "tiny"})
+    )
+    return root / "plan.json"
+
+
+def launch(
+    plan_path: Path,
+    log: Path,
+    port: int,
+    kv_bytes: int,
+    *,
+    env: Mapping[str, str] | None = None,
+    prefix: Sequence[str] = (),
+) -> subprocess.Popen[bytes]:
+    """``spillway-engine serve --emulate-gpu``: the pod's launch on the emulated GPU,
+    with no step-time sleeping (speed 0) so the tests stay fast; its own process
+    group, so teardown reaches the engine core too. ``prefix`` wraps the command (a
+    mount namespace); unless ``env`` names them, the shm folder the launcher frees and
+    the termination log are private folders beside ``log``, never the machine's."""
+    cmd = [*prefix, *ENGINE, "serve", "--plan", str(plan_path), "--host", "127.0.0.1"]
+    cmd += ["--port", str(port), "--emulate-gpu", "--emulate-speed", "0"]
+    cmd += ["--emulate-kv-bytes", str(kv_bytes)]
+    private = {
+        "SPILLWAY_SHM_DIR": str(log.parent / "shm"),
+        "SPILLWAY_TERMINATION_LOG": str(log.parent / "termination-log"),
+    }
+    private.update(env or {})
+    if private["SPILLWAY_SHM_DIR"] == str(log.parent / "shm"):
+        (log.parent / "shm").mkdir(parents=True, exist_ok=True)
+    with open(log, "wb") as out:
+        return subprocess.Popen(
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=engine_env(private),
+            start_new_session=True,
+        )
+
+
+def kill_group(proc: subprocess.Popen[bytes]) -> None:
+    for sig, grace in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            continue
+        # the group may outlive its leader (the engine core): SIGKILL what is left
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        return
+
+
+def sigkill_group(proc: subprocess.Popen[bytes], timeout: float = 30) -> None:
+    """SIGKILL the whole group at once (a crash: nothing gets to clean up) and wait
+    until no process of it is left."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=timeout)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+
+
+def group_pids(pid: int) -> list[int]:
+    """``pid`` and its descendants."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return out
+
+
+def rss_mib(pid: int) -> dict[str, float]:
+    """RSS of ``pid`` and its children, by command name (for the record)."""
+    out = {}
+    for p in group_pids(pid):
+        try:
+            status = Path(f"/proc/{p}/status").read_text()
+            cmd = Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")[0].decode()
+        except OSError:
+            continue
+        rss = re.search(r"VmRSS:\s+(\d+) kB", status)
+        if rss:
+            out[f"{p}:{Path(cmd).name}"] = int(rss.group(1)) / 1024
+    return out
+
+
+def get(url: str, timeout: float = REQUEST_TIMEOUT_S) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode(errors="replace")
+
+
+def post(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"content-type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as r:
+        return json.loads(r.read())
+
+
+def wait_ready(server: Server) -> None:
+    """Returns once /health answers 200; raises EngineNotReady with the log's tail."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            raise EngineNotReady(
+                f"the engine exited ({server.proc.returncode}) before serving:\n"
+                + server.log_text()[-6000:]
+            )
+        try:
+            if get(server.url("/health"), timeout=5)[0] == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(1)
+    raise EngineNotReady(
+        f"the engine did not serve within {START_TIMEOUT_S} s:\n{server.log_text()[-6000:]}"
+    )
