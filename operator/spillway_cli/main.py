@@ -81,7 +81,14 @@ def _add_plan(sub: Any) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", help="auto, bfloat16, float16, fp8")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--blocks-per-chunk", type=_int, help="GPU blocks per offload chunk")
-    p.add_argument("--cpu-memory", type=_quantity, help="host pool per engine (64Gi, bytes)")
+    p.add_argument("--cpu-memory", type=_quantity, help="host pool (64Gi, bytes), per engine")
+    p.add_argument(
+        "--cpu-memory-per",
+        choices=("engine", "pod"),
+        default="engine",
+        help="--cpu-memory is each data-parallel engine's pool (default) or the pod's, "
+        "split across its engines",
+    )
     p.add_argument("--memory-limit", type=_quantity, help="container memory limit to fit")
     p.add_argument("--offloader", choices=("upstream", "spillway"), default="spillway")
     p.add_argument("--gpu", default="h100", help="h100 (default), h200, a100, a100-40gb, l40s")
@@ -114,6 +121,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         enable_prefix_caching=not args.no_prefix_caching,
         blocks_per_chunk=args.blocks_per_chunk,
         cpu_memory_bytes=args.cpu_memory,
+        host_memory_scope=args.cpu_memory_per,
         memory_limit_bytes=args.memory_limit,
         offloader=args.offloader,
         gpu=args.gpu,
@@ -208,9 +216,12 @@ def render_table(plan: Plan) -> str:
     pod = plan.pod
     lines += [
         "",
-        f"Pool ({plan.offloader})  {human_bytes(plan.cpu_memory_bytes)} asked, "
+        f"Pool ({plan.offloader})  {human_bytes(plan.cpu_memory_bytes)} per engine "
+        f"(budget given per {pod.host_memory_scope}), "
         f"{human_bytes(pod.pool_bytes_per_engine)} mapped per engine, "
-        f"{plan.num_chunks} chunks, {plan.capacity_tokens} tokens",
+        f"{plan.num_chunks} chunks, {plan.capacity_tokens} tokens per engine",
+        f"           {pod.engines} engine(s) per pod: "
+        f"{human_bytes(pod.engines * pod.pool_bytes_per_engine)} mapped per pod",
         f"Pod        /dev/shm {human_bytes(pod.shm_bytes)}, memory request "
         f"{human_bytes(pod.memory_request_bytes)}, limit {human_bytes(pod.memory_limit_bytes)}",
         f"extra cfg  {json.dumps(plan.kv_connector_extra_config)}",

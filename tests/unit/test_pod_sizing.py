@@ -72,3 +72,45 @@ def test_node_is_split_between_pods():
     assert size_pod(four_pods, 2, 1).memory_limit_bytes * 4 <= node
     with pytest.raises(PodSizingError, match="GPUs"):
         max_pool_bytes_for_node(node, 4, 8, 1)
+
+
+# ------------------------------------------- data parallelism: whose budget is it
+
+
+def _plan(**kw):
+    from spillway_engine.planner.plan import PlanRequest, make_plan
+
+    from .planner_fixtures import load_model
+
+    return make_plan(load_model("llama-3.2-1b"), PlanRequest(max_model_len=8192, **kw))
+
+
+def test_plan_says_the_budget_is_per_engine_by_default_and_shows_the_pod_total():
+    plan = _plan(cpu_memory_bytes=8 * GIB, data_parallel_size=2)
+    pod = plan.pod
+    assert pod.host_memory_scope == "engine" and pod.engines == 2
+    assert plan.cpu_memory_bytes == 8 * GIB
+    assert pod.pool_bytes_per_pod == 2 * pod.pool_bytes_per_engine
+    assert pod.shm_bytes >= pod.pool_bytes_per_pod
+
+
+def test_a_per_pod_budget_is_split_across_the_engines():
+    per_pod = _plan(cpu_memory_bytes=16 * GIB, data_parallel_size=2, host_memory_scope="pod")
+    per_engine = _plan(cpu_memory_bytes=8 * GIB, data_parallel_size=2)
+    assert per_pod.pod.host_memory_scope == "pod"
+    assert per_pod.cpu_memory_bytes == 8 * GIB
+    assert per_pod.pod.pool_bytes_per_pod == per_engine.pod.pool_bytes_per_pod <= 16 * GIB
+    assert per_pod.pod.shm_bytes == per_engine.pod.shm_bytes
+    # one engine: the two readings agree
+    assert _plan(cpu_memory_bytes=8 * GIB, host_memory_scope="pod").pod == _plan(
+        cpu_memory_bytes=8 * GIB
+    ).pod.model_copy(update={"host_memory_scope": "pod"})
+
+
+def test_spillway_plan_table_shows_per_engine_and_per_pod():
+    from spillway_cli.main import render_table
+
+    text = render_table(_plan(cpu_memory_bytes=16 * GIB, data_parallel_size=2,
+                              host_memory_scope="pod"))
+    assert "8.00 GiB per engine (budget given per pod)" in text
+    assert "2 engine(s) per pod: 16.00 GiB mapped per pod" in text

@@ -79,6 +79,11 @@ class PlanRequest(_Model):
     cpu_memory_bytes: int | None = Field(
         None, description="Host pool per engine; default: the largest that fits the limit."
     )
+    host_memory_scope: Literal["engine", "pod"] = Field(
+        "engine",
+        description="Whose budget cpu_memory_bytes is: each data-parallel engine's, or the "
+        "pod's, split evenly across its engines.",
+    )
     memory_limit_bytes: int | None = Field(
         None, ge=1, description="Container memory limit to fit (optional)."
     )
@@ -176,6 +181,13 @@ class PodInfo(_Model):
     memory_request_bytes: int = Field(description="Container memory request.")
     memory_limit_bytes: int = Field(description="Container memory limit (pool counted).")
     pool_bytes_per_engine: int = Field(description="Offload region per engine.")
+    engines: int = Field(1, description="Data-parallel engines in the pod, each with a region.")
+    pool_bytes_per_pod: int | None = Field(
+        None, description="engines x pool_bytes_per_engine: all regions of the pod."
+    )
+    host_memory_scope: Literal["engine", "pod"] = Field(
+        "engine", description="How the requested host budget was read: per engine or per pod."
+    )
     process_overhead_bytes: int = Field(description="Engine + worker process memory.")
     headroom_bytes: int = Field(description="Limit minus request.")
 
@@ -200,7 +212,9 @@ class Plan(_Model):
     blocks_per_chunk: int = Field(
         description="Upstream: the global bpc. Spillway: the finest group's bpc."
     )
-    cpu_memory_bytes: int = Field(description="Host pool budget per engine.")
+    cpu_memory_bytes: int = Field(
+        description="Host pool budget per engine (a per-pod budget already split)."
+    )
     row_bytes: int = Field(description="Upstream: one row. Spillway: one chunk set.")
     num_chunks: int
     capacity_tokens: int
@@ -397,6 +411,9 @@ def _make_plan(config: dict[str, Any], request: PlanRequest) -> Plan:
             memory_request_bytes=pod.memory_request_bytes,
             memory_limit_bytes=pod.memory_limit_bytes,
             pool_bytes_per_engine=pod.pool_bytes_per_engine,
+            engines=dp,
+            pool_bytes_per_pod=dp * pod.pool_bytes_per_engine,
+            host_memory_scope=request.host_memory_scope,
             process_overhead_bytes=pod.process_overhead_bytes,
             headroom_bytes=pod.headroom_bytes,
         ),
@@ -407,6 +424,8 @@ def _make_plan(config: dict[str, Any], request: PlanRequest) -> Plan:
 def _pool_bytes(request: PlanRequest, workers: int, dp: int) -> int:
     """The host pool per engine: as asked, or the largest the memory limit allows."""
     cpu_bytes = request.cpu_memory_bytes
+    if cpu_bytes is not None and request.host_memory_scope == "pod":
+        cpu_bytes //= dp  # the pod's budget, one share per engine
     if cpu_bytes is None:
         if request.memory_limit_bytes is None:
             raise PlanRefused("give a CPU pool size (--cpu-memory) or a memory limit")
