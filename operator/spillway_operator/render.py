@@ -233,17 +233,29 @@ def _volumes(owner: Owner, spec: InferenceDeploymentSpec, plan: Plan):
 
 
 def _resources(spec: InferenceDeploymentSpec, plan: Plan) -> dict[str, Any]:
-    """GPUs from the spec; memory from the plan, plus the spec's extra."""
+    """GPUs from the spec (none when emulated); memory from the plan, plus the spec's extra."""
     gpus = str(spec.gpus_per_pod)
     extra = parse_bytes(spec.resources.extra_memory, what="resources.extraMemory") if (
         spec.resources.extra_memory) else 0
     cpu = spec.resources.cpu or str(DEFAULT_CPU_PER_GPU * spec.gpus_per_pod)
-    gpu_name = spec.resources.gpu_resource_name
+    gpu = {} if spec.engine.emulate_gpu else {spec.resources.gpu_resource_name: gpus}
     return {
-        "requests": {gpu_name: gpus, "cpu": cpu,
+        "requests": {**gpu, "cpu": cpu,
                      "memory": format_bytes(plan.pod.memory_request_bytes + extra)},
-        "limits": {gpu_name: gpus, "memory": format_bytes(plan.pod.memory_limit_bytes + extra)},
+        "limits": {**gpu, "memory": format_bytes(plan.pod.memory_limit_bytes + extra)},
     }
+
+
+def _engine_args(spec: InferenceDeploymentSpec) -> list[str]:
+    args = ["--plan", f"{PLAN_MOUNT}/{PLAN_FILE}", "--port", str(ENGINE_PORT)]
+    emulated = spec.engine.emulate_gpu
+    if emulated:  # the same launch, on the emulated GPU (spillway_engine.emulator)
+        args += ["--emulate-gpu", "--emulate-speed", repr(emulated.speed)]
+        if emulated.kv_bytes is not None:
+            args += ["--emulate-kv-bytes", str(emulated.kv_bytes)]
+        if emulated.model_params is not None:
+            args += ["--emulate-model-params", repr(emulated.model_params)]
+    return args
 
 
 def _engine_container(spec: InferenceDeploymentSpec, plan: Plan,
@@ -253,11 +265,14 @@ def _engine_container(spec: InferenceDeploymentSpec, plan: Plan,
         "name": "engine",
         "image": spec.engine.image,
         "command": ["spillway-engine", "serve"],
-        "args": ["--plan", f"{PLAN_MOUNT}/{PLAN_FILE}", "--port", str(ENGINE_PORT)],
+        "args": _engine_args(spec),
         "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
         "env": _env(spec),
         "resources": _resources(spec, plan),
         "volumeMounts": mounts,
+        # The engine writes why it did not start (preflight, plan check) to the
+        # termination message; anything else that kills it leaves its last log lines.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         # Model downloads and loads take minutes: up to an hour to start, then
         # readiness gates traffic and liveness restarts a hung engine.
         "startupProbe": {**probe, "periodSeconds": 10, "failureThreshold": 360},
@@ -280,10 +295,13 @@ def _pod_spec(owner: Owner, spec: InferenceDeploymentSpec, plan: Plan) -> dict[s
     gpu_name = spec.resources.gpu_resource_name
     tolerations = [{"key": gpu_name, "operator": "Exists", "effect": "NoSchedule"}]
     tolerations += list(spec.resources.tolerations or [])
+    emulated = spec.engine.emulate_gpu is not None
     pod_spec: dict[str, Any] = {
         "containers": [_engine_container(spec, plan, mounts)],
         "volumes": volumes,
-        "affinity": _node_affinity(spec),
+        # An emulated GPU runs on any node: no GPU product to require.
+        "affinity": (json.loads(json.dumps(spec.resources.affinity or {})) if emulated
+                     else _node_affinity(spec)),
         "tolerations": tolerations,
         "securityContext": {"runAsNonRoot": True, "fsGroup": 1000,
                             "seccompProfile": {"type": "RuntimeDefault"}},

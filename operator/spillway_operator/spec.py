@@ -194,6 +194,29 @@ class EnvVar(_Model):
         return name
 
 
+class EmulatedGPUSpec(_Model):
+    """Run the engine on an emulated GPU: vLLM's real server, scheduler, KV-cache
+    manager and Spillway's offloader on the CPU, with no weights and no forward pass
+    (spillway_engine.emulator). For trying Spillway on a cluster without GPUs; the
+    pods then request no GPU and schedule on any node."""
+
+    speed: Annotated[
+        float,
+        Field(ge=0, le=1000, description="time factor on the modelled step times of the "
+              "planned GPU: 1 real time, 0 as fast as the CPU goes"),
+    ] = 1.0
+    kv_bytes: Annotated[
+        int | None,
+        Field(ge=1 << 20, le=1 << 40, description="emulated GPU KV-cache bytes (default: two "
+              "max-length sequences, at least 256 MiB)"),
+    ] = None
+    model_params: Annotated[
+        float | None,
+        Field(gt=0, le=1e13, description="parameters per GPU the step times assume, e.g. 8e9 "
+              "(default: counted from the model)"),
+    ] = None
+
+
 class EngineSpec(_Model):
     """The vLLM engine each pod runs."""
 
@@ -220,6 +243,11 @@ class EngineSpec(_Model):
         list[EnvVar] | None,
         Field(max_length=128, description="extra container env (core/v1 EnvVar list); "
               "SPILLWAY_*, HF_HOME, HF_TOKEN, VLLM_PLUGINS, PYTHONPATH and the like are refused"),
+    ] = None
+    emulate_gpu: Annotated[
+        EmulatedGPUSpec | None,
+        Field(alias="emulateGPU", description="run on an emulated GPU (no GPU requested; "
+              "for clusters without GPUs)"),
     ] = None
 
     @field_validator("extra_args")

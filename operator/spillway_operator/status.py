@@ -97,12 +97,43 @@ def unschedulable_message(pods: list[dict[str, Any]]) -> str | None:
     return None
 
 
-def _crashlooping(pods: list[dict[str, Any]]) -> str | None:
+#: Characters of an engine's termination message kept in a condition (the kubelet
+#: keeps up to 4096 bytes; an Event message holds 1024).
+ENGINE_MESSAGE_CHARS = 900
+
+
+def _exit_of(cs: dict[str, Any]) -> dict[str, Any] | None:
+    """The container's last non-zero exit (now, or before its restart), if any."""
+    for state in (cs.get("state"), cs.get("lastState")):
+        terminated = (state or {}).get("terminated") or {}
+        if terminated and terminated.get("exitCode") not in (0, None):
+            return terminated
+    return None
+
+
+def pod_failure(pods: list[dict[str, Any]]) -> tuple[str, str] | None:
+    """(reason, message) for the first engine pod that is failing, if any.
+
+    ``EngineStartFailed``: the engine exited non-zero before it served and said why
+    (the launcher's preflight and the plan check write the termination message);
+    ``PodsFailing``: crash-looping or image pull failures without such a message."""
     for pod in pods:
+        if pod.get("metadata", {}).get("deletionTimestamp"):
+            continue
+        name = pod["metadata"]["name"]
         for cs in pod.get("status", {}).get("containerStatuses", []) or []:
+            if cs.get("ready"):
+                continue
+            exited = _exit_of(cs)
+            message = ((exited or {}).get("message") or "").strip()
+            if exited and message:
+                if len(message) > ENGINE_MESSAGE_CHARS:
+                    message = message[:ENGINE_MESSAGE_CHARS] + " [...]"
+                return ("EngineStartFailed",
+                        f"pod {name}: engine exited with code {exited['exitCode']}: {message}")
             waiting = (cs.get("state") or {}).get("waiting") or {}
             if waiting.get("reason") in ("CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull"):
-                return f"pod {pod['metadata']['name']}: {waiting['reason']}"
+                return "PodsFailing", f"pod {name}: {waiting['reason']}"
     return None
 
 
@@ -173,7 +204,8 @@ def _progressing(obs: Observed, r: Rollout) -> Cond:
                 f"{r.updated}/{want} pods updated, {r.ready} ready")
 
 
-def _degraded(obs: Observed, unschedulable: str | None, crash: str | None) -> Cond:
+def _degraded(obs: Observed, unschedulable: str | None,
+              failure: tuple[str, str] | None) -> Cond:
     if obs.plan_error and obs.deployment is not None:
         return Cond(ConditionType.DEGRADED, True, obs.plan_error[0],
                     "the new spec cannot be planned; pods keep the last good plan: "
@@ -182,8 +214,8 @@ def _degraded(obs: Observed, unschedulable: str | None, crash: str | None) -> Co
         return Cond(ConditionType.DEGRADED, True, obs.apply_error[0], obs.apply_error[1])
     if unschedulable:
         return Cond(ConditionType.DEGRADED, True, "InsufficientGPUCapacity", unschedulable)
-    if crash:
-        return Cond(ConditionType.DEGRADED, True, "PodsFailing", crash)
+    if failure:
+        return Cond(ConditionType.DEGRADED, True, *failure)
     return Cond(ConditionType.DEGRADED, False, "AsExpected", "")
 
 
@@ -194,7 +226,7 @@ def conditions_for(obs: Observed) -> list[Cond]:
         _plan_ready(obs),
         _available(obs, rollout, unschedulable),
         _progressing(obs, rollout),
-        _degraded(obs, unschedulable, _crashlooping(obs.pods)),
+        _degraded(obs, unschedulable, pod_failure(obs.pods)),
     ]
 
 

@@ -338,9 +338,12 @@ def test_spillway_series_are_exported(server: Server):
     assert m["vllm:kv_offload_store_bytes_total"] > 0
 
 
-def test_wrong_plan_stops_the_engine(models: dict[str, Path]):
+def test_wrong_plan_stops_the_engine(models: dict[str, Path], monkeypatch, tmp_path):
     """A plan sized for another pool than the engine runs: the plan check refuses,
-    and the whole server exits non-zero (no API server left behind)."""
+    the whole server exits non-zero (no API server left behind), and the side-by-side
+    table is the container's termination message (what the operator shows)."""
+    termination = tmp_path / "termination-log"
+    monkeypatch.setenv("SPILLWAY_TERMINATION_LOG", str(termination))
     model_dir = models["llama"]
     good = _plan(model_dir)
     stale = json.loads(_plan(model_dir, cpu_memory_bytes=2 * POOL_BYTES).model_dump_json())
@@ -359,6 +362,9 @@ def test_wrong_plan_stops_the_engine(models: dict[str, Path]):
     assert "Spillway plan check FAILED" in log
     assert re.search(rf"cpu_bytes_to_use\s+\|\s+{2 * POOL_BYTES}\s+\|\s+{POOL_BYTES}", log)
     assert re.search(r"spillway\.num_units\s+\|\s+\d+\s+\|\s+\d+", log)
+    message = termination.read_text()
+    assert message.startswith("Spillway plan check FAILED")
+    assert re.search(rf"cpu_bytes_to_use\s+\|\s+{2 * POOL_BYTES}\s+\|\s+{POOL_BYTES}", message)
 
 
 def _bare_worker(layers: int = 2, window: int | None = None) -> Any:

@@ -149,3 +149,32 @@ def test_workers_share_one_service_monitor_discovery():
         answers = list(pool.map(lambda _: kube.service_monitors_served(), range(8)))
     assert answers == [True] * 8
     assert asked == ["/apis/monitoring.coreos.com/v1"]
+
+
+def test_emulated_gpu_runs_the_same_launch_without_a_gpu():
+    """spec.engine.emulateGPU: the planned launch plus the emulator's flags; no GPU
+    requested and no GPU product required, so the pods schedule on any node."""
+    real = spec_of(engine={"tensorParallelSize": 2}, offload={"hostMemory": "1Gi"})
+    spec = spec_of(engine={"tensorParallelSize": 2, "emulateGPU": {"speed": 0.5,
+                                                                   "kvBytes": 64 << 20}},
+                   offload={"hostMemory": "1Gi"})
+    plan = plan_for(spec)
+    assert plan == plan_for(real)  # the plan is the GPU's, emulated or not
+    pod = render.deployment(OWNER, spec, plan)["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    real_c = render.deployment(OWNER, real, plan)["spec"]["template"]["spec"]["containers"][0]
+    assert c["args"][: len(real_c["args"])] == real_c["args"]
+    assert c["args"][len(real_c["args"]):] == [
+        "--emulate-gpu", "--emulate-speed", "0.5", "--emulate-kv-bytes", str(64 << 20)]
+    assert "nvidia.com/gpu" not in c["resources"]["limits"]
+    assert "nvidia.com/gpu" not in c["resources"]["requests"]
+    assert c["resources"]["limits"]["memory"] == real_c["resources"]["limits"]["memory"]
+    assert "nodeAffinity" not in pod["affinity"]
+    assert c["terminationMessagePolicy"] == "FallbackToLogsOnError"
+
+
+@pytest.mark.parametrize("bad", [{"speed": -1}, {"kvBytes": 1000}, {"modelParams": 0},
+                                 {"sped": 1}])
+def test_emulated_gpu_fields_are_checked(bad):
+    with pytest.raises(ValueError, match="emulateGPU"):
+        spec_of(engine={"emulateGPU": bad})

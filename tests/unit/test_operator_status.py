@@ -240,3 +240,52 @@ def test_backoff_grows_and_caps_and_resets():
     assert [b.next(k) for _ in range(6)] == [1, 2, 4, 8, 8, 8]
     b.reset(k)
     assert b.next(k) == 1
+
+
+def _engine_pod(name: str, **container_status: Any) -> dict[str, Any]:
+    return {"metadata": {"name": name},
+            "status": {"containerStatuses": [{"name": "engine", **container_status}]}}
+
+
+PLAN_TABLE = ("Spillway plan check FAILED: vLLM's KV-cache geometry differs from the plan:\n"
+              "field | plan | vLLM\ncpu_bytes_to_use | 33554432 | 16777216")
+
+
+def test_an_engine_that_says_why_it_did_not_start_is_engine_start_failed():
+    """The kubelet copies the termination message into the status: after a restart
+    it is in lastState while the container waits in CrashLoopBackOff."""
+    crashed = _engine_pod("p-1", ready=False, restartCount=3,
+                          state={"waiting": {"reason": "CrashLoopBackOff"}},
+                          lastState={"terminated": {"exitCode": 1, "reason": "Error",
+                                                    "message": PLAN_TABLE}})
+    healthy = _engine_pod("p-0", ready=True, state={"running": {}})
+    c = by_type(conditions_for(Observed(1, 2, deployment=dep(ready=1), pods=[healthy, crashed])))
+    assert c["Degraded"].status is True
+    assert c["Degraded"].reason == "EngineStartFailed"
+    assert c["Degraded"].message.startswith("pod p-1: engine exited with code 1: Spillway plan")
+    assert "cpu_bytes_to_use | 33554432 | 16777216" in c["Degraded"].message
+
+
+def test_an_engine_message_is_cut_to_fit_a_condition():
+    long = _engine_pod("p", ready=False, state={"terminated": {"exitCode": 3,
+                                                               "message": "x" * 5000}})
+    c = by_type(conditions_for(Observed(1, 1, deployment=dep(replicas=1, ready=0), pods=[long])))
+    assert c["Degraded"].reason == "EngineStartFailed"
+    assert len(c["Degraded"].message) < 1000 and c["Degraded"].message.endswith("[...]")
+
+
+def test_a_crash_loop_without_a_message_is_pods_failing():
+    looping = _engine_pod("p", ready=False, state={"waiting": {"reason": "CrashLoopBackOff"}},
+                          lastState={"terminated": {"exitCode": 137, "reason": "OOMKilled"}})
+    c = by_type(conditions_for(Observed(1, 1, deployment=dep(replicas=1, ready=0),
+                                        pods=[looping])))
+    assert (c["Degraded"].reason, c["Degraded"].message) == (
+        "PodsFailing", "pod p: CrashLoopBackOff")
+
+
+def test_an_engine_that_restarted_and_serves_again_is_not_degraded():
+    recovered = _engine_pod("p", ready=True, state={"running": {}},
+                            lastState={"terminated": {"exitCode": 1, "message": "old"}})
+    c = by_type(conditions_for(Observed(1, 1, deployment=dep(replicas=1, ready=1),
+                                        pods=[recovered])))
+    assert c["Degraded"].status is False

@@ -61,6 +61,7 @@ from spillway_engine.launcher.plan_check import (
     effective_plan,
     format_table,
 )
+from spillway_engine.launcher.termination import write_termination_message
 from spillway_engine.planner.plan import Plan, PlanReadError, read_plan
 from spillway_engine.vllm_pins import SPILLWAY_CONNECTOR
 
@@ -105,7 +106,11 @@ def register() -> None:
         return
     if _state["plan"] is not None:
         return
-    _state["plan"] = load_plan_file(path)
+    try:
+        _state["plan"] = load_plan_file(path)
+    except PluginError as e:
+        write_termination_message(str(e))
+        raise
     install_plan_check()
     install_metrics()
     logger.debug("Spillway plugin active with plan %s", path)
@@ -119,10 +124,15 @@ def run_plan_check(plan: Plan, vllm_config: Any, kv_cache_config: Any) -> None:
     try:
         observed = check(plan, vllm_config, kv_cache_config)
     except PlanMismatch as e:
+        table = format_table(e.mismatches)
         logger.error(
             "Spillway plan check FAILED: vLLM's KV-cache geometry differs from the plan "
             "(the pod's memory and host pool were sized for the plan):\n%s",
-            format_table(e.mismatches),
+            table,
+        )
+        # What the operator shows in the Degraded condition (EngineStartFailed).
+        write_termination_message(
+            f"Spillway plan check FAILED: vLLM's KV-cache geometry differs from the plan:\n{table}"
         )
         raise
     logger.info(
