@@ -26,6 +26,8 @@ from .index import Match
 #: Pods may be loaded up to this factor of the mean (plus one request) before a
 #: request looks elsewhere (consistent hashing with bounded loads).
 DEFAULT_BALANCE = 1.25
+#: ... and a pod holding part of the prompt up to this factor.
+WARM_BALANCE = 4.0
 
 
 @dataclass(frozen=True)
@@ -135,17 +137,24 @@ def choose(
     ring: Ring,
     key: int,
     balance: float = DEFAULT_BALANCE,
+    warm_balance: float = WARM_BALANCE,
 ) -> Decision:
-    """The pod for one request. Raises ValueError when ``pods`` is empty."""
+    """The pod for one request. Raises ValueError when ``pods`` is empty.
+
+    Cold requests keep to ``balance`` x the mean load; a pod holding part of the
+    prompt may carry up to ``warm_balance`` x the mean, beyond which its cache no
+    longer excuses the queue (the estimate weighs the two below that)."""
     if not pods:
         raise ValueError("no pod to choose from")
     live = [p for p in pods if not p.draining] or list(pods)
     bound = load_bound(live, balance)
     allowed = [p for p in live if p.load + 1 <= bound] or live
+    warm_bound = load_bound(live, max(balance, warm_balance))
+    warm = [p for p in live if p.load + 1 <= warm_bound and matches.get(p.name, Match()).units > 0]
     estimates = {
-        p.name: p.cost.ttft_s(prompt_tokens, matches.get(p.name, Match()), p.load) for p in allowed
+        p.name: p.cost.ttft_s(prompt_tokens, matches.get(p.name, Match()), p.load)
+        for p in {*allowed, *warm}
     }
-    warm = [p for p in allowed if matches.get(p.name, Match()).units > 0]
     if warm:
         best = min(warm, key=lambda p: (estimates[p.name], p.load, p.name))
         cold_pick = _ring_pick(allowed, ring, key)

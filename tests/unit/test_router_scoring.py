@@ -61,12 +61,24 @@ def test_load_outweighs_a_small_prefix() -> None:
     assert d.pod == "p0"
 
 
-def test_bounded_load_caps_a_hot_prefix() -> None:
-    # p0 holds the prefix but already carries more than 1.25x the mean
+def test_bounded_load_caps_cold_requests() -> None:
+    ps = pods(2, 0, 0, 0)
+    assert load_bound(ps, 1.25) == 1  # ceil(1.25 x 3 / 4): only idle pods take cold ones
+    ring = Ring([p.name for p in ps])
+    picks = {choose(ps, 64, {}, ring, key=cold_key([k], [])).pod for k in range(200)}
+    assert picks == {"p1", "p2", "p3"}
+
+
+def test_a_held_prefix_may_outweigh_a_queue_up_to_the_warm_bound() -> None:
+    # p0 holds 8,000 of 8,192 tokens: worth queueing behind 4 requests (0.2 s) ...
     ps = pods(4, 0, 0, 0)
-    assert load_bound(ps, 1.25) == 2
+    ring = Ring([p.name for p in ps])
+    assert choose(ps, 8192, {"p0": Match(500, 0)}, ring, key=1).pod == "p0"
+    # ... but among 8 pods, 10 in flight is past 4x the mean: the prefix is no excuse
+    ps = pods(10, 0, 0, 0, 0, 0, 0, 0)
+    assert load_bound(ps, 4.0) == 6
     d = choose(ps, 8192, {"p0": Match(500, 0)}, Ring([p.name for p in ps]), key=1)
-    assert d.pod != "p0"
+    assert d.pod != "p0" and d.reason == "cold"
 
 
 def test_draining_pods_take_no_new_requests_unless_alone() -> None:

@@ -1,0 +1,271 @@
+"""Routing policies on one shared-prefix + multi-turn chat trace, in virtual time.
+
+Replays the same seeded trace against 1, 2, 4 and 8 simulated vLLM replicas
+(``spillway_engine.simulator``: the real scheduler, GPU prefix cache and host tier
+model, one virtual clock) under each routing policy, and prints one row per policy
+and replica count: prompt tokens served from the GPU cache and from the host tier
+(shares of all prompt tokens), TTFT p50/p95 (modelled), load imbalance (max over
+replicas of the time-averaged in-flight requests, divided by their mean), and the
+router's own decision time (hashing the prompt, index lookup, scoring; p99, one core;
+for spillway-events without the index lookup, which the bench stands in for).
+
+    python bench/routing.py [--seed N] [--duration S] [--quick]
+
+The workload scales with the replicas (rate, chat users and shared prefixes are per
+replica), so every row asks the same of each replica: a router that keeps prefixes
+where they are cached keeps the 1-replica hit share as replicas are added.
+
+Policies (the deciding code is spillway_router's, unchanged):
+
+spillway-events
+    ``scoring.choose`` over each replica's cached prefix as its KV events describe it:
+    read from the simulated replica's GPU prefix cache and host pool at the moment of
+    routing (an event stream without lag), split into GPU and host hits; load =
+    running + waiting requests; cold prompts by consistent hashing (session key) with
+    bounded load 1.25.
+spillway-approx
+    the same scoring over ``index.ApproxTracker``: where the router itself sent each
+    block, as a GPU LRU spilling into a host LRU, each bounded by the replica's
+    planned capacity in tokens (GPU KV tokens, the plan's host capacity_tokens).
+round-robin
+    what a Kubernetes Service does.
+session-chwbl
+    consistent hashing of the session with bounded load 1.25 (KubeAI's policy).
+approx-no-capacity
+    the approximate index without capacity knowledge: it never forgets a block, so it
+    keeps sending prefixes to replicas that evicted them long ago.
+
+Not measured here: replica-minutes under the autoscaler (the replica count is fixed
+per row; bench/autoscale covers autoscaling) and the HTTP proxy's own latency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "engine"))
+sys.path.insert(0, str(ROOT / "operator"))
+
+from spillway_cli.loadgen import TraceSpec, generate_trace, percentile, to_replay_items  # noqa: E402
+from spillway_engine.planner.plan import read_plan  # noqa: E402
+from spillway_engine.simulator.cluster import Replica, VirtualCluster  # noqa: E402
+from spillway_engine.simulator.core import LatencyModel, ReplayItem, _group_salt  # noqa: E402
+from spillway_engine.simulator.plan_input import gpu_blocks_for_tokens, parse_plan  # noqa: E402
+from spillway_router.backends import profile_from_plan  # noqa: E402
+from spillway_router.hashing import BlockHasher, HashConfig  # noqa: E402
+from spillway_router.index import ApproxTracker, Match, PrefixIndex  # noqa: E402
+from spillway_router.scoring import CostModel, PodState, Ring, choose, cold_key  # noqa: E402
+
+PLAN_FILE = ROOT / "tests" / "fixtures" / "plans" / "llama-3.2-1b-upstream.json"
+GPU_KV_TOKENS = 8192
+HOST_CHUNKS = 64  # 64 x 256 = 16,384 host tokens per replica: the host tier matters
+REPLICAS = (1, 2, 4, 8)
+POLICIES = (
+    "spillway-events",
+    "spillway-approx",
+    "round-robin",
+    "session-chwbl",
+    "approx-no-capacity",
+)
+NEVER = 10**12
+
+
+def load_plan():
+    data = json.loads(PLAN_FILE.read_text())
+    tpc = data["kv_groups"][0]["tokens_per_block"] * data["blocks_per_chunk"]
+    data.update(num_chunks=HOST_CHUNKS, capacity_tokens=HOST_CHUNKS * tpc)
+    plan = read_plan(json.dumps(data), PLAN_FILE.name)
+    return plan, parse_plan(plan)
+
+
+def trace(n: int, duration: float, seed: int) -> list[ReplayItem]:
+    """Per replica: 1.5 chat req/s over 12 users, 1 shared-prefix req/s over 3 prefixes."""
+    chat = TraceSpec(kind="chat", rate=1.5 * n, duration=duration, seed=seed, users=12 * n,
+                     turns=8, system_tokens=512, user_tokens=96, reply_tokens=96,
+                     max_tokens=64)  # fmt: skip
+    shared = TraceSpec(kind="shared-prefix", rate=1.0 * n, duration=duration, seed=seed + 1,
+                       prefixes=3 * n, prefix_tokens=2048, question_tokens=64,
+                       max_tokens=32)  # fmt: skip
+    items = to_replay_items(generate_trace(chat)) + [
+        replace(it, rid=f"s{it.rid}", session=f"p-{it.session}")
+        for it in to_replay_items(generate_trace(shared))
+    ]
+    return sorted(items, key=lambda it: it.arrival)
+
+
+class Policy:
+    def __init__(self, name: str, plan, sim_plan, latency: LatencyModel) -> None:
+        self.name = name
+        prof = profile_from_plan(plan)
+        self.unit = prof.tokens_per_hash
+        self.hasher = BlockHasher(HashConfig(self.unit))
+        self.cost = CostModel(
+            tokens_per_hash=self.unit,
+            host_bytes_per_token=prof.host_bytes_per_token,
+            host_bandwidth=latency.pcie_bytes_per_s,
+            prefill_s_per_token=latency.prefill_s_per_token,
+        )
+        if name == "spillway-approx":
+            self.gpu_units = GPU_KV_TOKENS // self.unit
+            self.host_units = prof.host_capacity_tokens // self.unit
+        else:  # approx-no-capacity: the same tracker, never full
+            self.gpu_units = self.host_units = NEVER
+        self.tracker = ApproxTracker(PrefixIndex())
+        self.known: set[str] = set()
+        self.rr = 0
+        self.ring: Ring | None = None
+        self.decisions: list[float] = []
+        self.sim_plan = sim_plan
+
+    def pick(self, item: ReplayItem, serving: list[Replica]) -> Replica:
+        if self.name == "round-robin":
+            self.rr += 1
+            return serving[self.rr % len(serving)]
+        by_name = {r.name: r for r in serving}
+        view = {}
+        if self.name == "spillway-events":  # stands for the event-fed index: not timed
+            view = {r.name: cache_view(r, item.prompt) for r in serving}
+        t0 = time.perf_counter()
+        states = [
+            PodState(r.name, self.cost, load=r.core.num_running + r.core.num_waiting)
+            for r in serving
+        ]
+        if self.ring is None or self.ring.members != frozenset(by_name):
+            self.ring = Ring(list(by_name))
+        ring = self.ring
+        keys: list[int] = []
+        matches: dict[str, Match] = view
+        if self.name != "session-chwbl":
+            keys = self.hasher.keys(list(item.prompt))
+        if self.name in ("spillway-approx", "approx-no-capacity"):
+            for r in serving:
+                if r.name not in self.known:
+                    self.tracker.set_capacity(r.name, self.gpu_units, self.host_units)
+                    self.known.add(r.name)
+            matches = self.tracker.index.match(keys, by_name)
+        d = choose(states, len(item.prompt), matches, ring, cold_key(keys, [], item.session))
+        if self.name in ("spillway-approx", "approx-no-capacity"):
+            self.tracker.record(d.pod, keys)
+        self.decisions.append(time.perf_counter() - t0)
+        return by_name[d.pod]
+
+
+def cache_view(replica: Replica, prompt) -> Match:
+    """What a replica's KV events would say it holds of ``prompt``: the leading blocks
+    in its GPU prefix cache, then the leading chunks in its host pool (in hash units)."""
+    core = replica.core
+    hashes = core._hash_prompt(prompt)
+    g = core.groups[core.token_group]
+    hpb, salt = g.hashes_per_block, _group_salt(g.index)
+    bkeys = [h ^ salt for h in hashes[hpb - 1 :: hpb]]
+    n = 0
+    for key in bkeys:
+        if key not in core.gpu.cached:
+            break
+        n += 1
+    bpc = g.blocks_per_chunk
+    pool = core.pools[core.pool_of[g.index]].keys
+    m = 0
+    for key in bkeys[bpc - 1 :: bpc]:
+        if key not in pool:
+            break
+        m += 1
+    gpu = n * hpb
+    return Match(gpu, max(0, m * bpc * hpb - gpu))
+
+
+class RoutedCluster(VirtualCluster):
+    def __init__(self, policy: Policy, **kw) -> None:
+        self.policy = policy
+        self.inflight_sum: dict[str, float] = {}
+        super().__init__(**kw)
+
+    def route(self, item: ReplayItem) -> Replica:
+        serving = self.serving
+        for r in serving:  # sampled at arrivals (Poisson: a time average)
+            self.inflight_sum[r.name] = (
+                self.inflight_sum.get(r.name, 0.0) + r.core.num_running + r.core.num_waiting
+            )
+        return self.policy.pick(item, serving)
+
+
+@dataclass
+class Row:
+    policy: str
+    replicas: int
+    requests: int
+    gpu_share: float
+    host_share: float
+    p50: float
+    p95: float
+    imbalance: float
+    decide_p99_us: float
+
+
+def run(policy_name: str, n: int, plan, sim_plan, items: list[ReplayItem], seed: int) -> Row:
+    latency = LatencyModel()
+    policy = Policy(policy_name, plan, sim_plan, latency)
+    cluster = RoutedCluster(
+        policy,
+        plan=sim_plan,
+        replicas=n,
+        gpu_blocks=gpu_blocks_for_tokens(sim_plan, GPU_KV_TOKENS),
+        latency=latency,
+        seed=seed,
+    )
+    done = cluster.replay(items)
+    prompt = sum(r.prompt_len for r in done) or 1
+    ttfts = [r.ttft for r in done if r.ttft is not None]
+    loads = list(cluster.inflight_sum.values())
+    mean = sum(loads) / len(loads) if loads else 0.0
+    return Row(
+        policy_name,
+        n,
+        len(done),
+        sum(r.local_hit for r in done) / prompt,
+        sum(r.external_hit for r in done) / prompt,
+        percentile(ttfts, 50) or 0.0,
+        percentile(ttfts, 95) or 0.0,
+        max(loads) / mean if mean else 1.0,
+        (percentile(policy.decisions, 99) or 0.0) * 1e6,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--duration", type=float, default=300.0, help="virtual seconds")
+    ap.add_argument("--quick", action="store_true", help="120 virtual s, 1 and 4 replicas")
+    args = ap.parse_args(argv)
+    counts = (1, 4) if args.quick else REPLICAS
+    duration = 120.0 if args.quick else args.duration
+    plan, sim_plan = load_plan()
+    host = plan.capacity_tokens
+    print(f"plan {PLAN_FILE.name}: per replica GPU KV {GPU_KV_TOKENS} tokens, host tier "
+          f"{host} tokens ({HOST_CHUNKS} chunks); {duration:.0f} virtual s")  # fmt: skip
+    head = (f"{'policy':<20} {'N':>2} {'reqs':>6} {'GPU hit':>8} {'host hit':>8} "
+            f"{'TTFT p50':>9} {'TTFT p95':>9} {'imbal':>6} {'decide p99':>11}")  # fmt: skip
+    print(head)
+    print("-" * len(head))
+    rows = []
+    for n in counts:
+        items = trace(n, duration, args.seed)
+        for name in POLICIES:
+            t0 = time.perf_counter()
+            row = run(name, n, plan, sim_plan, items, args.seed)
+            rows.append(row)
+            print(f"{row.policy:<20} {n:>2} {row.requests:>6} {row.gpu_share:>8.1%} "
+                  f"{row.host_share:>8.1%} {row.p50 * 1e3:>7.0f}ms {row.p95 * 1e3:>7.0f}ms "
+                  f"{row.imbalance:>6.2f} {row.decide_p99_us:>9.0f}us"
+                  f"   ({time.perf_counter() - t0:.0f} s)", flush=True)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
