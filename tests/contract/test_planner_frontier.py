@@ -19,7 +19,7 @@ import pytest
 from spillway_engine.planner.families import SUPPORTED_ARCHITECTURES
 from spillway_engine.planner.plan import Plan, PlanRefused, PlanRequest, make_plan
 
-from .vllm_harness import Case, VllmLayout, build_layout
+from .vllm_harness import Case, VllmLayout, build_layout, vllm_default_max_model_len
 
 CONFIGS = Path(__file__).resolve().parent / "frontier_configs"
 GIB = 2**30
@@ -53,6 +53,9 @@ def frontier_layouts() -> FrontierLayouts:
 KIMI = "kimi-linear-48b-a3b"
 GRANITE = "granite-4.0-h-small"
 QWEN35 = "qwen3.5-35b-a3b"
+MINIMAX = "minimax-m2"
+OLMO3 = "olmo-3-7b"
+STEP35 = "step-3.5-flash"
 
 LAYOUT_CASES = [
     # linear attention (KDA) + MLA: the block grows to 128-aligned tokens so one MLA
@@ -80,6 +83,20 @@ LAYOUT_CASES = [
     Case(QWEN35, 2, gpu="a100"),
     Case(QWEN35, kv_cache_dtype="fp8"),
     Case(QWEN35, 4, kv_cache_dtype="fp8"),
+    # full attention on every layer, 8 KV heads
+    Case(MINIMAX, 4),
+    Case(MINIMAX, 8),
+    Case(MINIMAX, 16),  # 8 KV heads over 16 ranks: replicated
+    Case(MINIMAX, 8, kv_cache_dtype="fp8"),
+    # sliding window (3 of 4 layers) + full, served by vLLM's Transformers backend
+    Case(OLMO3),
+    Case(OLMO3, 2),
+    Case(OLMO3, 4, gpu="a100"),
+    Case(OLMO3, kv_cache_dtype="fp8"),
+    # sliding window + full with different query heads, one KV-head count
+    Case(STEP35, 4),
+    Case(STEP35, 8),
+    Case(STEP35, 8, kv_cache_dtype="fp8"),
 ]
 BLOCKS_PER_CHUNK = [None, 1, 4]
 
@@ -124,6 +141,9 @@ def planned_groups(plan: Plan) -> list[dict[str, Any]]:
 
 def test_frontier_architectures_are_supported():
     for arch in (
+        "MiniMaxM2ForCausalLM",
+        "Olmo3ForCausalLM",
+        "Step3p5ForCausalLM",
         "KimiLinearForCausalLM",
         "GraniteMoeHybridForCausalLM",
         "Qwen3_5ForCausalLM",
@@ -183,3 +203,9 @@ def test_indivisible_tensor_parallel_refused_by_both(tp: int, frontier_layouts: 
         assert "divisible" in str(built)
         with pytest.raises(PlanRefused, match="divisible"):
             plan_for(case)
+
+
+@pytest.mark.parametrize("model", [KIMI, GRANITE, QWEN35, MINIMAX, OLMO3, STEP35])
+def test_default_max_model_len_matches_vllm(model: str):
+    plan = make_plan(load_frontier(model), PlanRequest(cpu_memory_bytes=POOL))
+    assert plan.max_model_len == vllm_default_max_model_len(load_frontier(model))

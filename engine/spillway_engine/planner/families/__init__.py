@@ -20,6 +20,7 @@ from spillway_engine.planner.families import (
     llama4,
     nemotron_h,
     qwen3_next,
+    step3p5,
 )
 from spillway_engine.planner.shape import ModelConfigError, ModelShape, ShapeRule, UnsupportedModel
 
@@ -34,6 +35,7 @@ _ARCHITECTURES: dict[str, ShapeRule] = {
     **nemotron_h.ARCHITECTURES,
     **granite_hybrid.ARCHITECTURES,
     **kimi_linear.ARCHITECTURES,
+    **step3p5.ARCHITECTURES,
 }
 
 SUPPORTED_ARCHITECTURES = tuple(sorted(_ARCHITECTURES))

@@ -1,4 +1,4 @@
-"""Llama-style dense and MoE decoders: full attention, or one sliding window on every layer."""
+"""Llama-style dense and MoE decoders: full attention, sliding windows from layer_types."""
 
 from __future__ import annotations
 
@@ -71,4 +71,8 @@ ARCHITECTURES: dict[str, ShapeRule] = {
     "Qwen3ForCausalLM": _dense,
     "Qwen3MoeForCausalLM": _dense,
     "Phi3ForCausalLM": _dense,
+    # minimax_m2.py: GQA full attention on every layer (partial RoPE, QK-norm)
+    "MiniMaxM2ForCausalLM": _dense,
+    # vLLM's Transformers backend: per-layer sliding windows from layer_types
+    "Olmo3ForCausalLM": _dense,
 }
