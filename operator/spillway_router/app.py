@@ -249,7 +249,8 @@ class RouterState:
         for b in ready:
             live = use_events and b.name in self.events_live
             src = self.index if live else self.approx.index
-            matches.update(src.match(keys, [b.name], gap=b.profile.gap))
+            p = b.profile
+            matches.update(src.match(keys, [b.name], gap=p.gap, host_gap=p.host_gap))
         cfg = self.config
         states = [
             PodState(

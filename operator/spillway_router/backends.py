@@ -20,6 +20,8 @@ class Profile:
     host_bytes_per_token: float = 0.0
     #: a group keyed at every k-th hash leaves k-1 unheld hashes between held ones
     gap: int = 1
+    #: host-tier events without per-block hashes carry one key per chunk
+    host_gap: int = 1
 
 
 def profile_from_plan(plan: Any) -> Profile:
@@ -41,6 +43,7 @@ def profile_from_plan(plan: Any) -> Profile:
         host_capacity_tokens=int(plan.capacity_tokens),
         host_bytes_per_token=float(per_token),
         gap=max(1, stride // unit),
+        host_gap=max(1, int(tokens_per_chunk) // unit),
     )
 
 

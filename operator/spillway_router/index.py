@@ -119,16 +119,21 @@ class PrefixIndex:
             return len(self._holders)
         return len(self._by_pod.get(pod, ()))
 
-    def match(self, keys: Sequence[int], pods: Iterable[str], gap: int = 1) -> dict[str, Match]:
+    def match(
+        self, keys: Sequence[int], pods: Iterable[str], gap: int = 1, host_gap: int = 1
+    ) -> dict[str, Match]:
         """Each pod's cached prefix of the prompt whose block keys are ``keys``.
 
         The prefix is the run of held keys from the start; up to ``gap - 1`` unheld
         keys may sit between held ones (a group whose blocks span ``gap`` hash
-        units is keyed only at every ``gap``-th hash). The GPU part is the run held
-        on the GPU; the host part continues it with keys held in either tier, since
-        vLLM takes its GPU hit first and loads the rest from the host.
+        units is keyed only at every ``gap``-th hash; the host tier, without
+        self-describing events, announces one key per chunk: ``host_gap``). The GPU
+        part is the run held on the GPU; the host part continues it with keys held
+        in either tier, since vLLM takes its GPU hit first and loads the rest from
+        the host.
         """
         gap = max(1, gap)
+        any_gap = max(gap, host_gap)
         wanted = list(pods)
         # per pod: [gpu_end, any_end, gpu_open, misses_gpu, misses_any]
         state = {p: [0, 0, True, 0, 0] for p in wanted}
@@ -136,7 +141,7 @@ class PrefixIndex:
             holders = self._holders.get(key)
             live = False
             for pod, st in state.items():
-                if st[4] >= gap:
+                if st[4] >= any_gap:
                     continue
                 on_gpu = bool(holders) and (pod, GPU) in holders
                 anywhere = on_gpu or (bool(holders) and (pod, HOST) in holders)
@@ -151,7 +156,7 @@ class PrefixIndex:
                     st[1], st[4] = i + 1, 0
                 else:
                     st[4] += 1
-                live = live or st[4] < gap
+                live = live or st[4] < any_gap
             if not live:
                 break
         return {p: Match(st[0], st[1] - st[0]) for p, st in state.items()}

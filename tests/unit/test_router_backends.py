@@ -33,6 +33,7 @@ def test_profile_comes_from_the_plan() -> None:
     per_chunk = p.capacity_tokens // p.num_chunks
     assert prof.host_bytes_per_token * per_chunk == pytest.approx(p.row_bytes)
     assert prof.gap == 1
+    assert prof.host_gap * p.tokens_per_hash == per_chunk
 
 
 def test_windowed_groups_do_not_set_the_stride() -> None:

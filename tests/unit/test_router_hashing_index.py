@@ -165,6 +165,15 @@ def test_match_tolerates_the_stride_of_coarse_groups() -> None:
     assert idx.match([1, 2, 3, 4, 5], ["a"], gap=1)["a"] == Match(0, 0)
 
 
+def test_host_tier_keyed_once_per_chunk() -> None:
+    idx = PrefixIndex()
+    idx.store("a", GPU, [1, 2])
+    idx.store("a", HOST, [4, 8])  # chunk-end keys of 4-block chunks
+    keys = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    assert idx.match(keys, ["a"], gap=1, host_gap=4)["a"] == Match(2, 6)
+    assert idx.match(keys, ["a"], gap=1, host_gap=1)["a"] == Match(2, 0)
+
+
 def test_approx_tracker_spills_gpu_into_host_within_planned_capacity() -> None:
     idx = PrefixIndex()
     t = ApproxTracker(idx)
