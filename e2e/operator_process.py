@@ -36,6 +36,10 @@ class OperatorProcess:
     def log_text(self) -> str:
         return self.log.read_text(errors="replace")
 
+    def leader(self) -> bool:
+        """Whether this process says (spillway_operator_leader) it holds the Lease."""
+        return self.metric("spillway_operator_leader") == 1
+
     def stop(self, timeout: float = 20) -> None:
         self.proc.terminate()
         try:
@@ -46,12 +50,15 @@ class OperatorProcess:
 
 
 def start_operator(kubeconfig: Path, log: Path, *, verbose: bool = False,
-                   env: dict[str, str] | None = None, timeout: float = 60) -> OperatorProcess:
-    """``python -m spillway_operator --all-namespaces`` with its log in ``log``; returns
-    once it has started, or raises ClusterError with the tail of its log."""
+                   env: dict[str, str] | None = None, timeout: float = 60,
+                   scope: list[str] | None = None,
+                   extra_args: list[str] | None = None) -> OperatorProcess:
+    """``python -m spillway_operator --all-namespaces`` (or ``scope``, e.g. ``-n NS``) with
+    ``extra_args`` and its log in ``log``; returns once it has started (a leader-election
+    candidate: once it stands for election), or raises ClusterError with its log's tail."""
     port = free_port()
-    args = [sys.executable, "-m", "spillway_operator", "--all-namespaces", "--liveness", "",
-            "--metrics-port", str(port)]
+    args = [sys.executable, "-m", "spillway_operator", *(scope or ["--all-namespaces"]),
+            "--liveness", "", "--metrics-port", str(port), *(extra_args or [])]
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [*args, "--verbose"] if verbose else args,
