@@ -216,12 +216,13 @@ class State:
 
 def resume_state(now: float, current: int) -> State:
     """The windows of an autoscaler that starts (or takes over as the new leader) at
-    ``now`` with ``current`` replicas: they hold the observed replica count as if it
-    had been recommended now, and observation starts now. So the first window after a
-    start or a failover cannot scale down (nothing was observed before it), a
-    scale-up window still waits its full length, and the decisions already made by the
-    previous leader (visible as ``current``) are not made again."""
-    return State(recommendations=((now, current),), observing_since=now)
+    ``now`` with ``current`` replicas: they hold the observed replica count as if it had
+    been recommended now. So a scale-up window still waits its full length after a
+    failover, and what the previous leader decided (visible as ``current``) is not
+    decided again from an empty history. Observation itself starts at the first
+    reading (``_remember``): a scale-down needs a whole window of readings by this
+    autoscaler, so the first window after a start or a failover never scales down."""
+    return State(recommendations=((now, current),))
 
 
 @dataclass(frozen=True)

@@ -301,3 +301,16 @@ def test_a_new_leader_keeps_the_scale_up_window_and_makes_no_burst():
     # first measured tick.
     assert decide(POLICY, 5_015.0, 2, 2, 0, agg_of(2.0), resume_state(5_000.0, 2)).action \
         == "scale-up"
+
+
+def test_a_new_leader_s_first_window_starts_at_its_first_reading():
+    # Took over at 5000, but the pods' metrics come only from 5100 on.
+    state = resume_state(5_000.0, 4)
+    d = decide(POLICY, 5_050.0, 4, 4, 0, agg_of(None), state)
+    assert d.action == "hold" and d.state.observing_since is None
+    state = d.state
+    for t in range(5_100, 5_401, 15):
+        d = decide(POLICY, float(t), 4, 4, 0, agg_of(0.1), state)
+        assert d.action == "hold", t
+        state = d.state
+    assert decide(POLICY, 5_415.0, 4, 4, 0, agg_of(0.1), state).action == "scale-down"
