@@ -35,8 +35,15 @@ approx-no-capacity
     the approximate index without capacity knowledge: it never forgets a block, so it
     keeps sending prefixes to replicas that evicted them long ago.
 
+``--overhead`` measures the HTTP proxy instead: ``spillway-router`` pinned to one core
+(taskset) in front of one simulator (speed 1000, so the engine's modelled time is
+negligible); sequential requests direct and through the router (the added latency
+is the difference of the percentiles), then requests per second through the router
+with 64 concurrent clients (``max_tokens`` 1, 2,048-token prompts, so each request
+is hashed).
+
 Not measured here: replica-minutes under the autoscaler (the replica count is fixed
-per row; bench/autoscale covers autoscaling) and the HTTP proxy's own latency.
+per row; bench/autoscale covers autoscaling).
 """
 
 from __future__ import annotations
@@ -131,7 +138,7 @@ class Policy:
         view = {}
         if self.name == "spillway-events":  # stands for the event-fed index: not timed
             view = {r.name: cache_view(r, item.prompt) for r in serving}
-        t0 = time.perf_counter()
+        t0 = time.process_time()  # CPU time: what the decision costs one core
         states = [
             PodState(r.name, self.cost, load=r.core.num_running + r.core.num_waiting)
             for r in serving
@@ -152,7 +159,7 @@ class Policy:
         d = choose(states, len(item.prompt), matches, ring, cold_key(keys, [], item.session))
         if self.name in ("spillway-approx", "approx-no-capacity"):
             self.tracker.record(d.pod, keys)
-        self.decisions.append(time.perf_counter() - t0)
+        self.decisions.append(time.process_time() - t0)
         return by_name[d.pod]
 
 
@@ -237,12 +244,115 @@ def run(policy_name: str, n: int, plan, sim_plan, items: list[ReplayItem], seed:
     )
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+async def _overhead(direct: str, routed: str, n: int, seconds: float) -> dict[str, float]:
+    import asyncio
+    import random
+
+    import aiohttp
+
+    rng = random.Random(0)
+
+    def body() -> dict:
+        return {"model": "m", "prompt": [rng.randrange(16, 32000) for _ in range(2048)],
+                "max_tokens": 1}  # fmt: skip
+
+    async with aiohttp.ClientSession() as http:
+
+        async def one(url: str) -> float:
+            t0 = time.perf_counter()
+            async with http.post(url + "/v1/completions", json=body()) as r:
+                await r.read()
+                if r.status != 200:
+                    raise RuntimeError(f"{url}: HTTP {r.status}")
+            return time.perf_counter() - t0
+
+        for _ in range(200):  # both up
+            try:
+                await one(routed)
+                break
+            except (aiohttp.ClientError, RuntimeError):
+                await asyncio.sleep(0.1)
+        lat = {"direct": [], "routed": []}
+        for _ in range(n):
+            lat["direct"].append(await one(direct))
+            lat["routed"].append(await one(routed))
+        out: dict[str, float] = {}
+        for name, url in (("direct_rps", direct), ("rps", routed)):
+            done = 0
+            stop = time.perf_counter() + seconds
+
+            async def client(url: str = url, stop: float = stop) -> None:
+                nonlocal done
+                while time.perf_counter() < stop:
+                    await one(url)
+                    done += 1
+
+            t0 = time.perf_counter()
+            await asyncio.gather(*(client() for _ in range(64)))
+            out[name] = done / (time.perf_counter() - t0)
+    out["direct_p50"] = percentile(lat["direct"], 50) or 0
+    for q in (50, 99):
+        out[f"p{q}"] = (percentile(lat["routed"], q) or 0) - (percentile(lat["direct"], q) or 0)
+    return out
+
+
+def overhead() -> int:
+    import asyncio
+    import shutil
+    import subprocess
+    import tempfile
+
+    plan, _ = load_plan()
+    with tempfile.TemporaryDirectory() as tmp:
+        plan_path = Path(tmp) / "plan.json"
+        plan_path.write_text(plan.model_dump_json())
+        sport, rport = _free_port(), _free_port()
+        env = {**__import__("os").environ, "PYTHONPATH": f"{ROOT / 'engine'}:{ROOT / 'operator'}"}
+        sim = subprocess.Popen(
+            [sys.executable, "-m", "spillway_engine.simulator", "--plan", str(plan_path),
+             "--port", str(sport), "--speed", "1000", "--served-model-name", "m"],
+            env=env, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        pin = ["taskset", "-c", "0"] if shutil.which("taskset") else []
+        router = subprocess.Popen(
+            [*pin, sys.executable, "-m", "spillway_router.main", "--host", "127.0.0.1",
+             "--port", str(rport), "--log-level", "WARNING", "--backend",
+             f"model=m,url=http://127.0.0.1:{sport},plan={plan_path}"],
+            env=env,
+        )  # fmt: skip
+        try:
+            got = asyncio.run(
+                _overhead(f"http://127.0.0.1:{sport}", f"http://127.0.0.1:{rport}", 500, 10.0)
+            )
+        finally:
+            for proc in (router, sim):
+                proc.terminate()
+                proc.wait(timeout=30)
+    print(f"router overhead ({'one core' if pin else 'unpinned'}): added latency "
+          f"p50 {got['p50'] * 1e3:.2f} ms, p99 {got['p99'] * 1e3:.2f} ms; "
+          f"{got['rps']:.0f} requests/s through the router, {got['direct_rps']:.0f} direct "
+          f"(64 clients, 2,048-token prompts; direct p50 "
+          f"{got['direct_p50'] * 1e3:.1f} ms)")  # fmt: skip
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--duration", type=float, default=300.0, help="virtual seconds")
     ap.add_argument("--quick", action="store_true", help="120 virtual s, 1 and 4 replicas")
+    ap.add_argument("--overhead", action="store_true", help="the HTTP proxy's overhead")
     args = ap.parse_args(argv)
+    if args.overhead:
+        return overhead()
     counts = (1, 4) if args.quick else REPLICAS
     duration = 120.0 if args.quick else args.duration
     plan, sim_plan = load_plan()

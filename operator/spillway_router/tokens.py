@@ -33,11 +33,8 @@ class Prompt:
 
 
 def _is_token_list(value: Any) -> bool:
-    return (
-        isinstance(value, list)
-        and bool(value)
-        and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
-    )
+    # type() is, not isinstance: bools are not token ids (and this is the hot path)
+    return isinstance(value, list) and bool(value) and all(type(t) is int for t in value)
 
 
 def prompt_of(path: str, body: Mapping[str, Any], tokenizer: Tokenizer | None) -> Prompt:
