@@ -2,6 +2,9 @@
 
 Measures, for 1 and for N InferenceDeployments created at once:
   - reconcile latency: create -> the engine Deployment exists (seen by a watch),
+  - where that time goes: reconciles run per object, API requests per object by verb,
+    mean wall time of one reconcile, and the bound they imply
+    (reconciles x mean time / workers: the time the worker pool alone needs),
   - API writes per no-op reconcile (the operator's own request counter),
   - operator memory (RSS).
 
@@ -95,6 +98,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--count", type=int, default=200)
     ap.add_argument("--kubeconfig", type=Path)
+    ap.add_argument("--workers", type=int, default=4, help="SPILLWAY_WORKERS of the operator")
     args = ap.parse_args()
 
     cluster = None
@@ -127,8 +131,18 @@ def main() -> int:
     api = config.new_client_from_config(config_file=str(kubeconfig))
     core = client.CoreV1Api(api)
 
-    op = start_operator(Path(kubeconfig), Path(tmp.name) / "operator.log")
+    op = start_operator(Path(kubeconfig), Path(tmp.name) / "operator.log",
+                        env={"SPILLWAY_WORKERS": str(args.workers)})
     rows = []
+    profile = []
+
+    def snapshot() -> dict[str, float]:
+        snap = {v: op.metric("spillway_operator_api_requests_total", verb=v)
+                for v in ("get", "patch", "post")}
+        snap["reconciles"] = op.metric("spillway_operator_reconciles_total")
+        snap["seconds"] = op.metric("spillway_operator_reconcile_duration_seconds_sum")
+        snap["timed"] = op.metric("spillway_operator_reconcile_duration_seconds_count")
+        return snap
     try:
         rss_idle = rss_mib(op.proc.pid)
         for count in (1, args.count):
@@ -141,7 +155,11 @@ def main() -> int:
                     data={"config.json": json.dumps(load_local(CONFIG))},
                 ),
             )
+            before = snapshot()
             lat = run_batch(api, ns, count)
+            time.sleep(2)  # the status writes that follow the Deployments
+            after = snapshot()
+            profile.append((count, {k: after[k] - before[k] for k in after}))
             rss = rss_mib(op.proc.pid)
             rows.append((count, len(lat), statistics.median(lat), pct(lat, 0.99), rss))
 
@@ -183,6 +201,15 @@ def main() -> int:
     for count, n, p50, p99, rss in rows:
         print(f"{count:>8} {n:>9} {p50:>9.3f} {p99:>9.3f} {rss:>19.0f}")
     print(f"operator RSS at start: {rss_idle:.0f} MiB")
+    print(f"\nwhere the time goes ({args.workers} workers; counted from the batch's creation "
+          f"until 2 s after its last Deployment):")
+    print(f"{'objects':>8} {'reconciles/obj':>15} {'GET/obj':>8} {'PATCH/obj':>10} "
+          f"{'POST/obj':>9} {'mean reconcile (s)':>19} {'pool-bound (s)':>15}")
+    for count, d in profile:
+        mean = d["seconds"] / max(d["timed"], 1)
+        print(f"{count:>8} {d['reconciles'] / count:>15.2f} {d['get'] / count:>8.1f} "
+              f"{d['patch'] / count:>10.1f} {d['post'] / count:>9.1f} {mean:>19.3f} "
+              f"{d['timed'] * mean / args.workers:>15.1f}")
     noop = rec1 - rec0
     print(
         f"no-op reconciles: {noop:.0f}, API writes during them: {writes1 - writes0:.0f} "

@@ -129,12 +129,16 @@ class Autoscaler:
                 self._tasks[key] = asyncio.create_task(self._loop(key, random.uniform(0, 1)))
 
     def deactivate(self) -> None:
-        """Stop every loop (this replica stopped leading)."""
+        """Stop every loop (this replica stopped leading) and withdraw its pressure
+        series: only the leader's /metrics carry spillway_offload_pressure."""
         self.active = False
         for task in self._tasks.values():
             task.cancel()
         self._tasks.clear()
         self._failing.clear()
+        for key in self._exported:
+            metrics.OFFLOAD_PRESSURE.remove(*key)
+        self._exported.clear()
 
     async def stop(self) -> None:
         for t in self._tasks.values():

@@ -68,3 +68,33 @@ def test_only_a_leading_controller_reconciles_and_a_new_leader_reconciles_everyt
         await c.stop()
 
     asyncio.run(scenario())
+
+
+def test_the_autoscaler_runs_only_while_leading_and_a_standby_exports_no_pressure():
+    import asyncio
+
+    from spillway_operator import metrics
+    from spillway_operator.pressure import State
+    from spillway_operator.scaler import Autoscaler
+
+    async def scenario():
+        s = Autoscaler(Kube(None))
+        s.deactivate()  # a standby from the start
+        body = {"metadata": {"namespace": "ns", "name": "a", "uid": "u"}, "spec": {}}
+        s.observe(("ns", "a"), body)
+        assert s._tasks == {} and ("ns", "a") in s.objects
+        s.activate()  # became the leader: one loop per known object, fresh windows
+        s._states[("ns", "a")] = State(observing_since=1.0)
+        assert set(s._tasks) == {("ns", "a")}
+        metrics.OFFLOAD_PRESSURE.labels("ns", "a").set(0.5)
+        s._exported.add(("ns", "a"))
+        s.deactivate()
+        await asyncio.sleep(0)
+        assert s._tasks == {}
+        assert ("ns", "a") not in {tuple(m.labels.values()) for f in
+                                    metrics.OFFLOAD_PRESSURE.collect() for m in f.samples}
+        s.activate()
+        assert s._states == {}  # the new term starts from what it observes
+        await s.stop()
+
+    asyncio.run(scenario())
