@@ -56,6 +56,8 @@ QWEN35 = "qwen3.5-35b-a3b"
 MINIMAX = "minimax-m2"
 OLMO3 = "olmo-3-7b"
 STEP35 = "step-3.5-flash"
+GEMMA4 = "gemma-4-31b"
+GEMMA4_E2B = "gemma-4-e2b"
 
 LAYOUT_CASES = [
     # linear attention (KDA) + MLA: the block grows to 128-aligned tokens so one MLA
@@ -97,6 +99,15 @@ LAYOUT_CASES = [
     Case(STEP35, 4),
     Case(STEP35, 8),
     Case(STEP35, 8, kv_cache_dtype="fp8"),
+    # sliding (16 kv x 256) + full (4 kv x 512): the full layers' blocks double to 32
+    # tokens so both pages match; Ampere/Ada only (see test_gemma4_on_hopper_is_refused)
+    Case(GEMMA4, gpu="a100"),
+    Case(GEMMA4, 2, gpu="a100"),
+    Case(GEMMA4, 8, gpu="a100"),  # 4 global KV heads over 8 ranks: replicated
+    Case(GEMMA4, 2, gpu="l40s", kv_cache_dtype="fp8"),
+    # KV sharing: 20 of 35 layers own no cache
+    Case(GEMMA4_E2B, gpu="a100"),
+    Case(GEMMA4_E2B, 2, gpu="a100"),
 ]
 BLOCKS_PER_CHUNK = [None, 1, 4]
 
@@ -119,8 +130,14 @@ def plan_for(case: Case, **kw: Any) -> Plan:
     )
 
 
+#: vLLM's TRITON_ATTN has the FLASH_ATTN stand-in's kernel block rule (MultipleOf(16));
+#: the harness knows the stand-ins by the names it was written for.
+STAND_IN = {"TRITON_ATTN": "FLASH_ATTN"}
+
+
 def vllm_for(layouts: FrontierLayouts, case: Case, plan: Plan) -> VllmLayout:
-    built = layouts.get(case, plan.gpu.attention_backend)
+    backend = plan.gpu.attention_backend
+    built = layouts.get(case, STAND_IN.get(backend or "", backend))
     if isinstance(built, Exception):
         pytest.fail(f"vLLM refused {case} which the planner accepts: {built!r}")
     return built
@@ -144,6 +161,7 @@ def test_frontier_architectures_are_supported():
         "MiniMaxM2ForCausalLM",
         "Olmo3ForCausalLM",
         "Step3p5ForCausalLM",
+        "Gemma4ForCausalLM",
         "KimiLinearForCausalLM",
         "GraniteMoeHybridForCausalLM",
         "Qwen3_5ForCausalLM",
@@ -205,7 +223,27 @@ def test_indivisible_tensor_parallel_refused_by_both(tp: int, frontier_layouts: 
             plan_for(case)
 
 
-@pytest.mark.parametrize("model", [KIMI, GRANITE, QWEN35, MINIMAX, OLMO3, STEP35])
+@pytest.mark.parametrize(
+    "model", [KIMI, GRANITE, QWEN35, MINIMAX, OLMO3, STEP35, GEMMA4, GEMMA4_E2B]
+)
 def test_default_max_model_len_matches_vllm(model: str):
-    plan = make_plan(load_frontier(model), PlanRequest(cpu_memory_bytes=POOL))
+    # A100: Gemma 4 is planned on Ampere/Ada only; the context does not depend on the GPU
+    plan = make_plan(load_frontier(model), PlanRequest(cpu_memory_bytes=POOL, gpu="a100"))
     assert plan.max_model_len == vllm_default_max_model_len(load_frontier(model))
+
+
+def test_gemma4_full_layers_take_their_own_heads_and_bigger_blocks():
+    plan = plan_for(Case(GEMMA4, gpu="a100"))
+    assert plan.gpu.attention_backend == "TRITON_ATTN"
+    full = [g for g in plan.kv_groups if g.kind == "full_attention"]
+    sliding = [g for g in plan.kv_groups if g.kind == "sliding_window"]
+    assert {g.tokens_per_block for g in full} == {32}
+    assert {g.tokens_per_block for g in sliding} == {16}
+
+
+@pytest.mark.parametrize("gpu", ["h100", "h200"])
+def test_gemma4_on_hopper_is_refused(gpu: str):
+    """Not a vLLM refusal: vLLM runs Gemma 4 on Hopper with FlashAttention 4, whose page
+    sizes the CPU cannot reproduce (no FA4 build); the planner says so instead of guessing."""
+    with pytest.raises(PlanRefused, match="FlashAttention 4"):
+        plan_for(Case(GEMMA4, gpu=gpu))

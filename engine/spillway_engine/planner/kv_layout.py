@@ -28,11 +28,12 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from spillway_engine.arith import cdiv
-from spillway_engine.planner.gpus import Backend, Gpu
+from spillway_engine.planner.gpus import Backend, Gpu, KernelBlocks
 from spillway_engine.planner.shape import (
     DTYPE_BYTES,
     KV_CACHE_DTYPES,
     Kind,
+    LayerKind,
     ModelShape,
     UnsupportedModel,
 )
@@ -120,6 +121,10 @@ def _kv_dtype(shape: ModelShape, kv_cache_dtype: str) -> tuple[str, int]:
     return resolved, DTYPE_BYTES[resolved]
 
 
+#: Gemma4Config forces it for per-layer head sizes where FA4 is missing (Ampere, Ada).
+TRITON_ATTN = Backend("TRITON_ATTN", KernelBlocks(16))
+
+
 def _backend(
     shape: ModelShape, gpu: Gpu, kv_cache_dtype: str, block_size: int | None
 ) -> Backend | None:
@@ -127,6 +132,15 @@ def _backend(
         return None
     if shape.mla_latent:
         return gpu.mla_backend(kv_cache_dtype=kv_cache_dtype, block_size=block_size)
+    if any(layer.head_size not in (None, shape.head_size) for layer in shape.layers):
+        if gpu.generation == "hopper":
+            raise UnsupportedModel(
+                f"{shape.architecture} with per-layer head sizes on {gpu.name}: vLLM 0.33.0 "
+                "runs FlashAttention 4 there, whose kernel page sizes (128-token pages for "
+                "head size 256, 64 with an FP8 KV cache) are not modelled; plan for an "
+                "Ampere or Ada GPU, where vLLM forces TRITON_ATTN"
+            )
+        return TRITON_ATTN
     return gpu.attention_backend(
         mm_prefix=shape.mm_prefix, kv_cache_dtype=kv_cache_dtype, sinks=shape.sinks
     )
@@ -167,6 +181,16 @@ def compute_layout(shape: ModelShape, gpu: Gpu, request: LayoutRequest) -> KVLay
             "replicated head"
         )
     per_token = kv_heads * (shape.head_size + shape.head_size_v) * kv_bytes
+
+    def layer_per_token(layer: LayerKind) -> int:
+        """Attention bytes per token of a layer with its own heads (else the model's)."""
+        if layer.num_kv_heads is None and layer.head_size is None:
+            return per_token
+        heads = shape.num_kv_heads if layer.num_kv_heads is None else layer.num_kv_heads
+        if heads % tp and tp % heads:
+            raise UnsupportedModel(f"{heads} KV heads cannot be split evenly over TP {tp}")
+        size = shape.head_size if layer.head_size is None else layer.head_size
+        return max(1, heads // tp) * 2 * size * kv_bytes
 
     # Phase 1: the kernels' preferred block size, unless forced.
     if request.block_size is not None:
@@ -222,14 +246,15 @@ def compute_layout(shape: ModelShape, gpu: Gpu, request: LayoutRequest) -> KVLay
             continue
         if layer.kind == "sliding_window" and shape.mla_latent:
             raise UnsupportedModel("sliding-window MLA is not modelled")
+        layer_token = layer_per_token(layer)
         specs.append(
             _Spec(
                 layer.kind,
                 block,
-                block * per_token,
+                block * layer_token,
                 layer.sliding_window,
                 layer.attention_chunk_size,
-                per_token,
+                layer_token,
             )
         )
 

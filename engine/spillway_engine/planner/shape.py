@@ -43,6 +43,9 @@ class LayerKind:
     kind: Kind
     sliding_window: int | None = None
     attention_chunk_size: int | None = None
+    #: this layer's own KV heads / head size where they differ from the model's (Gemma 4)
+    num_kv_heads: int | None = None
+    head_size: int | None = None
 
 
 @dataclass(frozen=True)

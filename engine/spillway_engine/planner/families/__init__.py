@@ -13,6 +13,7 @@ from spillway_engine.planner.families import (
     deepseek_mla,
     dense,
     gemma,
+    gemma4,
     gpt_oss,
     granite_hybrid,
     jamba,
@@ -27,6 +28,7 @@ from spillway_engine.planner.shape import ModelConfigError, ModelShape, ShapeRul
 _ARCHITECTURES: dict[str, ShapeRule] = {
     **dense.ARCHITECTURES,
     **gemma.ARCHITECTURES,
+    **gemma4.ARCHITECTURES,
     **gpt_oss.ARCHITECTURES,
     **llama4.ARCHITECTURES,
     **deepseek_mla.ARCHITECTURES,
