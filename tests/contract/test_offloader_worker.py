@@ -589,6 +589,32 @@ def test_jobs_are_reported_once_with_their_bytes() -> None:
         worker.submit_store(1, store_gpu, store_cpu)
 
 
+def test_a_modelled_link_finishes_jobs_when_it_would_have_carried_them() -> None:
+    """An emulated GPU's host link: bytes move at submit, but a job is reported only
+    once its modelled time has passed, stores and loads queued per direction."""
+    case = CASES["mixed_tpb"]
+    sc = make_scenario(case, "partial")
+    rig = build_rig(case, sc, seed=6)
+    per_byte = 0.2 / page_bytes(case, sc.store)  # a store takes 0.2 s
+    worker = SpillwayHostWorker(make_caches(case, rig.tensors), rig.layout, rig.pool,
+                                link_s=lambda n: n * per_byte)
+    store_gpu, store_cpu = specs(case, sc.store, rig.plan.src, rig.plan)
+    load_gpu, load_cpu = specs(case, sc.load, rig.plan.dst, rig.plan)
+    assert worker.submit_store(1, store_gpu, store_cpu)
+    assert worker.submit_store(2, store_gpu, store_cpu)  # queued behind job 1
+    assert worker.submit_load(3, load_cpu, load_gpu)  # the other direction: not queued
+    assert worker.get_finished() == []
+    worker.wait({1})
+    assert [r.job_id for r in worker.get_finished()] == [1]  # 2 is still on the link
+    worker.wait({2, 3})
+    results = {r.job_id: r for r in worker.get_finished()}
+    assert sorted(results) == [2, 3]
+    assert results[2].transfer_time == pytest.approx(0.4, abs=0.05)  # after job 1
+    assert results[3].transfer_time == pytest.approx(
+        page_bytes(case, sc.load) * per_byte, abs=0.05)
+    worker.shutdown()
+
+
 # --------------------------------------------------------------------------- host pool
 
 

@@ -25,6 +25,7 @@ from spillway_engine.emulator import (
     ENV_BACKEND,
     ENV_GPU,
     ENV_KV_BYTES,
+    ENV_SPEED,
     EXECUTOR_QUALNAME,
     WORKER_QUALNAME,
 )
@@ -168,3 +169,15 @@ class EmulatedGpuPlatform(Platform):
         compilation.cudagraph_capture_sizes = []
         if vllm_config.model_config is not None:
             vllm_config.model_config.enforce_eager = True
+
+
+def modelled_host_link() -> Any:
+    """Seconds a host <-> GPU transfer of n bytes takes on the planned GPU's link, times
+    ``SPILLWAY_EMULATE_SPEED``; None at speed 0 (transfers finish at once)."""
+    from spillway_engine.emulator.latency import gpu_profile, parse_speed, transfer_s
+
+    speed = parse_speed(os.environ.get(ENV_SPEED))
+    if speed <= 0:
+        return None
+    gpu = gpu_profile(planned_gpu()["name"])
+    return lambda nbytes: transfer_s(nbytes, gpu) * speed

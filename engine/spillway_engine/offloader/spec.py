@@ -129,7 +129,7 @@ class SpillwayHostSpec(OffloadingSpec):
             )
             try:
                 worker: OffloadingWorker = SpillwayHostWorker(
-                    kv_caches, self.layout, pool, release=cleanup
+                    kv_caches, self.layout, pool, release=cleanup, link_s=_emulated_link()
                 )
             except Exception:
                 cleanup()
@@ -138,6 +138,17 @@ class SpillwayHostSpec(OffloadingSpec):
                 worker = ContractingWorker(worker, self.layout, self.geometry.expansion)
             self._worker = worker
         return self._worker
+
+
+def _emulated_link() -> Any:
+    """On an emulated GPU timed at a speed factor: its modelled host link (else None)."""
+    from spillway_engine.emulator import emulation_requested
+
+    if not emulation_requested():
+        return None
+    from spillway_engine.emulator.platform import modelled_host_link
+
+    return modelled_host_link()
 
 
 def contract_gpu_spec(

@@ -85,6 +85,11 @@ class SpillwayHostWorker(OffloadingWorker):
     ``pool``: int8 CPU tensor (num_units, unit_bytes), rows may be strided (a slot of
     the shared region). ``release`` (e.g. ``allocate_host_pool``'s cleanup) runs once
     at shutdown, after every transfer has finished and the worker dropped its views.
+
+    ``link_s`` (an emulated GPU): seconds a transfer of n bytes takes on the modelled
+    host link. The bytes still move at submit, but a job is reported finished only
+    when the link, one queue per direction as on a full-duplex PCIe link, would have
+    carried it -- so vLLM's scheduler waits for loads as long as on the GPU.
     """
 
     def __init__(
@@ -94,6 +99,7 @@ class SpillwayHostWorker(OffloadingWorker):
         pool: torch.Tensor,
         *,
         release: Callable[[], None] | None = None,
+        link_s: Callable[[int], float] | None = None,
     ) -> None:
         if pool.dtype != torch.int8 or pool.device.type != "cpu" or pool.ndim != 2:
             raise ValueError(
@@ -154,6 +160,10 @@ class SpillwayHostWorker(OffloadingWorker):
         (device,) = devices
         self._cuda = device.type == "cuda"
         self._done: list[TransferResult] = []  # CPU path: finished at submit
+        self._link_s = link_s
+        # modelled link: (due time, result) per job, and when each direction is free
+        self._in_flight: list[tuple[float, TransferResult]] = []
+        self._link_free: dict[bool, float] = {}
         self._lanes: dict[str, CudaLane] = {}
         self._memcpy: Callable[..., None] | None = None
         if self._cuda:
@@ -183,6 +193,7 @@ class SpillwayHostWorker(OffloadingWorker):
         return self._submit(job_id, dst_spec, src_spec, store=False, lane=lane)
 
     def get_finished(self) -> list[TransferResult]:
+        self._land(time.monotonic())
         done, self._done = self._done, []
         for lane in self._lanes.values():
             done += [
@@ -191,8 +202,18 @@ class SpillwayHostWorker(OffloadingWorker):
         return done
 
     def wait(self, job_ids: set[int]) -> None:
+        due = [t for t, r in self._in_flight if r.job_id in job_ids]
+        if due:
+            time.sleep(max(0.0, max(due) - time.monotonic()))
+            self._land(max(due))
         for lane in self._lanes.values():
             lane.wait(job_ids)
+
+    def _land(self, now: float) -> None:
+        """Jobs the modelled link has carried by ``now`` become finished."""
+        if self._in_flight:
+            self._done += [r for t, r in self._in_flight if t <= now]
+            self._in_flight = [(t, r) for t, r in self._in_flight if t > now]
 
     def shutdown(self) -> None:
         try:
@@ -201,6 +222,7 @@ class SpillwayHostWorker(OffloadingWorker):
         finally:
             self._lanes = {}
             self._done = []
+            self._in_flight = []
             # drop every view of the pool so the release can unmap it
             self._pool_flat = self._pool = None  # type: ignore[assignment]
             self._gpu_flat = []
@@ -246,7 +268,15 @@ class SpillwayHostWorker(OffloadingWorker):
             t0 = time.perf_counter()
             self._copy_pieces(plan, non_blocking=False)
             seconds = time.perf_counter() - t0
-            self._done.append(TransferResult(job_id, True, plan.num_bytes, seconds))
+            if self._link_s is None:
+                self._done.append(TransferResult(job_id, True, plan.num_bytes, seconds))
+            else:
+                now = time.monotonic()
+                due = max(now, self._link_free.get(store, now)) + self._link_s(plan.num_bytes)
+                self._link_free[store] = due
+                self._in_flight.append(
+                    (due, TransferResult(job_id, True, plan.num_bytes, due - now))
+                )
         return True
 
     def _copy_pieces(self, plan: CopyPlan, non_blocking: bool) -> None:
