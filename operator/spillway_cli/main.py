@@ -10,9 +10,11 @@ import argparse
 import json
 import os
 import sys
+import textwrap
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from spillway_engine.planner.families import HOW_TO_ASK, SUPPORTED_ARCHITECTURES
 from spillway_engine.planner.model_config import ModelConfigSourceError, load_hub, load_local
 from spillway_engine.planner.plan import Plan, PlanRefused, PlanRequest, make_plan
 from spillway_engine.quantity import QuantityError, human_bytes, parse_bytes
@@ -61,12 +63,26 @@ class _Parser(argparse.ArgumentParser):
 # ---------------------------------------------------------------------------- plan
 
 
+def _plan_epilog() -> str:
+    """The architectures ``spillway plan`` knows, and how to ask for another."""
+    known = textwrap.fill(
+        ", ".join(SUPPORTED_ARCHITECTURES), width=78, initial_indent="  ", subsequent_indent="  "
+    )
+    ask = textwrap.fill(
+        f"Any other architecture is refused with the reason. To ask for one, {HOW_TO_ASK}.",
+        width=78,
+    )
+    return f"supported architectures (config.json 'architectures'):\n{known}\n\n{ask}"
+
+
 def _add_plan(sub: Any) -> None:
     p = sub.add_parser(
         "plan",
         help="KV groups, offload chunks, host pool and pod memory for a model",
         description="Compute the KV-cache groups vLLM 0.33.0 builds for a model, the "
         "offload chunk geometry, the host pool and the pod memory.",
+        epilog=_plan_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model-config", metavar="PATH", help="config.json or a model directory")

@@ -6,12 +6,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spillway_engine.planner.families import model_shape
+from spillway_engine.planner.families import (
+    HOW_TO_ASK,
+    NOT_YET_MODELLED,
+    SUPPORTED_ARCHITECTURES,
+    model_shape,
+)
 from spillway_engine.planner.gpus import UnknownGpu, get_gpu
 from spillway_engine.planner.kv_layout import LayoutRequest, compute_layout
 from spillway_engine.planner.shape import ModelConfigError, UnsupportedModel
 
-from .planner_fixtures import load_model
+from .planner_fixtures import load_frontier, load_model
 
 
 def layout(name_or_config, gpu="h100", **kw):
@@ -315,3 +320,76 @@ def test_gdn_hybrid_property(kv_heads, head_dim, k_heads, v_mult, k_dim, tp, gpu
     assert lay.groups[-1].page_bytes >= lay.mamba_page_bytes
     # the smallest grid-aligned block that holds a state
     assert (lay.block_size - grid) * per_token < max(lay.mamba_page_bytes, grid * per_token)
+
+
+# ------------------------------------------------------------ the 2026 frontier
+
+
+def test_kimi_linear_kda_states_in_mla_sized_pages():
+    # KDA state: q/k/v short convs (3 x 32 heads x 128, kernel 4) in bf16 plus a
+    # 32 x 128 x 128 float32 recurrent state; MLA latent 576 x 2 bytes per token
+    layout = compute_layout(
+        model_shape(load_frontier("kimi-linear-48b-a3b")), get_gpu("h100"), LayoutRequest()
+    )
+    assert layout.mamba_page_bytes == 3 * 32 * 128 * 3 * 2 + 32 * 128 * 128 * 4
+    # the block grows in 128-token steps (MLA hybrids) until an MLA page holds a state
+    assert layout.block_size == 1920 and layout.block_size % 128 == 0
+    assert [g.kind for g in layout.groups] == ["mamba", "mamba", "mamba", "mla"]
+    assert [g.num_layers for g in layout.groups] == [7, 7, 6, 7]
+    assert {g.page_bytes for g in layout.groups} == {1920 * 576 * 2}
+
+
+def test_granite_hybrid_mamba2_state_from_transformers_defaults():
+    layout = compute_layout(
+        model_shape(load_frontier("granite-4.0-h-small")),
+        get_gpu("h100"),
+        LayoutRequest(tensor_parallel_size=2),
+    )
+    inner = 2 * 4096  # mamba_expand x hidden; 128 heads of 64, 1 group grown to 2 for TP 2
+    conv = (inner + 2 * 2 * 128) // 2 * 3 * 2
+    ssm = 64 * 64 * 128 * 2
+    assert layout.mamba_page_bytes == conv + ssm
+    assert [g.kind for g in layout.groups].count("full_attention") == 1
+
+
+def test_qwen35_takes_the_ssm_dtype_from_its_config():
+    shape = model_shape(load_frontier("qwen3.5-35b-a3b"))
+    state = shape.mamba.states(1, "bfloat16")
+    assert state[1] == (32 * 128 * 128, "float32")
+    assert state[0][1] == "bfloat16"
+
+
+def test_gemma4_refused_on_hopper_planned_on_ampere():
+    shape = model_shape(load_frontier("gemma-4-31b"))
+    with pytest.raises(UnsupportedModel, match="FlashAttention 4"):
+        compute_layout(shape, get_gpu("h200"), LayoutRequest())
+    layout = compute_layout(shape, get_gpu("a100"), LayoutRequest())
+    assert layout.attention_backend == "TRITON_ATTN"
+    full = [g for g in layout.groups if g.kind == "full_attention"]
+    assert [g.tokens_per_block for g in full] == [32]  # 4 kv x 512 pages doubled to match
+
+
+def test_gemma4_kv_shared_layers_own_no_cache():
+    shape = model_shape(load_frontier("gemma-4-e2b"))
+    assert len(shape.layers) == 35 - 20
+
+
+@pytest.mark.parametrize("arch", sorted(NOT_YET_MODELLED))
+def test_known_unmodelled_architectures_say_why_and_how_to_ask(arch):
+    with pytest.raises(UnsupportedModel) as refused:
+        model_shape({"architectures": [arch], "num_hidden_layers": 2})
+    message = str(refused.value)
+    assert NOT_YET_MODELLED[arch] in message
+    assert HOW_TO_ASK in message
+    assert "Qwen3_5MoeForCausalLM" in message  # the supported list
+
+
+def test_plan_help_lists_every_supported_architecture(capsys):
+    from spillway_cli.main import main
+
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for arch in SUPPORTED_ARCHITECTURES:
+        assert arch in text
+    assert "To ask for one, open an issue" in text

@@ -42,6 +42,49 @@ _ARCHITECTURES: dict[str, ShapeRule] = {
 
 SUPPORTED_ARCHITECTURES = tuple(sorted(_ARCHITECTURES))
 
+_SPARSE_MLA = (
+    "sparse MLA (DeepSeek sparse attention): vLLM 0.33.0 keeps a lightning-indexer key "
+    "cache beside every MLA latent and runs sparse-MLA kernels with their own page size; "
+    "that layout is not modelled yet"
+)
+#: Architectures vLLM 0.33.0 serves whose KV layout Spillway knows it does not reproduce.
+NOT_YET_MODELLED: dict[str, str] = {
+    "DeepseekV32ForCausalLM": _SPARSE_MLA,
+    "GlmMoeDsaForCausalLM": _SPARSE_MLA,
+    "Glm5NextForCausalLM": _SPARSE_MLA + " (GLM-5 Next's kpool indexer)",
+    "DeepseekV4ForCausalLM": (
+        "compressed sparse attention: per-layer compress ratios with compressor and "
+        "indexer caches on fixed 256-token kernel blocks; not modelled yet"
+    ),
+    "Gemma4ForConditionalGeneration": (
+        "the multimodal Gemma 4 (a prefix-LM with a vision tower) is not modelled; the "
+        "text-only Gemma4ForCausalLM is (on Ampere/Ada GPUs)"
+    ),
+    "Qwen3_5ForConditionalGeneration": (
+        "the multimodal Qwen3.5 wrapper is not modelled; a config.json whose text_config "
+        "is flattened with architectures Qwen3_5ForCausalLM is"
+    ),
+    "Qwen3_5MoeForConditionalGeneration": (
+        "the multimodal Qwen3.5-MoE wrapper is not modelled; a config.json whose "
+        "text_config is flattened with architectures Qwen3_5MoeForCausalLM is"
+    ),
+}
+
+#: Where to ask for an architecture the planner does not know.
+HOW_TO_ASK = (
+    "open an issue titled 'planner: support <architecture>' with the model's "
+    "config.json (or its Hugging Face id) and the vllm serve flags you use"
+)
+
+
+def unsupported_message(arch: str) -> str:
+    """Why ``arch`` cannot be planned, the supported list, and how to ask for it."""
+    reason = NOT_YET_MODELLED.get(arch, "no KV-layout rule for it")
+    return (
+        f"architecture {arch!r} is not supported by the Spillway planner ({reason}); "
+        f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}; to ask for it, {HOW_TO_ASK}"
+    )
+
 
 def model_shape(config: dict[str, Any]) -> ModelShape:
     """The layout-relevant facts of ``config`` (a parsed config.json)."""
@@ -55,10 +98,7 @@ def model_shape(config: dict[str, Any]) -> ModelShape:
     arch = archs[0]
     adapter = _ARCHITECTURES.get(arch)
     if adapter is None:
-        raise UnsupportedModel(
-            f"architecture {arch!r} is not supported by the Spillway planner (no KV-layout "
-            f"rule for it); supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
+        raise UnsupportedModel(unsupported_message(arch))
     shape = adapter(config, arch)
     if not shape.layers:
         raise ModelConfigError("config.json: the model has no layers")
