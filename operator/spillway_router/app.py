@@ -33,7 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from .backends import Backend
 from .events import EventFeed, subscribe
 from .hashing import BlockHasher, HashConfig
-from .index import ApproxTracker, Match, PrefixIndex
+from .index import TIERS, ApproxTracker, Match, PrefixIndex
 from .scoring import DEFAULT_BALANCE, PodState, Ring, choose, cold_key
 from .tokens import BadRequest, Prompt, Tokenizer, prompt_of, text_keys
 
@@ -110,7 +110,10 @@ class Metrics:
         )
         self.inflight = Gauge("spillway_router_inflight", "In-flight", ["pod"], registry=r)
         self.index_blocks = Gauge(
-            "spillway_router_index_blocks", "Block keys held", ["pod", "source"], registry=r
+            "spillway_router_index_blocks",
+            "Block keys a pod holds, by where the router learnt it and the tier",
+            ["pod", "source", "tier"],
+            registry=r,
         )
         self.event_batches = PCounter(
             "spillway_router_event_batches", "KV event batches applied", ["pod"], registry=r
@@ -364,8 +367,10 @@ class RouterApp:
             s = self.state
             for b in backends:
                 s.metrics.inflight.labels(b.name).set(s.inflight[b.name])
-                s.metrics.index_blocks.labels(b.name, "events").set(s.index.size(b.name))
-                s.metrics.index_blocks.labels(b.name, "approx").set(s.approx.index.size(b.name))
+                for source, index in (("events", s.index), ("approx", s.approx.index)):
+                    for tier in TIERS:
+                        n = index.tier_size(b.name, tier)
+                        s.metrics.index_blocks.labels(b.name, source, tier).set(n)
             await asyncio.sleep(s.config.probe_interval_s)
 
     async def _probe(self, backend: Backend) -> None:

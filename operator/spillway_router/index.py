@@ -43,6 +43,7 @@ class PrefixIndex:
     def __init__(self) -> None:
         self._holders: dict[int, dict[tuple[str, str], int]] = {}
         self._by_pod: dict[str, set[int]] = {}
+        self._per_tier: dict[tuple[str, str], int] = {}  # keys held, by (pod, tier)
 
     # ------------------------------------------------------------ updates
 
@@ -50,7 +51,10 @@ class PrefixIndex:
         owned = self._by_pod.setdefault(pod, set())
         for key in keys:
             holders = self._holders.setdefault(key, {})
-            holders[(pod, tier)] = holders.get((pod, tier), 0) + 1
+            count = holders.get((pod, tier), 0)
+            if not count:
+                self._per_tier[(pod, tier)] = self._per_tier.get((pod, tier), 0) + 1
+            holders[(pod, tier)] = count + 1
             owned.add(key)
 
     def remove(self, pod: str, tier: str, keys: Iterable[int]) -> None:
@@ -62,7 +66,8 @@ class PrefixIndex:
             if count > 0:
                 holders[(pod, tier)] = count
                 continue
-            holders.pop((pod, tier), None)
+            if holders.pop((pod, tier), None) is not None:
+                self._per_tier[(pod, tier)] -= 1
             self._drop_if_unheld(pod, key, holders)
 
     def clear(self, pod: str, tier: str | None = None) -> None:
@@ -72,6 +77,8 @@ class PrefixIndex:
             for t in TIERS if tier is None else (tier,):
                 holders.pop((pod, t), None)
             self._drop_if_unheld(pod, key, holders)
+        for t in TIERS if tier is None else (tier,):
+            self._per_tier.pop((pod, t), None)
         if tier is None:
             self._by_pod.pop(pod, None)
 
@@ -113,6 +120,10 @@ class PrefixIndex:
 
     def pods(self) -> set[str]:
         return set(self._by_pod)
+
+    def tier_size(self, pod: str, tier: str) -> int:
+        """Keys ``pod`` holds in ``tier``."""
+        return self._per_tier.get((pod, tier), 0)
 
     def size(self, pod: str | None = None) -> int:
         if pod is None:

@@ -92,6 +92,7 @@ def test_counts_repeated_announcements() -> None:
     idx.apply_batch("a", [0.0, [_removed([2], HOST)]])
     assert idx.holders(2) == {}
     assert idx.size("a") == 2
+    assert idx.tier_size("a", HOST) == 2 and idx.tier_size("a", GPU) == 0
 
 
 def test_tiers_are_separate_and_clear_forgets_a_pod() -> None:
@@ -101,8 +102,10 @@ def test_tiers_are_separate_and_clear_forgets_a_pod() -> None:
     idx.store("b", GPU, [1])
     idx.remove("a", GPU, [1])
     assert set(idx.holders(1)) == {("a", HOST), ("b", GPU)}
+    assert (idx.tier_size("a", GPU), idx.tier_size("a", HOST)) == (0, 1)
     idx.apply_batch("a", [0.0, [{"type": "AllBlocksCleared"}]])
     assert set(idx.holders(1)) == {("b", GPU)}
+    assert idx.tier_size("a", HOST) == 0 and idx.tier_size("b", GPU) == 1
     idx.forget("b")
     assert idx.size() == 0 and idx.pods() == set()
 
