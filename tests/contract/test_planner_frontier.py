@@ -247,3 +247,15 @@ def test_gemma4_on_hopper_is_refused(gpu: str):
     sizes the CPU cannot reproduce (no FA4 build); the planner says so instead of guessing."""
     with pytest.raises(PlanRefused, match="FlashAttention 4"):
         plan_for(Case(GEMMA4, gpu=gpu))
+
+
+def test_sparse_mla_is_refused_by_the_planner_by_name(frontier_layouts: FrontierLayouts):
+    """Not a vLLM refusal: vLLM 0.33.0 serves DeepSeek-V3.2 on Hopper with sparse-MLA
+    kernels (an indexer cache beside each latent). On the CPU the harness has no stand-in
+    for them, so vLLM's build fails inside the sparse backend, not with a refusal; the
+    planner refuses with the reason instead of planning a layout it cannot check."""
+    case = Case("deepseek-v3.2-exp", 8)
+    built = frontier_layouts.get(case, "FLASH_ATTN_MLA")
+    assert isinstance(built, Exception) and "topk_indices_buffer" in str(built)
+    with pytest.raises(PlanRefused, match="lightning-indexer"):
+        plan_for(case)
