@@ -1,32 +1,54 @@
-"""Engine simulators standing in for the containers of an InferenceDeployment's pods.
+"""Engine processes standing in for the containers of an InferenceDeployment's pods.
 
 On the local control plane pods have loopback IPs and no containers. The fleet
-watches the pods of one InferenceDeployment and, for each pod with an IP, starts
-``spillway-engine simulate`` bound to that IP on the engine port with the pod's
-plan (read from the ``<name>-plan`` ConfigMap), and stops it when the pod goes.
+watches the pods of one InferenceDeployment and, for each pod with an IP, starts an
+engine bound to that IP on the engine port with the pod's plan and serving options
+(read from the ``<name>-plan`` ConfigMap), and stops it when the pod goes. The
+engine is either
+
+* ``engine="emulated"``: the pod's own entry point, ``spillway-engine serve
+  --emulate-gpu`` -- vLLM 0.33's real server, scheduler, KV-cache manager, plan
+  check and Spillway's offloader on an emulated GPU. The model named in the
+  serving options is served from a local directory (``model_dirs``: what an image
+  with the model baked in would hold); or
+* ``engine="simulator"``: ``spillway_engine.simulator`` (virtual-time benches and
+  the quick scenarios that need dozens of pods).
 
 In namespaces named ``gated-*`` KWOK keeps pods unready until the harness says
-so; there the fleet plays a model load: it marks the pod ready
-(``spillway.dev/harness-ready=true``) ``load_seconds`` after its simulator started.
-Used by the integration tests and the local demo.
+so; there the fleet plays the kubelet's probes: it marks the pod ready
+(``spillway.dev/harness-ready=true``) once its emulated engine answers ``/health``
+(a simulator: ``load_seconds`` after it started). An emulated engine that exits
+non-zero is recorded in the pod's status as the kubelet records it: the container
+waiting in ``CrashLoopBackOff`` with the exit code and its termination message in
+``lastState``. Used by the integration tests and the local demo.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
+import os
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from kubernetes import client
 
 ENGINE_PORT = 8000
 READY_ANNOTATION = "spillway.dev/harness-ready"
+ENGINE_CONTAINER = "engine"
+# The pod's entry point (the console script of this environment).
+_SERVE = Path(sys.executable).with_name("spillway-engine")
 
 
 @dataclass
@@ -35,6 +57,26 @@ class _Sim:
     ip: str
     started: float
     log: Path
+    termination: Path | None = None
+    exit_recorded: bool = False
+
+
+def _engine_args(pod: Any) -> list[str]:
+    """The engine container's args (``serve`` flags) from the pod spec."""
+    for c in pod.spec.containers or []:
+        if c.name == ENGINE_CONTAINER:
+            return list(c.args or [])
+    return []
+
+
+def _with_value(args: list[str], flag: str, value: str) -> list[str]:
+    """``args`` with ``flag``'s value replaced (or the flag added)."""
+    out = list(args)
+    if flag in out[:-1]:
+        out[out.index(flag) + 1] = value
+    else:
+        out += [flag, value]
+    return out
 
 
 @dataclass
@@ -44,6 +86,13 @@ class SimulatorFleet:
     name: str
     sim_args: list[str] = field(default_factory=list)
     load_seconds: float = 0.0
+    engine: str = "simulator"  # or "emulated"
+    # emulated: model name (as the spec names it) -> local model directory
+    model_dirs: dict[str, Path] = field(default_factory=dict)
+    # emulated: more ``spillway-engine serve`` flags (e.g. --emulate-speed 0)
+    serve_args: list[str] = field(default_factory=list)
+    # tests: what the kubelet mounts instead of the ConfigMap's plan (a wrong plan)
+    plan_edit: Callable[[dict[str, Any]], dict[str, Any]] | None = None
     poll_seconds: float = 0.5
     sims: dict[str, _Sim] = field(default_factory=dict)
     paused: set[str] = field(default_factory=set)  # pods whose simulator we stopped on purpose
@@ -70,14 +119,87 @@ class SimulatorFleet:
         return up
 
     def _plan_file(self) -> Path | None:
+        """The pod's plan, mounted as the ConfigMap mounts it: plan.json with
+        engine.json beside it (its model pointed at the local directory)."""
         try:
             cm = self.core.read_namespaced_config_map(f"{self.name}-plan", self.namespace)
         except client.ApiException:
             return None
-        path = self._dir / f"plan-{cm.metadata.resource_version}.json"
+        folder = self._dir / f"plan-{cm.metadata.resource_version}"
+        path = folder / "plan.json"
         if not path.exists():
-            path.write_text(cm.data["plan.json"])
+            folder.mkdir(exist_ok=True)
+            options = json.loads(cm.data.get("engine.json") or "{}")
+            if options.get("model") in self.model_dirs:
+                options["model"] = str(self.model_dirs[options["model"]])
+            (folder / "engine.json").write_text(json.dumps(options))
+            plan = cm.data["plan.json"]
+            if self.plan_edit is not None:
+                plan = json.dumps(self.plan_edit(json.loads(plan)))
+            path.write_text(plan)
         return path
+
+    def _start(self, pod_name: str, ip: str, plan: Path, pod_args: list[str]) -> _Sim:
+        log = self._dir / f"{pod_name}.log"
+        if self.engine == "emulated":
+            termination = self._dir / f"{pod_name}.termination-log"
+            termination.unlink(missing_ok=True)
+            entry = [str(_SERVE)] if _SERVE.exists() else [
+                sys.executable, "-m", "spillway_engine.launcher.serve"]
+            # The container's own arguments, with the plan where this "kubelet" mounted
+            # it and the pod's IP to bind; a pod rendered for a real GPU gets one emulated.
+            args = _with_value(pod_args, "--plan", str(plan))
+            if "--emulate-gpu" not in args:
+                args.append("--emulate-gpu")
+            cmd = [*entry, "serve", *args, "--host", ip, *self.serve_args]
+            env = {**os.environ, "SPILLWAY_TERMINATION_LOG": str(termination),
+                   "SPILLWAY_SHARED_REGION": "1", "SPILLWAY_SHM_DIR": str(self._shm(pod_name)),
+                   "VLLM_LOGGING_LEVEL": "INFO", "HF_HUB_OFFLINE": "1",
+                   "TOKENIZERS_PARALLELISM": "false"}
+            env.pop("VLLM_TARGET_DEVICE", None)
+            proc = subprocess.Popen(cmd, stdout=open(log, "wb"),  # noqa: SIM115
+                                    stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            return _Sim(proc, ip, time.monotonic(), log, termination)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "spillway_engine.simulator", "--plan", str(plan),
+             "--host", ip, "--port", str(ENGINE_PORT), *self.sim_args],
+            stdout=open(log, "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115
+        )
+        return _Sim(proc, ip, time.monotonic(), log)
+
+    def _shm(self, pod_name: str) -> Path:
+        """The pod's own shm folder (its memory-backed emptyDir)."""
+        folder = self._dir / f"{pod_name}.shm"
+        folder.mkdir(exist_ok=True)
+        return folder
+
+    def _ready(self, sim: _Sim) -> bool:
+        if self.engine != "emulated":
+            return time.monotonic() - sim.started >= self.load_seconds
+        try:
+            with urllib.request.urlopen(f"http://{sim.ip}:{ENGINE_PORT}/health", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def _record_exit(self, pod_name: str, sim: _Sim) -> None:
+        """What the kubelet writes when the container exits non-zero."""
+        message = ""
+        if sim.termination is not None:
+            with contextlib.suppress(OSError):
+                message = sim.termination.read_text(errors="replace")
+        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        terminated = {"exitCode": sim.proc.returncode, "reason": "Error",
+                      "finishedAt": now, "message": message}
+        self.core.patch_namespaced_pod_status(pod_name, self.namespace, {"status": {
+            "containerStatuses": [{
+                "name": ENGINE_CONTAINER, "image": "spillway-engine", "imageID": "",
+                "ready": False, "started": False, "restartCount": 1,
+                "state": {"waiting": {"reason": "CrashLoopBackOff",
+                                      "message": "back-off restarting failed container"}},
+                "lastState": {"terminated": terminated},
+            }]}})
+        sim.exit_recorded = True
 
     def sync(self) -> None:
         selector = f"spillway.dev/inference-deployment={self.name}"
@@ -94,21 +216,19 @@ class SimulatorFleet:
                 plan = self._plan_file()
                 if plan is None:
                     continue
-                log = self._dir / f"{pod_name}.log"
-                proc = subprocess.Popen(
-                    [sys.executable, "-m", "spillway_engine.simulator", "--plan", str(plan),
-                     "--host", ip, "--port", str(ENGINE_PORT), *self.sim_args],
-                    stdout=open(log, "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115
-                )
-                self.sims[pod_name] = _Sim(proc, ip, time.monotonic(), log)
-            if self.gated:
-                for pod_name, sim in self.sims.items():
-                    pod = alive.get(pod_name)
-                    annotations = (pod.metadata.annotations or {}) if pod else {}
-                    if (pod and annotations.get(READY_ANNOTATION) != "true"
-                            and time.monotonic() - sim.started >= self.load_seconds):
-                        self.core.patch_namespaced_pod(pod_name, self.namespace, {
-                            "metadata": {"annotations": {READY_ANNOTATION: "true"}}})
+                self.sims[pod_name] = self._start(pod_name, ip, plan, _engine_args(pod))
+            for pod_name, sim in self.sims.items():
+                pod = alive.get(pod_name)
+                if pod is None:
+                    continue
+                if sim.proc.poll() not in (None, 0) and not sim.exit_recorded:
+                    self._record_exit(pod_name, sim)
+                    continue
+                annotations = pod.metadata.annotations or {}
+                if (self.gated and annotations.get(READY_ANNOTATION) != "true"
+                        and sim.proc.poll() is None and self._ready(sim)):
+                    self.core.patch_namespaced_pod(pod_name, self.namespace, {
+                        "metadata": {"annotations": {READY_ANNOTATION: "true"}}})
 
     def pause(self, pod_name: str) -> None:
         """Stop one pod's simulator (its metrics go unreachable) and keep it stopped."""
@@ -122,8 +242,24 @@ class SimulatorFleet:
         with self._lock:
             self.paused.clear()
 
-    @staticmethod
-    def _kill(sim: _Sim) -> None:
+    def log_text(self, pod_name: str) -> str:
+        with contextlib.suppress(OSError):
+            return (self._dir / f"{pod_name}.log").read_text(errors="replace")
+        return ""
+
+    def _kill(self, sim: _Sim) -> None:
+        if self.engine == "emulated":  # the engine core is a child: the whole group
+            for sig, grace in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(sim.proc.pid, sig)
+                try:
+                    sim.proc.wait(grace)
+                except subprocess.TimeoutExpired:
+                    continue
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(sim.proc.pid, signal.SIGKILL)
+                return
+            return
         sim.proc.terminate()
         try:
             sim.proc.wait(5)

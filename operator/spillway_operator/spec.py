@@ -207,7 +207,7 @@ class EmulatedGPUSpec(_Model):
     ] = 1.0
     kv_bytes: Annotated[
         int | None,
-        Field(ge=1 << 20, le=1 << 40, description="emulated GPU KV-cache bytes (default: two "
+        Field(ge=1 << 16, le=1 << 40, description="emulated GPU KV-cache bytes (default: two "
               "max-length sequences, at least 256 MiB)"),
     ] = None
     model_params: Annotated[

@@ -173,7 +173,7 @@ def test_emulated_gpu_runs_the_same_launch_without_a_gpu():
     assert c["terminationMessagePolicy"] == "FallbackToLogsOnError"
 
 
-@pytest.mark.parametrize("bad", [{"speed": -1}, {"kvBytes": 1000}, {"modelParams": 0},
+@pytest.mark.parametrize("bad", [{"speed": -1}, {"kvBytes": 60000}, {"modelParams": 0},
                                  {"sped": 1}])
 def test_emulated_gpu_fields_are_checked(bad):
     with pytest.raises(ValueError, match="emulateGPU"):

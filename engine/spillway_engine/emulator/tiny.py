@@ -81,6 +81,46 @@ def gemma3_config(
     return config
 
 
+def qwen3_next_config(num_layers: int = 4, **overrides: Any) -> dict[str, Any]:
+    """A Qwen3-Next-style hybrid: Gated DeltaNet (linear attention) layers with full
+    attention every fourth layer, two KV-cache groups of different kinds."""
+    config = {
+        "architectures": ["Qwen3NextForCausalLM"],
+        "model_type": "qwen3_next",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": num_layers,
+        "full_attention_interval": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "partial_rotary_factor": 0.25,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 16,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_value_head_dim": 16,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 32,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "norm_topk_prob": True,
+        "hidden_act": "silu",
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000000.0,
+        "vocab_size": VOCAB_SIZE,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    }
+    config.update(overrides)
+    return config
+
+
 def write_tokenizer(model_dir: Path, vocab_size: int = VOCAB_SIZE) -> None:
     """tokenizer.json (byte-level BPE) and tokenizer_config.json in ``model_dir``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
