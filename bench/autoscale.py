@@ -406,11 +406,11 @@ class Tick:
 class SpillwayPolicy:
     name = "spillway"
 
-    def __init__(self) -> None:
+    def __init__(self, target: float = 1.0) -> None:
         self.policy = Policy(
             min_replicas=MIN_REPLICAS,
             max_replicas=MAX_REPLICAS,
-            target=1.0,
+            target=target,
             tolerance=TOLERANCE,
             scale_up_window=0.0,
             scale_down_window=SCALE_DOWN_WINDOW,
@@ -703,6 +703,96 @@ def timeline_line(res: Result, shape: Shape, buckets: int = 24) -> str:
     return "".join(out)
 
 
+#: Targets each policy is swept over (``--sweep``): around its default, from eager
+#: (more replicas, better TTFT) to frugal.
+SWEEP_TARGETS: dict[str, tuple[float, ...]] = {
+    "spillway": (0.5, 0.7, 0.85, 1.0, 1.2, 1.5, 2.0),
+    "hpa-kv": (0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95),
+    "hpa-queue": (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0),
+}
+
+
+def sweep_policy(name: str, target: float):
+    if name == "spillway":
+        return SpillwayPolicy(target)
+    key = "gpu_kv" if name == "hpa-kv" else "waiting"
+    return HpaPolicy(name, key, target)
+
+
+def frontier(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The (replica-minutes, attainment) points no other point beats on both."""
+    return [p for p in points
+            if not any(q[0] <= p[0] and q[1] >= p[1] and q != p for q in points)]
+
+
+def cheapest_at(points: list[tuple[float, float]], attainment: float) -> float | None:
+    """Fewest replica-minutes among the points reaching ``attainment``."""
+    costs = [rm for rm, met in points if met >= attainment]
+    return min(costs) if costs else None
+
+
+def run_sweep(plan: SimPlan, items: list[ReplayItem], shape: Shape, args) -> int:
+    """Each policy at each of its targets on the same trace: replica-minutes against
+    the share of requests meeting the TTFT target, a table and a PNG."""
+    curves: dict[str, list[tuple[float, float, float]]] = {}
+    print(f"{'policy':10} {'target':>7} {'replica-min':>11} "
+          f"{'TTFT<=' + format(args.ttft_target, 'g') + 's':>10} {'p95 TTFT':>9} "
+          f"{'actions':>7} {'wall s':>6}", flush=True)  # fmt: skip
+    for name, targets in SWEEP_TARGETS.items():
+        for target in targets:
+            res = run_policy(sweep_policy(name, target), plan, items, shape, args.seed)
+            s = summarize(res, args.ttft_target)
+            curves.setdefault(name, []).append((target, s["rm"], s["met"]))
+            print(f"{name:10} {target:>7g} {s['rm']:>11.1f} {s['met']:>10.1%} "
+                  f"{s['p95']:>8.2f}s {res.actions:>7} {res.wall:>6.1f}", flush=True)
+    print("\nfewest replica-minutes reaching each attainment (- : never reached):")
+    levels = (0.90, 0.95, 0.98, 0.99)
+    print(f"  {'policy':10}" + "".join(f"{f'>= {lv:.0%}':>10}" for lv in levels))
+    for name, pts in curves.items():
+        cells = [cheapest_at([(rm, met) for _, rm, met in pts], lv) for lv in levels]
+        print(f"  {name:10}" + "".join(f"{c:>10.0f}" if c is not None else f"{'-':>10}"
+                                       for c in cells))  # fmt: skip
+    for lv in levels:
+        best = {n: cheapest_at([(rm, met) for _, rm, met in pts], lv)
+                for n, pts in curves.items()}
+        reached = {n: c for n, c in best.items() if c is not None}
+        if reached:
+            winner = min(reached, key=reached.get)
+            print(f"  at >= {lv:.0%}: {winner} needs the fewest replica-minutes "
+                  f"({reached[winner]:.0f})")
+    if args.png:
+        write_sweep_png(curves, args.png, args.ttft_target)
+        print(f"\nwrote {args.png}")
+    return 0
+
+
+def write_sweep_png(curves: dict[str, list[tuple[float, float, float]]], path: Path,
+                    ttft_target: float) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # no display: write the file only
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("bench/autoscale --sweep --png needs matplotlib: "
+                         "pip install 'spillway[bench]'") from None
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    for name, pts in curves.items():
+        pts = sorted(pts, key=lambda p: p[1])
+        ax.plot([p[1] for p in pts], [100 * p[2] for p in pts], marker="o", label=name)
+        for target, rm, met in pts:
+            ax.annotate(f"{target:g}", (rm, 100 * met), fontsize=7,
+                        textcoords="offset points", xytext=(3, 3))
+    ax.set_xlabel("replica-minutes")
+    ax.set_ylabel(f"requests with TTFT <= {ttft_target:g} s (%)")
+    ax.set_title("Autoscaling policies swept over their targets (labels: target)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seed", type=int, default=0)
@@ -712,6 +802,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verbose", action="store_true", help="print every decision")
     parser.add_argument("--static", type=int, default=3, metavar="N",
                         help="add a fixed N-replica reference row (0: none; default 3)")
+    parser.add_argument("--sweep", action="store_true",
+                        help="sweep each policy's target; print replica-minutes vs TTFT "
+                        "attainment per point")
+    parser.add_argument("--png", type=Path, help="with --sweep: write the curves to this PNG")
     args = parser.parse_args(argv)
     shape = Shape()
     if args.quick:
@@ -749,6 +843,8 @@ def main(argv: list[str] | None = None) -> int:
           f"num_requests_waiting {HPA_QUEUE_TARGET:g}/replica; spillway: pressure 1.0; "
           f"TTFT target {args.ttft_target:g} s")  # fmt: skip
     print(flush=True)
+    if args.sweep:
+        return run_sweep(plan, items, shape, args)
 
     policies = [
         SpillwayPolicy(),
