@@ -8,8 +8,9 @@
    through engine.json's extra_args) behind ``spillway-router``: requests sharing a
    prefix that was put on one engine *behind the router's back* land on that engine
    (its prefix-cache hits rise, the other's do not), so only the event-fed index
-   can have sent them there; then that engine is killed mid-run: requests fail over
-   and the index forgets it.
+   can have sent them there; the prefix is then pushed into that engine's host tier
+   and still followed there (host hits rise); then that engine is killed mid-run:
+   requests fail over and the index forgets it.
 """
 
 from __future__ import annotations
@@ -301,6 +302,32 @@ def test_prefix_follows_the_events_and_failover_forgets(tmp_path: Path) -> None:
         assert queries[0] == 0 and hits[0] == 0  # pod0 saw none of them
         assert _router_metric(url, "spillway_router_requests_total",
                               pod="pod1", reason="prefix") == 4  # fmt: skip
+
+        # The prefix pushed out of pod1's GPU cache into its host tier (again behind the
+        # router's back): the router learns it from pod1's host-tier events and still
+        # sends the prefix there, where it is loaded from the host.
+        for s in range(500, 505):  # 5 x 600 tokens overflow the 1,280-token GPU cache
+            body = {"model": NAME, "prompt": prompt(s, 600), "max_tokens": 2}
+            status, _ = _post(holder.url("/v1/completions"), body)
+            assert status == 200
+        _wait(lambda: _router_metric(url, "spillway_router_index_blocks", pod="pod1",
+                                     source="events", tier="CPU") >= 11,
+              "pod1's host-tier events (one key per 256-token chunk)")  # fmt: skip
+        before = [metrics(e) for e in engines]
+        host_before = _router_metric(url, "spillway_router_expected_cached_tokens_total",
+                                     tier="host")  # fmt: skip
+        status, reply = _post(url + "/v1/completions",
+                              {"model": NAME, "prompt": shared + prompt(990, 24),
+                               "max_tokens": 2})  # fmt: skip
+        assert status == 200, reply
+        after = [metrics(e) for e in engines]
+        ext = "vllm:external_prefix_cache_hits_total"
+        assert after[1][ext] - before[1][ext] >= 256  # the chunk came from pod1's host tier
+        q = "vllm:prefix_cache_queries_total"
+        assert after[0][q] == before[0][q]
+        host_after = _router_metric(url, "spillway_router_expected_cached_tokens_total",
+                                    tier="host")  # fmt: skip
+        assert host_after - host_before >= 256  # and the router expected it there
 
         # pod1 dies mid-run: the next requests fail over to pod0, pod1 is forgotten.
         _kill_group(holder.proc)
