@@ -161,10 +161,12 @@ class SimRequest:
         "first_scheduled",
         "first_token_time",
         "freed_upto",
+        "gpu_junction",
         "hashes",
         "junction",
         "last_token_time",
         "local_hit",
+        "mamba_want",
         "max_tokens",
         "num_computed",
         "num_output",
@@ -209,6 +211,11 @@ class SimRequest:
         self.output_ids: list[int] = []
         self.store_keys: list[tuple[int, list[int], int]] | None = None
         self.junction = 0  # shared-prefix junction whose window/state is retained
+        #: vLLM's ``shared_prefix_boundary``: the GPU full-attention hit when a sparse
+        #: group stopped short of it at admission, else 0
+        self.gpu_junction = 0
+        #: GPU blocks each Mamba group holds while prefilling (see EngineCore._mamba_want)
+        self.mamba_want = 1
         self.prefill_counted = False
         self.sink: Callable[[SimRequest, int, bool], None] | None = None
         self.user_data: Any = None
@@ -363,6 +370,8 @@ class EngineCore:
         self.windowed = any(g.windowed for g in self.groups)
         self.full_groups = [g for g in self.groups if not g.windowed]
         self.tpb_gcd = math.gcd(*(g.tokens_per_block for g in self.groups))
+        #: vLLM's Mamba groups share one block size (0: no Mamba group)
+        self.mamba_tpb = next((g.tokens_per_block for g in self.groups if g.kind == "mamba"), 0)
         #: (tpb, r): a window group frees a block when computed % tpb == r
         self.window_phases = sorted(
             {
@@ -459,7 +468,7 @@ class EngineCore:
         for g in self.groups:
             blocks = cdiv(length, g.tokens_per_block)
             if g.kind == "mamba":
-                blocks = 1
+                blocks = 2
             elif g.window_blocks is not None:
                 blocks = min(blocks, g.window_blocks + 2 + cdiv(chunk, g.tokens_per_block))
             total += blocks * g.weight
@@ -548,19 +557,31 @@ class EngineCore:
         return count * tpb
 
     def _gpu_hit(self, req: SimRequest) -> int:
+        """vLLM's hybrid coordinator: the longest hit every group agrees on. Also sets
+        ``req.gpu_junction`` (vLLM's ``shared_prefix_boundary``): the full-attention
+        hit when a sparse group stopped short of it, else 0."""
         cap = min(req.prompt_len - 1, len(req.hashes) * self.tph)
-        cand = cap // self.align * self.align
+        cand = start = cap // self.align * self.align
         memo: dict = {}
+        req.gpu_junction = 0
         while cand > 0:
             new = cand
             for g in self.groups:
                 new = min(new, self._gpu_group_hit(req, g, new, memo))
                 if new == 0:
-                    return 0
+                    break
             if new == cand:
                 break
             cand = new
-        return max(cand, 0)
+        cand = max(cand, 0)
+        if self.windowed and self.full_groups:
+            reach = start
+            for g in self.full_groups:
+                reach = min(reach, self._gpu_group_hit(req, g, start, memo))
+            reach = reach // self.align * self.align
+            if reach > cand:
+                req.gpu_junction = reach
+        return cand
 
     def _junction(self, req: SimRequest) -> int:
         """Where this prompt leaves the prefix other prompts already have (in full
@@ -641,8 +662,8 @@ class EngineCore:
         need = 0
         for g, blocks in zip(self.groups, req.blocks, strict=False):
             if g.kind == "mamba":
-                if not blocks:
-                    need += g.weight
+                if req.mamba_want > len(blocks):
+                    need += (req.mamba_want - len(blocks)) * g.weight
             else:
                 more = cdiv(upto, g.tokens_per_block) - len(blocks)
                 if more > 0:
@@ -654,7 +675,7 @@ class EngineCore:
         for g, blocks in zip(self.groups, req.blocks, strict=False):
             w = g.weight
             k = (
-                1 - len(blocks)
+                req.mamba_want - len(blocks)
                 if g.kind == "mamba"
                 else cdiv(upto, g.tokens_per_block) - len(blocks)
             )
@@ -696,9 +717,10 @@ class EngineCore:
             upto = min(done // g.tokens_per_block, len(blocks), len(keys))
             b = req.cached_upto[g.index]
             if b < upto:
+                reach = self._swa_reachable(req, g)
                 while b < upto:
                     blk = blocks[b]
-                    if blk is not None and blk[0] is None:
+                    if blk is not None and blk[0] is None and (reach is None or b in reach):
                         key = keys[b]
                         if key not in cached:
                             blk[0] = key
@@ -717,6 +739,21 @@ class EngineCore:
                             blocks[i] = None
                         i += 1
                     req.freed_upto[g.index] = first
+
+    def _swa_reachable(self, req: SimRequest, g) -> set[int] | None:
+        """Blocks of a sliding-window group that vLLM names (``reachable_block_mask``
+        at the default ``prefix_cache_retention_interval = 0``): the window's blocks
+        ending at the replay boundary ``floor((P-1)/A)*A`` and at the shared-prefix
+        junction; the rest are freed unnamed (reused first). None: every block."""
+        tpb = g.tokens_per_block
+        if g.kind != "sliding_window" or self.align % tpb:
+            return None
+        need = g.window_blocks
+        out: set[int] = set()
+        for point in (req.prompt_len - 1, req.gpu_junction):
+            end = point // self.align * self.align // tpb
+            out.update(range(max(0, end - need), end))
+        return out
 
     # ------------------------------------------------------------------ host pool
 
@@ -1013,8 +1050,13 @@ class EngineCore:
         for g in self.groups:
             tpb = g.tokens_per_block
             if g.kind == "mamba":
-                kept.append([])
-                need += g.weight
+                # vLLM touches the hit's state block and holds it until the step
+                # after; the running state takes a block of its own
+                key = req.bkeys[g.index][local // tpb - 1] if local >= tpb else None
+                hit = [cached[key]] if key in cached else []
+                kept.append(hit)
+                need += (self._mamba_want(req, computed) - len(hit)) * g.weight
+                need += sum(1 for blk in hit if not blk[1]) * g.weight
                 continue
             hit_blocks = local // tpb
             first = 0 if g.window is None else max(0, computed // tpb - g.window_blocks)
@@ -1037,6 +1079,7 @@ class EngineCore:
             req.blocks.append([None] * first + hit if first else hit)
         req.cached_upto = [local // g.tokens_per_block for g in self.groups]
         req.freed_upto = firsts
+        req.mamba_want = self._mamba_want(req, computed)
         self._grow(req, upto)
         req.admitted = True
         req.num_computed = computed
@@ -1252,25 +1295,57 @@ class EngineCore:
         if finished:
             self.running = [r for r in self.running if r.state == RUNNING]
 
+    def _mamba_want(self, req: SimRequest, computed: int) -> int:
+        """Blocks a Mamba group holds while prefilling, as vLLM's "align" mode does
+        (no prefill checkpoint blocks, no partial hits): the running state, plus the
+        hit's (or loaded) state block, or the block whose state is cached at the
+        prompt's last block boundary (vLLM ends a prefill chunk there)."""
+        mamba = self.mamba_tpb
+        if not mamba:
+            return 1
+        last = (req.prompt_len - 1) // mamba * mamba
+        return 2 if computed or last else 1
+
     def _key_mamba_state(self, req: SimRequest) -> None:
+        """At the end of a prefill: the state at the prompt's last block boundary L is
+        cached (vLLM's replay boundary) and released, like vLLM releasing it on the
+        next step (LRU tail, before the request's attention blocks at its finish);
+        the running state stays held until the request finishes."""
         cached = self.gpu.cached
+        gpu = self.gpu
         for g, blocks in zip(self.groups, req.blocks, strict=False):
             if g.kind != "mamba" or not blocks or blocks[0] is None:
                 continue
             b = (req.prompt_len - 1) // g.tokens_per_block
             keys = req.bkeys[g.index]
-            blk = blocks[0]
-            if 1 <= b <= len(keys) and blk[0] is None and keys[b - 1] not in cached:
-                blk[0] = keys[b - 1]
-                cached[blk[0]] = blk
-            j = req.junction // g.tokens_per_block
-            if 1 <= j < b and keys[j - 1] not in cached and self.gpu.num_free >= 2 * g.weight:
-                # A checkpoint of the state at the junction: a cached, unheld block.
-                self.gpu.reserve(g.weight)
-                state = [keys[j - 1], 0, g.weight]
-                cached[state[0]] = state
-                self.gpu.evictable[state[0]] = state
-                self.gpu.evictable_w += g.weight
+            j = req.gpu_junction // g.tokens_per_block
+            if 1 <= j < b and keys[j - 1] not in cached and gpu.num_free >= 2 * g.weight:
+                # vLLM ends a chunk at the shared-prefix junction and keeps its state
+                self._cached_state(keys[j - 1], g.weight)
+            key = keys[b - 1] if 1 <= b <= len(keys) else None
+            if len(blocks) < 2:
+                blk = blocks[0]
+                if key is not None and blk[0] is None and key not in cached:
+                    blk[0] = key
+                    cached[key] = blk
+                continue
+            first = blocks.pop(0)
+            if key is not None and first[0] is None and key not in cached:
+                first[0] = key
+                cached[key] = first
+            gpu.free(first)
+            if key is not None and key not in cached and gpu.num_free >= g.weight:
+                # a hit below L: the chunk ending at L wrote its state in a block of its own
+                self._cached_state(key, g.weight)
+
+    def _cached_state(self, key: int, weight: int) -> None:
+        """A cached, unheld state block (the LRU's newest)."""
+        gpu = self.gpu
+        gpu.reserve(weight)
+        state = [key, 0, weight]
+        gpu.cached[key] = state
+        gpu.evictable[key] = state
+        gpu.evictable_w += weight
 
     def abort(self, req: SimRequest) -> bool:
         """Drop a request (client went away); frees its blocks. False if already done."""
