@@ -3,22 +3,33 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from spillway_engine.planner.pod_sizing import (
-    ENGINE_PROCESS_BYTES,
+    API_SERVER_BYTES,
+    DP_PROCESSES_BYTES,
+    ENGINE_CORE_BYTES,
     GIB,
+    MANAGER_BYTES_PER_KEY,
     MIN_HEADROOM_BYTES,
-    SHM_QUEUE_BYTES,
+    MQ_RING_BYTES,
+    SHM_OTHER_BYTES,
     WORKER_PROCESS_BYTES,
     PodSizingError,
     max_pool_bytes,
     max_pool_bytes_for_node,
+    shm_queue_bytes,
     size_pod,
 )
 
 
 def test_terms_add_up():
-    pod = size_pod(64 * GIB, workers_per_engine=8, data_parallel_size=1)
-    assert pod.shm_bytes == 64 * GIB + SHM_QUEUE_BYTES
-    processes = ENGINE_PROCESS_BYTES + 8 * WORKER_PROCESS_BYTES
+    pod = size_pod(64 * GIB, workers_per_engine=8, data_parallel_size=1, host_keys_per_engine=1000)
+    # one broadcast ring and one response ring per worker, besides the pool
+    assert pod.shm_bytes == 64 * GIB + 9 * MQ_RING_BYTES + SHM_OTHER_BYTES
+    processes = (
+        API_SERVER_BYTES
+        + ENGINE_CORE_BYTES
+        + 1000 * MANAGER_BYTES_PER_KEY
+        + 8 * WORKER_PROCESS_BYTES
+    )
     assert pod.process_overhead_bytes == processes
     assert pod.memory_request_bytes == pod.shm_bytes + processes
     assert pod.memory_limit_bytes == pod.memory_request_bytes + pod.headroom_bytes
@@ -26,11 +37,18 @@ def test_terms_add_up():
     assert 0 <= pod.headroom_bytes - pod.memory_request_bytes // 20 < 2**20
 
 
+def test_one_worker_has_no_message_queue_rings():
+    assert shm_queue_bytes(1, 1) == SHM_OTHER_BYTES
+    assert shm_queue_bytes(2, 1) == 3 * MQ_RING_BYTES + SHM_OTHER_BYTES
+    assert shm_queue_bytes(2, 2) == 6 * MQ_RING_BYTES + SHM_OTHER_BYTES
+
+
 def test_data_parallel_multiplies_pool_and_processes():
-    one = size_pod(10 * GIB, 2, 1)
-    two = size_pod(10 * GIB, 2, 2)
-    assert two.shm_bytes - SHM_QUEUE_BYTES == 2 * (one.shm_bytes - SHM_QUEUE_BYTES)
-    assert two.process_overhead_bytes == 2 * one.process_overhead_bytes
+    one = size_pod(10 * GIB, 2, 1, 500)
+    two = size_pod(10 * GIB, 2, 2, 500)
+    assert two.shm_bytes - SHM_OTHER_BYTES == 2 * (one.shm_bytes - SHM_OTHER_BYTES)
+    # each engine's processes, and vLLM's DP process manager and coordinator once
+    assert two.process_overhead_bytes == 2 * one.process_overhead_bytes + DP_PROCESSES_BYTES
 
 
 def test_small_pod_gets_minimum_headroom():
@@ -77,12 +95,12 @@ def test_node_is_split_between_pods():
 # ------------------------------------------- data parallelism: whose budget is it
 
 
-def _plan(**kw):
+def _plan(model: str = "llama-3.2-1b", **kw):
     from spillway_engine.planner.plan import PlanRequest, make_plan
 
     from .planner_fixtures import load_model
 
-    return make_plan(load_model("llama-3.2-1b"), PlanRequest(max_model_len=8192, **kw))
+    return make_plan(load_model(model), PlanRequest(max_model_len=8192, **kw))
 
 
 def test_plan_says_the_budget_is_per_engine_by_default_and_shows_the_pod_total():
@@ -114,3 +132,16 @@ def test_spillway_plan_table_shows_per_engine_and_per_pod():
                               host_memory_scope="pod"))
     assert "8.00 GiB per engine (budget given per pod)" in text
     assert "2 engine(s) per pod: 16.00 GiB mapped per pod" in text
+
+
+@pytest.mark.parametrize("model", ["llama-3.2-1b", "gemma-3-1b-it", "qwen3-next-80b-a3b-instruct"])
+@pytest.mark.parametrize("limit_gib", [24, 200])
+@pytest.mark.parametrize("dp", [1, 2])
+def test_auto_pool_fits_the_limit_with_the_managers_bytes(model, limit_gib, dp):
+    """hostMemory auto: the pool fills the limit, the manager's per-key bytes included."""
+    plan = _plan(memory_limit_bytes=limit_gib * GIB, data_parallel_size=dp, model=model)
+    assert plan.pod.memory_limit_bytes <= limit_gib * GIB
+    keys = plan.spillway.num_units
+    assert plan.pod.process_overhead_bytes >= dp * keys * MANAGER_BYTES_PER_KEY
+    # nearly all of it: within the rounding and the per-key give-back
+    assert limit_gib * GIB - plan.pod.memory_limit_bytes < 64 * 2**20 + dp * keys * 1280

@@ -369,7 +369,19 @@ def _make_plan(config: dict[str, Any], request: PlanRequest) -> Plan:
         layout, request, cpu_bytes, workers, max_len
     )
     chosen = _chosen_offload(request.offloader, upstream, spillway)
-    pod = _sized_pod(chosen.region_bytes, workers, dp, request.memory_limit_bytes)
+    limit = request.memory_limit_bytes
+    for _ in range(4 if request.cpu_memory_bytes is None else 0):
+        # the pool filled the limit before its units (and the manager's bytes per
+        # key) were known: give those bytes back from the pool (a row may round)
+        needed = size_pod(chosen.region_bytes, workers, dp, chosen.host_keys).memory_limit_bytes
+        if limit is None or needed <= limit:
+            break
+        cpu_bytes -= -(-(needed - limit) // dp)
+        upstream, upstream_refusal, spillway = _geometries(
+            layout, request, cpu_bytes, workers, max_len
+        )
+        chosen = _chosen_offload(request.offloader, upstream, spillway)
+    pod = _sized_pod(chosen.region_bytes, workers, dp, limit, chosen.host_keys)
     return Plan(
         vllm_version=VLLM_VERSION,
         spillway_version=__version__,
@@ -467,6 +479,8 @@ class _ChosenOffload:
     num_chunks: int
     capacity_tokens: int
     region_bytes: int
+    #: most keys the host manager can hold (one per row or unit)
+    host_keys: int
     extra_config: dict[str, Any]
     transfer_config: dict[str, Any]
 
@@ -484,6 +498,7 @@ def _chosen_offload(
             upstream.num_chunks,
             upstream.capacity_tokens,
             upstream.region_bytes,
+            upstream.num_chunks,
         )
     else:
         extra = dict(spillway.kv_connector_extra_config)
@@ -497,13 +512,16 @@ def _chosen_offload(
             spillway.num_chunks,
             spillway.capacity_tokens,
             spillway.region_bytes,
+            spillway.num_units,
         )
     transfer.update(kv_role="kv_both", kv_connector_extra_config=extra)
     return _ChosenOffload(*figures, extra_config=extra, transfer_config=transfer)
 
 
-def _sized_pod(region: int, workers: int, dp: int, memory_limit: int | None) -> PodMemory:
-    pod = size_pod(region, workers, dp)
+def _sized_pod(
+    region: int, workers: int, dp: int, memory_limit: int | None, host_keys: int = 0
+) -> PodMemory:
+    pod = size_pod(region, workers, dp, host_keys)
     if memory_limit is not None and pod.memory_limit_bytes > memory_limit:
         raise PlanRefused(
             f"the pod needs a memory limit of {pod.memory_limit_bytes} bytes (pool "

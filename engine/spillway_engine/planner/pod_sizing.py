@@ -2,24 +2,35 @@
 
 The pool is one shared mmap in ``/dev/shm`` (tmpfs); tmpfs pages are charged to the
 container's memory cgroup, so the pool counts against the memory limit, once, however
-many workers map it. Each data-parallel engine in the pod has its own pool.
+many workers map it. Each data-parallel engine in the pod has its own pool (vLLM
+appends ``_dp<rank>`` to each engine's id, so their region files differ).
 
-Terms (all per pod, bytes):
+Terms (all per pod, bytes; W = GPU workers per engine, DP = engines per pod):
 
-``shm_bytes``      = DP x region + ``SHM_QUEUE_BYTES``
-                     region = the offload pool actually mapped (rows x chunks);
-                     ``SHM_QUEUE_BYTES``: vLLM's shared-memory message queues and
-                     torch multiprocessing buffers also live in /dev/shm.
-``memory_request`` = shm_bytes + DP x (``ENGINE_PROCESS_BYTES`` +
-                     workers x ``WORKER_PROCESS_BYTES``)
-                     ``ENGINE_PROCESS_BYTES``: API server + engine core (tokenizer,
-                     scheduler, the offload manager's per-chunk bookkeeping);
-                     ``WORKER_PROCESS_BYTES``: one GPU worker process (CUDA context, torch,
-                     NCCL/gloo buffers, pinned staging, safetensors page cache while loading).
+``shm_bytes``      = DP x region + :func:`shm_queue_bytes`
+                     region = the offload pool actually mapped (rows x chunks; the
+                     overshoot guard test holds vLLM's real mapping to it);
+                     queues = vLLM's MessageQueue rings when W > 1 (one broadcast ring
+                     plus one response ring per worker, ``MQ_RING_BYTES`` each, filled
+                     as used) + ``SHM_OTHER_BYTES`` (semaphores, NCCL, torch IPC).
+``memory_request`` = shm_bytes + :func:`overhead_bytes`:
+                     DP x (``API_SERVER_BYTES`` + ``ENGINE_CORE_BYTES`` +
+                     host keys x ``MANAGER_BYTES_PER_KEY`` + W x ``WORKER_PROCESS_BYTES``)
+                     + ``DP_PROCESSES_BYTES`` when DP > 1.
 ``memory_limit``   = memory_request + headroom, headroom =
                      max(``MIN_HEADROOM_BYTES``, ``HEADROOM_FRACTION`` x request):
                      pinned pool pages cannot be reclaimed, so the kernel needs slack
                      before the OOM killer picks the engine.
+
+Measured (bench/pod_memory.py: vLLM 0.33.0's real processes on the emulated GPU, peak
+RssAnon + RssFile, file pages counted in every process that maps them): the API
+server, the engine core with its helper processes, the manager's bytes per key, the
+region. Estimates, not measurable without a GPU: ``WORKER_PROCESS_BYTES`` (CUDA context
+and kernels, torch CUDA libraries, NCCL buffers, pinned staging, the safetensors page
+cache while loading), the rings' fill (their size is from vLLM's ``MessageQueue``
+defaults), ``SHM_OTHER_BYTES`` and ``DP_PROCESSES_BYTES`` (vLLM's DP process manager
+and coordinator; a DP 2 emulated engine did not start within 300 s on the 2-core
+machine the figures come from).
 """
 
 from __future__ import annotations
@@ -32,12 +43,28 @@ from spillway_engine.arith import round_up
 GIB = 2**30
 MIB = 2**20
 
-#: /dev/shm besides the pool: vLLM's MessageQueue rings and torch IPC buffers.
-SHM_QUEUE_BYTES = 1 * GIB
-#: API server + engine core process RSS for one data-parallel engine.
-ENGINE_PROCESS_BYTES = 4 * GIB
-#: One GPU worker process RSS (CUDA context, torch, NCCL, pinned staging, load cache).
+#: One MessageQueue ring: 10 chunks of 24 MiB plus per-chunk flags (vLLM 0.33.0's
+#: ``MessageQueue`` defaults), rounded up to a MiB; pages are touched as used.
+MQ_RING_BYTES = 241 * MIB
+#: /dev/shm besides the pool and the rings: semaphores, NCCL, torch IPC (estimate).
+SHM_OTHER_BYTES = 256 * MIB
+#: vLLM's API server process (HTTP, tokenizer, detokenizer, metrics). Measured peak
+#: 943 MiB (tiny tokenizer; a real one adds its own size), rounded up.
+API_SERVER_BYTES = 1 * GIB
+#: One engine core without its GPU worker, with the kernel-setup helper processes it
+#: starts (two Python children of about 570 MiB each). Measured peak 2,293 MiB, + 6%.
+ENGINE_CORE_BYTES = 2432 * MIB
+#: Spillway's offloading manager per stored key (one chunk of one group): 870-1,030
+#: bytes on the Python heap measured (tracemalloc, 20k-100k keys), + allocator slack.
+MANAGER_BYTES_PER_KEY = 1280
+#: One GPU worker process (CUDA context, torch, NCCL, pinned staging, load cache): an
+#: estimate, not measurable here.
 WORKER_PROCESS_BYTES = 6 * GIB
+#: DP > 1: vLLM's process manager (the launching process) and DP coordinator (estimate:
+#: one API-server-sized process each).
+DP_PROCESSES_BYTES = 2 * API_SERVER_BYTES
+#: Kept for callers that size the engine processes as one figure (API server + core).
+ENGINE_PROCESS_BYTES = API_SERVER_BYTES + ENGINE_CORE_BYTES
 #: Slack above the request before the limit.
 MIN_HEADROOM_BYTES = 2 * GIB
 HEADROOM_FRACTION = Fraction(1, 20)
@@ -62,17 +89,41 @@ def headroom(request_bytes: int) -> int:
     return round_up(max(MIN_HEADROOM_BYTES, int(HEADROOM_FRACTION * request_bytes)), MIB)
 
 
-def overhead_bytes(workers_per_engine: int, data_parallel_size: int) -> int:
+def shm_queue_bytes(workers_per_engine: int, data_parallel_size: int) -> int:
+    """/dev/shm besides the pools: every engine's rings (none with one worker: vLLM
+    runs it in the engine core, without a MessageQueue) and the rest."""
+    rings = 1 + workers_per_engine if workers_per_engine > 1 else 0
+    return data_parallel_size * rings * MQ_RING_BYTES + SHM_OTHER_BYTES
+
+
+def measurable_process_bytes(host_keys_per_engine: int, data_parallel_size: int) -> int:
+    """The process terms a CPU run measures (no GPU worker): bench/pod_memory.py."""
+    engine = ENGINE_PROCESS_BYTES + host_keys_per_engine * MANAGER_BYTES_PER_KEY
+    return data_parallel_size * engine
+
+
+def overhead_bytes(
+    workers_per_engine: int, data_parallel_size: int, host_keys_per_engine: int = 0
+) -> int:
     """Process memory of all engines in the pod (excludes the pool and shm queues)."""
-    return data_parallel_size * (ENGINE_PROCESS_BYTES + workers_per_engine * WORKER_PROCESS_BYTES)
+    workers = data_parallel_size * workers_per_engine * WORKER_PROCESS_BYTES
+    extra = DP_PROCESSES_BYTES if data_parallel_size > 1 else 0
+    return measurable_process_bytes(host_keys_per_engine, data_parallel_size) + workers + extra
 
 
-def size_pod(region_bytes: int, workers_per_engine: int, data_parallel_size: int) -> PodMemory:
-    """Pod memory for a pool region of ``region_bytes`` per engine."""
+def size_pod(
+    region_bytes: int,
+    workers_per_engine: int,
+    data_parallel_size: int,
+    host_keys_per_engine: int = 0,
+) -> PodMemory:
+    """Pod memory for a pool region of ``region_bytes`` per engine whose manager can
+    hold ``host_keys_per_engine`` keys (at most one per pool unit)."""
     if region_bytes < 0 or workers_per_engine < 1 or data_parallel_size < 1:
         raise PodSizingError("pool, worker count and data-parallel size must be positive")
-    shm = round_up(data_parallel_size * region_bytes + SHM_QUEUE_BYTES, MIB)
-    processes = overhead_bytes(workers_per_engine, data_parallel_size)
+    queues = shm_queue_bytes(workers_per_engine, data_parallel_size)
+    shm = round_up(data_parallel_size * region_bytes + queues, MIB)
+    processes = overhead_bytes(workers_per_engine, data_parallel_size, host_keys_per_engine)
     request = shm + processes
     slack = headroom(request)
     return PodMemory(
@@ -86,7 +137,8 @@ def size_pod(region_bytes: int, workers_per_engine: int, data_parallel_size: int
 
 
 def max_pool_bytes(memory_limit: int, workers_per_engine: int, data_parallel_size: int) -> int:
-    """The largest pool per engine whose pod fits ``memory_limit`` (before row rounding).
+    """The largest pool per engine whose pod fits ``memory_limit`` (before row rounding;
+    the manager's per-key bytes, known once the pool's units are, are the planner's).
 
     Inverts :func:`size_pod`: the largest request r with r + headroom(r) <= limit is
     min(limit - MIN_HEADROOM, limit / (1 + HEADROOM_FRACTION)).
@@ -95,7 +147,9 @@ def max_pool_bytes(memory_limit: int, workers_per_engine: int, data_parallel_siz
         memory_limit - MIN_HEADROOM_BYTES,
         int(Fraction(memory_limit) / (1 + HEADROOM_FRACTION)),
     )
-    fixed = round_up(SHM_QUEUE_BYTES, MIB) + overhead_bytes(workers_per_engine, data_parallel_size)
+    fixed = round_up(shm_queue_bytes(workers_per_engine, data_parallel_size), MIB) + (
+        overhead_bytes(workers_per_engine, data_parallel_size)
+    )
     pool = (request - fixed) // data_parallel_size
     # MiB rounding of shm and headroom can overshoot by a MiB or two: step back.
     while pool > 0 and size_pod(pool, workers_per_engine, data_parallel_size).memory_limit_bytes > (
