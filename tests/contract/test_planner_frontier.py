@@ -26,8 +26,15 @@ GIB = 2**30
 POOL = 64 * GIB
 
 
+FIRST_SET = Path(__file__).resolve().parents[1] / "fixtures" / "models"
+
+
 def load_frontier(name: str) -> dict[str, Any]:
-    return json.loads((CONFIGS / f"{name}.json").read_text())["config"]
+    """A frontier fixture, or one of the first set (``tests/fixtures/models``)."""
+    path = CONFIGS / f"{name}.json"
+    if not path.exists():
+        path = FIRST_SET / f"{name}.json"
+    return json.loads(path.read_text())["config"]
 
 
 class FrontierLayouts:
@@ -109,6 +116,18 @@ LAYOUT_CASES = [
     Case(GEMMA4_E2B, gpu="a100"),
     Case(GEMMA4_E2B, 2, gpu="a100"),
 ]
+# Speculative decoding with the model's own MTP heads: the drafter's layers join the
+# target's groups (a full-attention MTP layer beside the GDN states; an MLA MTP layer
+# beside the latents) and Mamba convolution states keep a row per draft token.
+MTP_CASES = [
+    Case(QWEN35, speculative_method="mtp", num_speculative_tokens=1),
+    Case(QWEN35, 2, speculative_method="mtp", num_speculative_tokens=3),
+    Case(QWEN35, 4, gpu="a100", speculative_method="mtp", num_speculative_tokens=2),
+    Case(QWEN35, 2, kv_cache_dtype="fp8", speculative_method="mtp", num_speculative_tokens=1),
+    Case("deepseek-v3", 8, speculative_method="mtp", num_speculative_tokens=1),
+    Case("deepseek-v3", 8, speculative_method="mtp", num_speculative_tokens=3),
+]
+LAYOUT_CASES += MTP_CASES
 BLOCKS_PER_CHUNK = [None, 1, 4]
 
 
@@ -124,6 +143,8 @@ def plan_for(case: Case, **kw: Any) -> Plan:
             enable_prefix_caching=case.enable_prefix_caching,
             max_model_len=case.max_model_len,
             block_size=case.block_size,
+            speculative_method=case.speculative_method,
+            num_speculative_tokens=case.num_speculative_tokens,
             offloader="upstream",
             **kw,
         ),
@@ -259,3 +280,21 @@ def test_sparse_mla_is_refused_by_the_planner_by_name(frontier_layouts: Frontier
     assert isinstance(built, Exception) and "topk_indices_buffer" in str(built)
     with pytest.raises(PlanRefused, match="lightning-indexer"):
         plan_for(case)
+
+
+@pytest.mark.parametrize("case", MTP_CASES, ids=str)
+def test_mtp_plan_records_the_draft_layers(case: Case, frontier_layouts: FrontierLayouts):
+    plan = plan_for(case)
+    built = vllm_for(frontier_layouts, case, plan)
+    without = plan_for(Case(case.model, case.tensor_parallel_size, case.gpu, case.kv_cache_dtype))
+    own = without.model.num_cache_layers
+    assert plan.speculative_method == "mtp"
+    assert plan.draft_layer_indices == list(range(own, len(built.layer_names)))
+    assert plan.draft_layer_indices  # the drafter adds cache layers
+    grouped = {i for g in plan.kv_groups for i in g.layer_indices}
+    assert set(plan.draft_layer_indices) <= grouped
+
+
+def test_mtp_on_a_model_without_mtp_layers_is_refused():
+    with pytest.raises(PlanRefused, match="no MTP layers"):
+        plan_for(Case(OLMO3, speculative_method="mtp", num_speculative_tokens=1))

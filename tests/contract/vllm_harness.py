@@ -47,7 +47,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
 )
 from vllm.engine.arg_utils import EngineArgs
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
-from vllm.model_executor.model_loader.utils import get_model_architecture
+from vllm.model_executor.model_loader.utils import get_model_architecture, initialize_model
 from vllm.platforms import current_platform
 from vllm.platforms.interface import Platform
 from vllm.utils.network_utils import get_open_port
@@ -97,12 +97,17 @@ class Case:
     dtype: str = "auto"
     #: GPU KV blocks (vLLM's num_gpu_blocks_override); None: effectively unlimited
     num_gpu_blocks: int | None = None
+    #: --speculative-config method ("mtp") and tokens per step; None: no drafter
+    speculative_method: str | None = None
+    num_speculative_tokens: int = 0
 
     def __str__(self) -> str:
         extra = "" if self.kv_cache_dtype == "auto" else f"-{self.kv_cache_dtype}"
         extra += "" if self.enable_prefix_caching else "-nopc"
         extra += "" if self.block_size is None else f"-bs{self.block_size}"
         extra += "" if self.dtype == "auto" else f"-{self.dtype}"
+        if self.speculative_method:
+            extra += f"-{self.speculative_method}{self.num_speculative_tokens}"
         return f"{self.model}-tp{self.tensor_parallel_size}-{self.gpu}{extra}"
 
 
@@ -236,6 +241,17 @@ def _init_distributed() -> None:
         _distributed_ready = True
 
 
+def _build_drafter(vc: Any) -> None:
+    """The proposer's ``load_model`` on the meta device: the drafter joins the target's
+    forward context and its new attention layers are marked as draft layers."""
+    target = set(get_layers_from_vllm_config(vc, AttentionLayerBase))
+    with torch.device("meta"), _cuda_streams_stood_in():
+        initialize_model(vc, model_config=vc.speculative_config.draft_model_config)
+    layers = get_layers_from_vllm_config(vc, AttentionLayerBase)
+    for name in set(layers) - target:
+        layers[name].is_draft_layer = True
+
+
 def _write_config(config: dict[str, Any]) -> str:
     config = dict(config)
     # Weight quantisation does not touch the KV cache, and its kernels need CUDA.
@@ -269,6 +285,12 @@ def build_layout(config: dict[str, Any], case: Case, attention_backend: str | No
         kv_cache_dtype=case.kv_cache_dtype,
         enable_prefix_caching=case.enable_prefix_caching,
         block_size=case.block_size,
+        speculative_config=None
+        if case.speculative_method is None
+        else {
+            "method": case.speculative_method,
+            "num_speculative_tokens": case.num_speculative_tokens,
+        },
         kv_transfer_config=KVTransferConfig(
             kv_connector="OffloadingConnector",
             kv_role="kv_both",
@@ -293,6 +315,8 @@ def build_layout(config: dict[str, Any], case: Case, attention_backend: str | No
         model_cls, _ = get_model_architecture(vc.model_config)
         with torch.device("meta"), _cuda_streams_stood_in():
             model_cls(vllm_config=vc, prefix="")
+        if vc.speculative_config is not None:
+            _build_drafter(vc)
         layers = get_layers_from_vllm_config(vc, AttentionLayerBase)
         give_planned_backends(layers, attention_backend, case.gpu, case.enable_prefix_caching)
         Platform.update_block_size_for_backend(vc)

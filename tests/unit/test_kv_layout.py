@@ -354,7 +354,7 @@ def test_granite_hybrid_mamba2_state_from_transformers_defaults():
 
 def test_qwen35_takes_the_ssm_dtype_from_its_config():
     shape = model_shape(load_frontier("qwen3.5-35b-a3b"))
-    state = shape.mamba.states(1, "bfloat16")
+    state = shape.mamba.states(1, "bfloat16", 0)
     assert state[1] == (32 * 128 * 128, "float32")
     assert state[0][1] == "bfloat16"
 

@@ -52,6 +52,9 @@ class LayoutRequest:
     block_size: int | None = None
     enable_prefix_caching: bool = True
     dtype: str = "auto"
+    #: ``--speculative-config`` method; only "mtp" (the model's own MTP heads) is modelled
+    speculative_method: str | None = None
+    num_speculative_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -169,6 +172,7 @@ def compute_layout(shape: ModelShape, gpu: Gpu, request: LayoutRequest) -> KVLay
         )
     kv_dtype, kv_bytes = _kv_dtype(shape, request.kv_cache_dtype)
     notes = list(shape.notes)
+    shape, num_spec = _with_drafter(shape, request, notes)
     backend = _backend(shape, gpu, request.kv_cache_dtype, request.block_size)
 
     # Per-token attention page on one rank (AttentionSpec with block_size 1).
@@ -213,7 +217,7 @@ def compute_layout(shape: ModelShape, gpu: Gpu, request: LayoutRequest) -> KVLay
         if backend is None:
             raise UnsupportedModel("attention-free Mamba models are not modelled")
         mamba_mode = "align" if request.enable_prefix_caching else "none"
-        mamba_page = shape.mamba.page_bytes(tp, shape.dtype)
+        mamba_page = shape.mamba.page_bytes(tp, shape.dtype, num_spec)
         align = max(backend.blocks.base, block)
         if shape.mla_latent:
             align = max(align, 128)  # MLA decode kernels need 128-aligned block counts
@@ -280,6 +284,41 @@ def compute_layout(shape: ModelShape, gpu: Gpu, request: LayoutRequest) -> KVLay
         kv_heads_per_rank=kv_heads,
         tp_replicas=tp_replicas,
         notes=tuple(notes),
+    )
+
+
+def _with_drafter(
+    shape: ModelShape, request: LayoutRequest, notes: list[str]
+) -> tuple[ModelShape, int]:
+    """The shape with the drafter's cache layers appended, and the draft tokens per step.
+
+    vLLM's proposer builds the drafter into the same forward context: its layers get
+    specs like the target's (``is_draft`` does not take part in grouping), so a draft
+    layer with the target's spec joins the target's group; Mamba convolution states
+    keep ``num_speculative_tokens`` more rows.
+    """
+    method = request.speculative_method
+    if method is None:
+        return shape, 0
+    if method != "mtp":
+        raise UnsupportedModel(
+            f"speculative method {method!r} is not modelled (only 'mtp', the model's own "
+            "MTP heads); a draft model or EAGLE head adds layers from its own config.json"
+        )
+    if request.num_speculative_tokens < 1:
+        raise UnsupportedModel("num_speculative_tokens must be at least 1 with a drafter")
+    if not shape.mtp_layers:
+        raise UnsupportedModel(
+            f"{shape.architecture}: the config has no MTP layers (num_nextn_predict_layers / "
+            "mtp_num_hidden_layers) for --speculative-config method=mtp"
+        )
+    notes.append(
+        f"MTP drafter: {len(shape.mtp_layers)} cache layer(s) appended after the "
+        f"model's {len(shape.layers)}, {request.num_speculative_tokens} draft token(s) per step"
+    )
+    return (
+        replace(shape, layers=shape.layers + shape.mtp_layers),
+        request.num_speculative_tokens,
     )
 
 

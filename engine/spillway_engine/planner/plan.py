@@ -91,6 +91,12 @@ class PlanRequest(_Model):
         "spillway", description="Which offloader's geometry sizes the pool."
     )
     gpu: str = Field(DEFAULT_GPU, description="GPU model (see spillway_engine.planner.gpus).")
+    speculative_method: Literal["mtp"] | None = Field(
+        None, description="vLLM --speculative-config method: mtp (the model's MTP heads)."
+    )
+    num_speculative_tokens: int = Field(
+        0, ge=0, description="--speculative-config num_speculative_tokens (with a method)."
+    )
 
 
 class GpuInfo(_Model):
@@ -227,6 +233,12 @@ class Plan(_Model):
     kv_transfer_config: dict[str, Any] = Field(description="The whole --kv-transfer-config.")
     pod: PodInfo
     notes: list[str]
+    speculative_method: str | None = Field(
+        None, description="--speculative-config method the groups include a drafter for."
+    )
+    draft_layer_indices: list[int] = Field(
+        default_factory=list, description="Cache layers the drafter adds (last in order)."
+    )
 
 
 class PlanReadError(ValueError):
@@ -327,6 +339,14 @@ def _chunks(geometry: UpstreamGeometry | SpillwayGeometry) -> list[GroupChunkInf
     ]
 
 
+def _draft_layers(layout: KVLayout, request: PlanRequest) -> list[int]:
+    """Indices of the drafter's cache layers: appended after the model's own."""
+    total = len(layout.shape.layers)
+    if request.speculative_method is None:
+        return []
+    return list(range(total - len(layout.shape.mtp_layers), total))
+
+
 def _layout(config: dict[str, Any], request: PlanRequest) -> tuple[KVLayout, int]:
     shape = model_shape(config)
     max_len = request.max_model_len or shape.derived_max_model_len
@@ -347,6 +367,8 @@ def _layout(config: dict[str, Any], request: PlanRequest) -> tuple[KVLayout, int
             max_model_len=max_len,
             block_size=request.block_size,
             enable_prefix_caching=request.enable_prefix_caching,
+            speculative_method=request.speculative_method,
+            num_speculative_tokens=request.num_speculative_tokens,
         ),
     )
     return layout, max_len
@@ -430,6 +452,8 @@ def _make_plan(config: dict[str, Any], request: PlanRequest) -> Plan:
             headroom_bytes=pod.headroom_bytes,
         ),
         notes=list(layout.notes),
+        speculative_method=request.speculative_method,
+        draft_layer_indices=_draft_layers(layout, request),
     )
 
 

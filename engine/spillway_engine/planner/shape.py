@@ -50,13 +50,14 @@ class LayerKind:
 
 @dataclass(frozen=True)
 class MambaState:
-    """A Mamba/GDN state: ``(elements, dtype)`` per tensor, as a function of (TP, dtype)."""
+    """A Mamba/GDN state: ``(elements, dtype)`` per tensor, as a function of (TP, dtype,
+    speculative tokens: the convolution state keeps one more row per draft token)."""
 
     family: str
-    states: Callable[[int, str], list[tuple[int, str]]]
+    states: Callable[[int, str, int], list[tuple[int, str]]]
 
-    def page_bytes(self, tp: int, dtype: str) -> int:
-        return sum(n * DTYPE_BYTES[dt] for n, dt in self.states(tp, dtype))
+    def page_bytes(self, tp: int, dtype: str, num_spec: int = 0) -> int:
+        return sum(n * DTYPE_BYTES[dt] for n, dt in self.states(tp, dtype, num_spec))
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,8 @@ class ModelShape:
     gdn: bool = False
     sinks: bool = False
     mm_prefix: bool = False
+    #: the cache-holding layers an MTP drafter (``--speculative-config method=mtp``) adds
+    mtp_layers: tuple[LayerKind, ...] = ()
     derived_max_model_len: int = 2048
     notes: tuple[str, ...] = ()
 

@@ -38,9 +38,10 @@ def _deepseek_mla(config: dict[str, Any], arch: str) -> ModelShape:
         head_size_v=0,
         mla_latent=latent,
         derived_max_model_len=derived_max_len(cfg),
-        notes=("MTP draft layers ignored (no speculative decoding)",)
-        if cfg.get("num_nextn_predict_layers")
-        else (),
+        # deepseek_mtp.py: num_nextn_predict_layers MLA layers, used with method=mtp
+        mtp_layers=tuple(
+            LayerKind("mla") for _ in range(cfg.int("num_nextn_predict_layers", 0, minimum=0))
+        ),
     )
 
 

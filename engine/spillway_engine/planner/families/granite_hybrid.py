@@ -54,13 +54,13 @@ def _granite_hybrid(config: dict[str, Any], arch: str) -> ModelShape:
     groups, d_state = cfg.int("mamba_n_groups"), cfg.int("mamba_d_state")
     kernel = cfg.int("mamba_d_conv")
 
-    def states(tp: int, dtype: str) -> list[tuple[int, str]]:
+    def states(tp: int, dtype: str, num_spec: int) -> list[tuple[int, str]]:
         # MambaStateShapeCalculator.mamba2_state_shape; mamba2_state_dtype: both states
         # in the model dtype unless --mamba-ssm-cache-dtype is set.
         n_groups = groups if groups % tp == 0 else tp
         conv_dim = inner + 2 * n_groups * d_state
         return [
-            (divide_for_tp(conv_dim, tp, "Mamba-2 conv dim") * (kernel - 1), dtype),
+            (divide_for_tp(conv_dim, tp, "Mamba-2 conv dim") * (kernel - 1 + num_spec), dtype),
             (divide_for_tp(m_heads, tp, "mamba_n_heads") * head_dim * d_state, dtype),
         ]
 

@@ -27,8 +27,8 @@ def _jamba(config: dict[str, Any], arch: str) -> ModelShape:
     inner = cfg.int("mamba_expand", 2) * cfg.int("hidden_size")
     d_state, d_conv = cfg.int("mamba_d_state", 16), cfg.int("mamba_d_conv", 4)
 
-    def states(tp: int, dtype: str) -> list[tuple[int, str]]:
-        # MambaStateShapeCalculator.mamba1_state_shape
+    def states(tp: int, dtype: str, num_spec: int) -> list[tuple[int, str]]:
+        # MambaStateShapeCalculator.mamba1_state_shape (no speculative rows)
         dim = divide_for_tp(inner, tp, "Mamba intermediate size")
         return [(dim * (d_conv - 1), dtype), (dim * d_state, dtype)]
 

@@ -43,12 +43,15 @@ def _kimi_linear(config: dict[str, Any], arch: str) -> ModelShape:
     kernel = linear_cfg.int("short_conv_kernel_size", 4)
     latent = cfg.int("kv_lora_rank") + cfg.int("qk_rope_head_dim")
 
-    def states(tp: int, dtype: str) -> list[tuple[int, str]]:
+    def states(tp: int, dtype: str, num_spec: int) -> list[tuple[int, str]]:
         # MambaStateShapeCalculator.kda_state_shape / kda_state_dtype: q, k, v short
         # convolutions in the model dtype, the recurrent state in float32 ("auto").
         conv_dim = divide_for_tp(3 * heads * head_dim, tp, "KDA conv dim")
         recurrent = divide_for_tp(heads, tp, "linear_attn_config.num_heads")
-        return [(conv_dim * (kernel - 1), dtype), (recurrent * head_dim * head_dim, "float32")]
+        return [
+            (conv_dim * (kernel - 1 + num_spec), dtype),
+            (recurrent * head_dim * head_dim, "float32"),
+        ]
 
     return ModelShape(
         architecture=arch,

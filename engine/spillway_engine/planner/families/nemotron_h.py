@@ -40,12 +40,12 @@ def _nemotron_h(config: dict[str, Any], arch: str) -> ModelShape:
     if ssm_dtype is None:
         raise ModelConfigError("config.json: unknown mamba_ssm_cache_dtype")
 
-    def states(tp: int, dtype: str) -> list[tuple[int, str]]:
+    def states(tp: int, dtype: str, num_spec: int) -> list[tuple[int, str]]:
         # MambaStateShapeCalculator.mamba2_state_shape: groups grow to cover head shards.
         n_groups = groups if groups % tp == 0 else tp
         conv_dim = m_heads * head_dim + 2 * n_groups * d_state
         return [
-            (divide_for_tp(conv_dim, tp, "Mamba-2 conv dim") * (kernel - 1), dtype),
+            (divide_for_tp(conv_dim, tp, "Mamba-2 conv dim") * (kernel - 1 + num_spec), dtype),
             (divide_for_tp(m_heads, tp, "mamba_num_heads") * head_dim * d_state, ssm_dtype),
         ]
 

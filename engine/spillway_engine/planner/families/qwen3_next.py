@@ -37,6 +37,8 @@ def _qwen3_next(config: dict[str, Any], arch: str) -> ModelShape:
     k_heads, v_heads = cfg.int("linear_num_key_heads"), cfg.int("linear_num_value_heads")
     k_dim, v_dim = cfg.int("linear_key_head_dim"), cfg.int("linear_value_head_dim")
     kernel = cfg.int("linear_conv_kernel_dim")
+    mtp_key = "mtp_num_hidden_layers" if arch.startswith("Qwen3_5") else "num_nextn_predict_layers"
+    mtp = cfg.int(mtp_key, 0, minimum=0)
     ssm_dtype: str | None = None
     if arch.startswith("Qwen3_5") and cfg.has("mamba_ssm_dtype"):
         # Qwen3_5ForCausalLMConfig: the config's mamba_ssm_dtype becomes the SSM
@@ -45,11 +47,11 @@ def _qwen3_next(config: dict[str, Any], arch: str) -> ModelShape:
         if ssm_dtype is None:
             raise ModelConfigError(f"{cfg.where}: unknown mamba_ssm_dtype")
 
-    def states(tp: int, dtype: str) -> list[tuple[int, str]]:
-        # MambaStateShapeCalculator.gated_delta_net_state_shape (no speculative tokens)
+    def states(tp: int, dtype: str, num_spec: int) -> list[tuple[int, str]]:
+        # MambaStateShapeCalculator.gated_delta_net_state_shape
         conv_dim = divide_for_tp(k_dim * k_heads * 2 + v_dim * v_heads, tp, "GDN conv dim")
         return [
-            (conv_dim * (kernel - 1), dtype),
+            (conv_dim * (kernel - 1 + num_spec), dtype),
             (
                 divide_for_tp(v_heads, tp, "linear_num_value_heads") * v_dim * k_dim,
                 ssm_dtype or dtype,
@@ -63,6 +65,8 @@ def _qwen3_next(config: dict[str, Any], arch: str) -> ModelShape:
         tuple(layers),
         mamba=MambaState("gdn", states),
         gdn=True,
+        # qwen3_next_mtp.py / qwen3_5_mtp.py: full-attention MTP layers
+        mtp_layers=tuple(LayerKind("full_attention") for _ in range(mtp)),
     )
 
 
