@@ -12,7 +12,11 @@ Three questions, each answered with the numbers and the field to change:
 * **memlock**: where the engine pins the region (``cudaHostRegister`` on a CUDA GPU),
   ``RLIMIT_MEMLOCK`` covers one worker's share of it, unless the process holds
   ``CAP_IPC_LOCK``. Kubernetes has no ulimit field: the limit comes from the container
-  runtime (containerd's ``LimitMEMLOCK``).
+  runtime (containerd's ``LimitMEMLOCK``). This one is a warning, not a stop: vLLM
+  0.33.0 treats pinning as a bandwidth optimisation and falls back to pageable copies
+  when registration fails (``host_register.py``), and CUDA's own pinned allocations
+  work in containers whose memlock limit is far below them (PyTorch's pinned host
+  memory under Docker's default 8 MiB), so stopping would crash-loop engines that run.
 
 Each check is a pure function of plain numbers; :func:`run_preflight` reads the
 machine's. A shortfall is one line (``Shortfall.line``).
@@ -39,6 +43,8 @@ _MIB = 1 << 20
 class Shortfall:
     check: str  # shm, memory, memlock
     line: str
+    #: False: the engine still runs (slower); say so and go on
+    fatal: bool = True
 
 
 def _mib(n: int) -> str:
@@ -108,7 +114,9 @@ def check_memlock(
         f"GPU worker pins {need} bytes ({_mib(need)}) of the offload region; raise the "
         "container runtime's memlock limit (containerd: LimitMEMLOCK=infinity; Kubernetes "
         "has no field for it) or run the engine as root with capability IPC_LOCK "
-        "(securityContext.capabilities.add)",
+        "(securityContext.capabilities.add); until then the region stays pageable "
+        "(slower host transfers)",
+        fatal=False,
     )
 
 

@@ -19,8 +19,8 @@ Before vLLM starts, ``serve`` frees what an earlier engine of this pod left in t
 folder (``--shm-dir``, ``SPILLWAY_SHM_DIR``, default /dev/shm; see
 :mod:`spillway_engine.launcher.shm_cleanup`), naming each file and its bytes, then
 checks that the container can hold the plan (:mod:`spillway_engine.launcher.preflight`:
-shm room, the memory cgroup's limit under ``--cgroup-root`` / ``SPILLWAY_CGROUP_ROOT``,
-the memlock limit where the region is pinned).
+shm room and the memory cgroup's limit under ``--cgroup-root`` / ``SPILLWAY_CGROUP_ROOT``
+stop the start; a memlock limit below the pinned region is a warning).
 
 ``spillway-engine simulate ...`` runs the engine simulator
 (:mod:`spillway_engine.simulator`).
@@ -648,9 +648,13 @@ def prepare_host(plan: Plan, shm: Path, cgroups: Path, *, offload: bool, pins: b
     except preflight.PreflightError as e:
         raise PreflightShortfall(str(e)) from None
     found = preflight.shortfalls(plan, facts, shm, pins=pins)
-    if found:
+    for s in found:
+        if not s.fatal:
+            print(f"{PROG}: warning: preflight: {s.check}: {s.line}", file=sys.stderr)
+    fatal = [s for s in found if s.fatal]
+    if fatal:
         raise PreflightShortfall(
-            "preflight: " + "; also ".join(f"{s.check}: {s.line}" for s in found)
+            "preflight: " + "; also ".join(f"{s.check}: {s.line}" for s in fatal)
         )
     print(f"{PROG}: {preflight.summary(plan, facts, shm)}", file=sys.stderr)
 
