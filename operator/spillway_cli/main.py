@@ -108,8 +108,39 @@ def _add_plan(sub: Any) -> None:
     p.add_argument("--memory-limit", type=_quantity, help="container memory limit to fit")
     p.add_argument("--offloader", choices=("upstream", "spillway"), default="spillway")
     p.add_argument("--gpu", default="h100", help="h100 (default), h200, a100, a100-40gb, l40s")
+    p.add_argument(
+        "--speculative-config",
+        type=_speculative_config,
+        metavar="JSON",
+        help='vLLM --speculative-config, e.g. \'{"method": "mtp", "num_speculative_tokens": 1}\' '
+        "(the model's MTP heads add their cache layers to the groups)",
+    )
     p.add_argument("--format", choices=("table", "json"), default="table")
     p.set_defaults(handler=_run_plan)
+
+
+def _speculative_config(text: str) -> dict[str, Any]:
+    """vLLM's --speculative-config JSON, reduced to the keys that change the KV layout."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e.msg}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    unknown = sorted(set(value) - {"method", "num_speculative_tokens"})
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"keys {unknown} are not modelled (method, num_speculative_tokens)"
+        )
+    if value.get("method") != "mtp":
+        raise argparse.ArgumentTypeError(
+            f"method {value.get('method')!r} is not modelled; only 'mtp' (the model's own "
+            "MTP heads) is, a draft model or EAGLE head is not yet"
+        )
+    tokens = value.get("num_speculative_tokens")
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+        raise argparse.ArgumentTypeError("num_speculative_tokens must be a positive integer")
+    return value
 
 
 def _load_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -141,6 +172,8 @@ def _run_plan(args: argparse.Namespace) -> int:
         memory_limit_bytes=args.memory_limit,
         offloader=args.offloader,
         gpu=args.gpu,
+        speculative_method=(args.speculative_config or {}).get("method"),
+        num_speculative_tokens=(args.speculative_config or {}).get("num_speculative_tokens", 0),
     )
     try:
         plan = make_plan(config, request)

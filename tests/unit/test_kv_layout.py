@@ -393,3 +393,22 @@ def test_plan_help_lists_every_supported_architecture(capsys):
     for arch in SUPPORTED_ARCHITECTURES:
         assert arch in text
     assert "To ask for one, open an issue" in text
+
+
+def test_plan_cli_takes_a_speculative_config(capsys):
+    import json
+
+    from spillway_cli.main import main
+
+    from .planner_fixtures import FRONTIER
+
+    args = ["plan", "--model-config", str(FRONTIER / "qwen3.5-35b-a3b.json")]
+    args += ["--cpu-memory", "8Gi", "--format", "json", "--max-model-len", "4096"]
+    assert (
+        main([*args, "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}']) == 0
+    )
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["speculative_method"] == "mtp"
+    assert plan["draft_layer_indices"] == [40]
+    assert main([*args, "--speculative-config", '{"method": "eagle3"}']) == 2
+    assert "not modelled" in json.loads(capsys.readouterr().out)["error"]  # --format json
