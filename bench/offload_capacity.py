@@ -17,11 +17,16 @@ Spillway's); Spillway is ``SpillwayOffloadingConnector`` with
 Architectures: real configs from ``tests/fixtures/models`` (some cut to fewer layers,
 keeping their KV-group structure) and a Gemma-4-style config built with
 ``transformers.Gemma4TextConfig`` whose full layer has twice the sliding layers'
-head_dim, so vLLM gives its groups different tokens per block. The attention backend
-is the planner's pick (``make_plan(...).gpu.attention_backend``), as the contract tests
-do; the planner has no Gemma-4 rule, so that model uses FLASH_ATTN. ``T`` is 256
-tokens, or the model's own block where that is coarser (Qwen3-Next: 576, the GDN
-checkpoint grid; Jamba: 160, two 80-token blocks).
+head_dim, so vLLM gives its groups different tokens per block; from
+``tests/contract/frontier_configs``: Gemma-4-31B (12 layers), a Qwen3.5 GDN hybrid
+(8 layers) and the same with its MTP drafter (``--speculative-config method=mtp``, one
+draft token: the drafter's full-attention layer joins the full group). The attention
+backend is the planner's pick (``make_plan(...).gpu.attention_backend``), as the
+contract tests do; the planner refuses Gemma 4 on Hopper (FlashAttention 4 page sizes),
+so the Gemma-4 models use FLASH_ATTN. ``T`` is 256 tokens, or the model's own block
+where that is coarser (Qwen3-Next: 576, the GDN checkpoint grid; Qwen3.5: 1088; Jamba:
+160, two 80-token blocks). DeepSeek-V3.2 is absent: its sparse-MLA kernels have no CPU
+stand-in, so vLLM's CPU build fails before either connector starts.
 
 Workload (identical for both connectors of an architecture; one seed):
 
@@ -115,6 +120,7 @@ from tests.contract.vllm_harness import Case, build_layout
 
 #: the model configs the contract tests use too (data, read here, not imported from tests)
 MODELS = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "models"
+FRONTIER = Path(__file__).resolve().parents[1] / "tests" / "contract" / "frontier_configs"
 GPU = "h100"
 FALLBACK_BACKEND = "FLASH_ATTN"
 UTIL_TARGET = 0.95
@@ -132,6 +138,19 @@ def _shrunk(name: str, layers: int) -> Callable[[], dict[str, Any]]:
     return lambda: shrunk_config(name, layers)
 
 
+def _frontier(name: str, layers: int) -> Callable[[], dict[str, Any]]:
+    """A frontier fixture cut to its first ``layers`` layers (layer_types cut alike)."""
+
+    def config() -> dict[str, Any]:
+        data = json.loads((FRONTIER / f"{name}.json").read_text())["config"]
+        data["num_hidden_layers"] = layers
+        if isinstance(data.get("layer_types"), list):
+            data["layer_types"] = data["layer_types"][:layers]
+        return data
+
+    return config
+
+
 def _fixture(name: str) -> Callable[[], dict[str, Any]]:
     return lambda: json.loads((MODELS / f"{name}.json").read_text())["config"]
 
@@ -143,6 +162,8 @@ class Arch:
     config: Callable[[], dict[str, Any]]
     chunk_tokens: int
     prefix_tokens: int
+    #: draft tokens of an MTP drafter (--speculative-config method=mtp); 0: none
+    mtp_tokens: int = 0
 
 
 ARCHS = [
@@ -159,6 +180,22 @@ ARCHS = [
     Arch("deepseek-v2-lite", "MLA, 4 layers", _shrunk("deepseek-v2-lite", 4), 256, 2048),
     Arch("gemma-4-style", "SWA 5:1, 2 block sizes", gemma4_style_config, 256, 2048),
     Arch("jamba-mini-1.5", "Mamba hybrid, 8 layers", _shrunk("jamba-mini-1.5", 8), 160, 1600),
+    Arch(
+        "qwen3.5",
+        "GDN hybrid (Qwen3.5), 8 layers",
+        _frontier("qwen3.5-35b-a3b", 8),
+        1088,
+        3264,
+    ),
+    Arch(
+        "qwen3.5-mtp",
+        "Qwen3.5 + MTP drafter (1 token)",
+        _frontier("qwen3.5-35b-a3b", 8),
+        1088,
+        3264,
+        mtp_tokens=1,
+    ),
+    Arch("gemma-4-31b", "Gemma 4 SWA 5:1, 12 layers", _frontier("gemma-4-31b", 12), 256, 2048),
 ]
 
 
@@ -453,9 +490,16 @@ def run_arch(arch: Arch, n: int, rounds: int, fractions: list[float], seed: int)
     config = arch.config()
     max_len = p + t
     backend, backend_note = attention_backend(config, max_len)
-    layout = build_layout(config, Case(arch.name, gpu=GPU, max_model_len=max_len), backend)
+    drafter = (
+        {"speculative_method": "mtp", "num_speculative_tokens": arch.mtp_tokens}
+        if arch.mtp_tokens
+        else {}
+    )
+    layout = build_layout(
+        config, Case(arch.name, gpu=GPU, max_model_len=max_len, **drafter), backend
+    )
     gpu_blocks = math.ceil(GPU_MARGIN * min_gpu_blocks(layout))
-    case = Case(arch.name, gpu=GPU, max_model_len=max_len, num_gpu_blocks=gpu_blocks)
+    case = Case(arch.name, gpu=GPU, max_model_len=max_len, num_gpu_blocks=gpu_blocks, **drafter)
     work = make_workload(n, rounds, p, t, seed)
 
     # Calibration: a large pool, one request; its keys x slot bytes is one prefix's need.
