@@ -283,9 +283,11 @@ class RouterState:
         )
         return [by_name[decision.pod], *rest], keys
 
-    def served(self, pod: str, keys: list[int]) -> None:
-        """``pod`` answered a request with these keys: it now holds them (approximately)."""
-        if pod in self.backends:
+    def served(self, pod: str, prompt: Prompt, keys: list[int]) -> None:
+        """``pod`` answered a request with these keys: it now holds them (approximately).
+        Not recorded where the pod's events say it exactly (the record would go unused)."""
+        exact = self.config.mode == "events" and prompt.tokens is not None
+        if pod in self.backends and not (exact and pod in self.events_live):
             self.approx.record(pod, keys)
 
 
@@ -456,7 +458,7 @@ class RouterApp:
             finally:
                 s.inflight[backend.name] -= 1
             if done is not None:
-                s.served(backend.name, keys)
+                s.served(backend.name, prompt, keys)
                 return done
         return self._fail(503, "every pod tried failed before answering; retry later")
 

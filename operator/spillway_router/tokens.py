@@ -56,14 +56,16 @@ def prompt_of(path: str, body: Mapping[str, Any], tokenizer: Tokenizer | None) -
                 pass
         return Prompt(None, _chat_text(messages), salt, session)
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt and not _is_token_list(prompt):
+    if _is_token_list(prompt):
+        return Prompt(prompt, None, salt, session)
+    if isinstance(prompt, list) and prompt:
         prompt = prompt[0]  # a batch routes with its first prompt
+        if _is_token_list(prompt):
+            return Prompt(prompt, None, salt, session)
     if isinstance(prompt, str):
         if tokenizer is not None:
             return Prompt(tokenizer.encode(prompt), None, salt, session)
         return Prompt(None, prompt, salt, session)
-    if _is_token_list(prompt):
-        return Prompt(list(prompt), None, salt, session)
     raise BadRequest("'prompt' must be a string, an array of token ids, or an array of those")
 
 
