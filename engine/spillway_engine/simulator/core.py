@@ -15,8 +15,9 @@ GPU KV cache (vLLM's ``BlockPool`` + hybrid ``KVCacheCoordinator``)
     (``hash XOR a per-group constant``). Full blocks of the prompt are cached; blocks
     with no holder stay cached in an LRU free queue until a new allocation evicts them
     (a finished request's blocks are freed tail first, so a shared head outlives its
-    tails, as in vLLM). Usage (``vllm:kv_cache_usage_perc``) is held blocks / all
-    blocks.
+    tails, as in vLLM); blocks freed unnamed are reused before any cached one (vLLM
+    puts them at the head of its free queue). Usage (``vllm:kv_cache_usage_perc``) is
+    held blocks / all blocks.
 
     Hit length (never the last prompt token; a multiple of every group's block): full-
     attention / MLA groups need every block of the prefix; sliding-window and chunked-
@@ -24,17 +25,25 @@ GPU KV cache (vLLM's ``BlockPool`` + hybrid ``KVCacheCoordinator``)
     groups one cached state at exactly the hit point. The groups are asked in turn with
     the smallest answer so far until the answer stops changing.
 
-    Simplifications: sliding-window (and chunked-local, treated as a window of the
-    attention chunk) groups free blocks that slid out of the window after each step
-    (they stay cached until evicted); Mamba groups hold one state block per running
-    request, which becomes the cached state for the prompt's last block boundary when
-    the prefill completes, plus one checkpoint at the prompt's shared-prefix junction
-    (where its full-attention prefix stops matching what the GPU or host already holds),
-    like vLLM's default retention (``prefix_cache_retention_interval = 0``); generated
-    (decode) tokens are not hashed, so only prompts are reusable. Groups of identical
-    geometry (kind, block, window, chunk) are tracked as one class whose blocks and host
-    keys weigh one block / row per member group (Gemma 3's six window groups act
-    together, as they would in vLLM).
+    Retention (vLLM's default ``prefix_cache_retention_interval = 0``): a sliding-
+    window group names only the ``cdiv(window-1, tpb)`` blocks ending at the replay
+    boundary ``floor((P-1)/A)*A`` (A = the lcm of the groups' blocks, vLLM's scheduler
+    block) and at the shared-prefix junction (vLLM's ``shared_prefix_boundary``: the
+    full-attention GPU hit when a sparse group stopped short of it); its other blocks
+    are freed unnamed as they slide out of the window (``reachable_block_mask``).
+    Chunked-local groups (treated as a window of the attention chunk) name every
+    block. A Mamba group ("align" mode, no prefill checkpoint blocks) holds, while a
+    request prefills, its running state plus one more block: the state its GPU hit
+    touched, the state loaded from the host, or the block whose state vLLM caches at
+    the prompt's last block boundary L (vLLM ends a prefill chunk there). When the
+    prefill completes, the state at L is named and that block released to the LRU
+    (vLLM frees it on the next step); the running state is held until the request
+    finishes; a state is also kept at the junction. Generated (decode) tokens are not
+    hashed, so only prompts are reusable. Groups of identical geometry (kind, block,
+    window, chunk) are tracked as one class whose blocks and host keys weigh one block
+    / row per member group (Gemma 3's six window groups act together, as they would
+    in vLLM; evicting a merged block frees its members together, which loses the
+    same hits as vLLM evicting them one at a time).
 
 Host pool (vLLM's ``OffloadingConnector`` + ``CPUOffloadingManager``, LRU policy)
     A chunk of group g is ``blocks_per_chunk_g`` of its blocks (``tpc_g`` tokens), named
@@ -52,7 +61,11 @@ Host pool (vLLM's ``OffloadingConnector`` + ``CPUOffloadingManager``, LRU policy
     last window before the replay boundary ``floor((P-1)/A)*A`` and before the shared-
     prefix junction for windowed groups (A = the full groups' chunk span, vLLM's
     ``alignment_tokens``), one state chunk at each of those points for Mamba groups.
-    Keys already present are refreshed; a full pool evicts its least recently used key.
+    A Mamba state is offered only when this request named its GPU block (vLLM's
+    boundary hand-off: not for a state it hit on the GPU, which is then neither stored
+    nor refreshed), by a store call of its own before the chunk store; each call is
+    admitted whole and protects only its own offer. Keys already present are
+    refreshed; a full pool evicts its least recently used key.
     An evicted key that a later request needs again counts as *thrash*. Lookup happens
     when a waiting request is admitted, beyond the GPU hit, with the same per-kind rules
     at chunk granularity; a group that cannot extend the hit by a chunk makes the whole
@@ -161,7 +174,6 @@ class SimRequest:
         "first_scheduled",
         "first_token_time",
         "freed_upto",
-        "gpu_junction",
         "hashes",
         "junction",
         "last_token_time",
@@ -210,10 +222,10 @@ class SimRequest:
         self.finish_time: float | None = None
         self.output_ids: list[int] = []
         self.store_keys: list[tuple[int, list[int], int]] | None = None
-        self.junction = 0  # shared-prefix junction whose window/state is retained
-        #: vLLM's ``shared_prefix_boundary``: the GPU full-attention hit when a sparse
-        #: group stopped short of it at admission, else 0
-        self.gpu_junction = 0
+        #: shared-prefix junction whose window tail / state is retained (vLLM's
+        #: ``shared_prefix_boundary``): the GPU full-attention hit when a sparse group
+        #: stopped short of it at admission, else 0
+        self.junction = 0
         #: GPU blocks each Mamba group holds while prefilling (see EngineCore._mamba_want)
         self.mamba_want = 1
         self.prefill_counted = False
@@ -558,12 +570,12 @@ class EngineCore:
 
     def _gpu_hit(self, req: SimRequest) -> int:
         """vLLM's hybrid coordinator: the longest hit every group agrees on. Also sets
-        ``req.gpu_junction`` (vLLM's ``shared_prefix_boundary``): the full-attention
+        ``req.junction`` (vLLM's ``shared_prefix_boundary``): the full-attention
         hit when a sparse group stopped short of it, else 0."""
         cap = min(req.prompt_len - 1, len(req.hashes) * self.tph)
         cand = start = cap // self.align * self.align
         memo: dict = {}
-        req.gpu_junction = 0
+        req.junction = 0
         while cand > 0:
             new = cand
             for g in self.groups:
@@ -580,35 +592,8 @@ class EngineCore:
                 reach = min(reach, self._gpu_group_hit(req, g, start, memo))
             reach = reach // self.align * self.align
             if reach > cand:
-                req.gpu_junction = reach
+                req.junction = reach
         return cand
-
-    def _junction(self, req: SimRequest) -> int:
-        """Where this prompt leaves the prefix other prompts already have (in full
-        attention blocks, on the GPU or the host); 0 if none.
-
-        Windowed and Mamba groups only keep their window/state at prompt ends; like
-        vLLM's retention of shared-prefix junctions, the request that first runs past
-        such a junction also keeps the window tail / state there.
-        """
-        if not self.windowed or not self.full_groups:
-            return 0
-        cached = self.gpu.cached
-        junction = req.prompt_len - 1
-        for g in self.full_groups:
-            n = 0
-            for key in req.bkeys[g.index]:
-                if key not in cached:
-                    break
-                n += 1
-            pool = self.pools[self.pool_of[g.index]].keys
-            m = 0
-            for key in self._chunk_keys(req, g):
-                if key not in pool:
-                    break
-                m += 1
-            junction = min(junction, max(n * g.tokens_per_block, m * g.tokens_per_chunk))
-        return junction // self.align * self.align
 
     def _chunk_keys(self, req: SimRequest, g) -> list[int]:
         bpc = g.blocks_per_chunk
@@ -750,7 +735,7 @@ class EngineCore:
             return None
         need = g.window_blocks
         out: set[int] = set()
-        for point in (req.prompt_len - 1, req.gpu_junction):
+        for point in (req.prompt_len - 1, req.junction):
             end = point // self.align * self.align // tpb
             out.update(range(max(0, end - need), end))
         return out
@@ -800,7 +785,8 @@ class EngineCore:
         stored_rows = 0
         stored_bytes = 0
         groups = self.groups
-        for gi, run, _first in self._request_store_keys(req):
+        for gi, run, first in self._request_store_keys(req):
+            run = run[self._offered_from(req, gi, first) :]
             pool = self.pools[self.pool_of[gi]]
             keys = pool.keys
             ghosts = pool.ghosts
@@ -908,51 +894,81 @@ class EngineCore:
             pool.pins[key] = pool.pins.get(key, 0) + 1
         return pinned
 
+    def _offered_from(self, req: SimRequest, gi: int, first: int) -> int:
+        """Index in a run of chunks from which the store offers keys. vLLM's connector
+        offers a Mamba state only when this request named its GPU block (a boundary
+        hand-off), never for a state it hit on the GPU, so such a key is neither
+        stored nor refreshed; other groups offer every chunk again."""
+        g = self.groups[gi]
+        if g.kind != "mamba":
+            return 0
+        return max(0, req.local_hit // g.tokens_per_chunk - first)
+
     def _store_units(self, req: SimRequest) -> None:
-        """Store the prompt's chunks in the unit pool, whole or not at all."""
+        """Store the prompt's chunks in the unit pool. Like vLLM's connector, a
+        Mamba state is stored by a call of its own (a boundary hand-off, offered
+        before the step's chunk store), then the other groups' chunks by one call;
+        each call is admitted whole or refused, and its offer alone is protected
+        from its evictions."""
         c = self.counters
         pool = self.pools[0]
         keys, broken = pool.keys, pool.broken
         groups = self.groups
         entries: list[tuple[int, int, int]] = []  # (end token, class, key) offered
-        fresh: list[tuple[int, int, int]] = []  # (class, key, units missing)
-        need = 0
+        # calls: (end token, offered keys as (class, key), offer); a call's missing
+        # keys are found when it runs (an earlier call may have evicted some)
+        states: list[tuple[int, list[tuple[int, int]], set[int]]] = []
+        chunks: list[tuple[int, int]] = []
+        chunk_offer: set[int] = set()
         for gi, run, first in self._request_store_keys(req):
             tpc = groups[gi].tokens_per_chunk
-            full = self.key_weight[gi]
-            for i, key in enumerate(run):
-                entries.append(((first + i + 1) * tpc, gi, key))
-                if key in keys:
-                    continue
-                missing = full - (self.held_units[gi][broken[key][1]] if key in broken else 0)
-                fresh.append((gi, key, missing))
-                need += missing
-        short = need - (pool.capacity - pool.used)
-        if short > 0 and not self._make_room(short, {key for _, _, key in entries}):
-            # vLLM's refusal: nothing evicted, nothing stored; the offer's resident keys
-            # were still accessed by this request
-            c.allocation_failures += 1
-            self._rank_tail_first(entries)
-            return
+            mamba = groups[gi].kind == "mamba"
+            skip = self._offered_from(req, gi, first)
+            for i, key in enumerate(run[skip:], skip):
+                end = (first + i + 1) * tpc
+                entries.append((end, gi, key))
+                if mamba:
+                    states.append((end, [(gi, key)], {key}))
+                else:
+                    chunks.append((gi, key))
+                    chunk_offer.add(key)
+        states.sort(key=lambda call: call[0])
         stored_rows = stored_bytes = 0
-        for gi, key, missing in fresh:
-            g = groups[gi]
-            if key in broken:
-                members = broken.pop(key)[1]
-                rows = g.weight - members
-            else:
-                self.host_class_keys[gi] += 1
-                rows = g.weight
-                if pool.ghosts:
-                    pool.ghosts.pop(key, None)
-            keys[key] = gi
-            pool.used += missing
-            pool.pins[key] = pool.pins.get(key, 0) + 1
-            stored_rows += rows
-            stored_bytes += g.blocks_per_chunk * g.block_bytes * missing // self.key_weight[gi]
+        stored: list[int] = []
+        held = self.held_units
+        for _, offered, offer in [*states, (0, chunks, chunk_offer)]:
+            fresh = [
+                (gi, key, self.key_weight[gi] - (held[gi][broken[key][1]] if key in broken else 0))
+                for gi, key in offered
+                if key not in keys
+            ]
+            if not fresh:
+                continue
+            short = sum(missing for _, _, missing in fresh) - (pool.capacity - pool.used)
+            if short > 0 and not self._make_room(short, offer):
+                # vLLM's refusal: nothing evicted, nothing stored; the offer's
+                # resident keys were still accessed by this request
+                c.allocation_failures += 1
+                continue
+            for gi, key, missing in fresh:
+                g = groups[gi]
+                if key in broken:
+                    members = broken.pop(key)[1]
+                    rows = g.weight - members
+                else:
+                    self.host_class_keys[gi] += 1
+                    rows = g.weight
+                    if pool.ghosts:
+                        pool.ghosts.pop(key, None)
+                keys[key] = gi
+                pool.used += missing
+                pool.pins[key] = pool.pins.get(key, 0) + 1
+                stored.append(key)
+                stored_rows += rows
+                stored_bytes += g.blocks_per_chunk * g.block_bytes * missing // self.key_weight[gi]
         self._rank_tail_first(entries)
         if stored_rows:
-            self._queue_store(stored_rows, stored_bytes, [key for _, key, _ in fresh])
+            self._queue_store(stored_rows, stored_bytes, stored)
 
     def _queue_store(self, rows: int, nbytes: int, pinned: list[int]) -> None:
         """Put a store on the device-to-host lane; its keys stay pinned until it lands."""
@@ -1096,8 +1112,6 @@ class EngineCore:
             c.cached_host += external
             c.host_lookup_tokens += p - local
             c.host_hit_tokens += external
-        if req.store_keys is None:
-            req.junction = self._junction(req)
         self._count_thrash(req, computed)
         if external:
             self._start_load(req, local, computed)
@@ -1318,7 +1332,7 @@ class EngineCore:
                 continue
             b = (req.prompt_len - 1) // g.tokens_per_block
             keys = req.bkeys[g.index]
-            j = req.gpu_junction // g.tokens_per_block
+            j = req.junction // g.tokens_per_block
             if 1 <= j < b and keys[j - 1] not in cached and gpu.num_free >= 2 * g.weight:
                 # vLLM ends a chunk at the shared-prefix junction and keeps its state
                 self._cached_state(keys[j - 1], g.weight)
