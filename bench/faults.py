@@ -7,12 +7,13 @@ replacement process (as the kubelet would restart the pod) that becomes the next
 standby. It then records, per trial:
 
   - failover: SIGKILL -> the standby's first write (its own request counter),
-  - converged: SIGKILL -> every object has its Deployment, Service and plan ConfigMap
-    and a status for its current generation,
+  - converged: SIGKILL -> the new leader's last write, once every object has its
+    Deployment, Service and plan ConfigMap and a status for its current generation and
+    the leader has then been quiet for 5 s,
   - orphaned children (a managed child whose owner is gone or unnamed) and duplicate
     children (two of one kind for one owner),
-  - writes after convergence: the new leader's writes over two resync periods once
-    everything converged (0 is the goal: a steady state writes nothing).
+  - writes after convergence: the new leader's writes over the next two resync periods
+    (every object re-reconciled twice; 0 is the goal: a steady state writes nothing).
 
 Usage: python -m bench.faults [--count 100] [--trials 10] [--kubeconfig PATH]
 Without --kubeconfig it starts its own control plane. Prints a table; asserts nothing.
@@ -43,6 +44,7 @@ CONFIG = REPO_ROOT / "tests" / "fixtures" / "models" / "llama-3.2-1b.json"
 LEASE_NS = "spillway-bench"
 OWNER_LABEL = f"{GROUP}/inference-deployment"
 RESYNC = 10
+QUIET = 5
 
 
 def body(name: str) -> dict:
@@ -186,9 +188,17 @@ def main() -> int:
             while writes(standby) == before:
                 time.sleep(0.1)
             failover = time.monotonic() - killed
-            while not trial.check()[0]:
+            # Converged: every object complete and current, and the new leader has
+            # written nothing for QUIET seconds (status follows the Deployments' own
+            # status for a while); the time is that of its last write.
+            last_count, last_write = writes(standby), time.monotonic()
+            while True:
                 time.sleep(0.5)
-            converged = time.monotonic() - killed
+                if (w := writes(standby)) != last_count:
+                    last_count, last_write = w, time.monotonic()
+                elif time.monotonic() - last_write >= QUIET and trial.check()[0]:
+                    break
+            converged = last_write - killed
             quiet0 = writes(standby)
             time.sleep(2 * RESYNC + 2)
             _, orphans, dups = trial.check()
