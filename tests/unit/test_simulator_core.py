@@ -290,3 +290,47 @@ def test_sliding_window_junction_tails_reach_the_host_pool():
     again = run_one(core, system + tokens(600, 5))
     assert again.local_hit == 0
     assert again.external_hit == 1792  # 7 chunks of 256: the last full chunk before 1984
+
+
+def test_sliding_window_names_only_the_tail_a_hit_can_use():
+    # vLLM's retention (interval 0): the window's blocks before the replay boundary
+    core = make_core(GEMMA, gpu_tokens=65536)
+    prompt = tokens(2000, 1)
+    first = run_one(core, prompt)
+    swa = next(g for g in core.groups if g.kind == "sliding_window")
+    named = [b for b, key in enumerate(first.bkeys[swa.index]) if key in core.gpu.cached]
+    end = 1999 // core.align * core.align // swa.tokens_per_block
+    assert named == list(range(end - swa.window_blocks, end))
+    assert run_one(core, prompt).local_hit == end * swa.tokens_per_block
+
+
+def test_mamba_state_hit_on_the_gpu_is_not_refreshed_on_the_host():
+    core = make_core(QWEN_NEXT, gpu_tokens=65536)
+    a, b = tokens(1000, 1), tokens(1000, 2)
+    first = run_one(core, a)
+    run_one(core, b)
+    again = run_one(core, a)
+    assert again.local_hit == 960  # the state at 960 and three full blocks
+    mamba = next(g for g in core.groups if g.kind == "mamba")
+    full = next(g for g in core.groups if g.kind == "full_attention")
+    order = list(core.pools[0].keys)
+    state = core._chunk_keys(first, mamba)[2]
+    head = core._chunk_keys(first, full)[0]
+    other = core._chunk_keys(core.add_request(b, 1), full)[0]
+    # the full chunks were offered again (refreshed); the state was not
+    assert order.index(state) < order.index(other) < order.index(head)
+
+
+def test_mamba_prefill_holds_two_state_blocks():
+    # while prefilling (in two steps here): the running state and the block whose
+    # state is cached at the last boundary; after it, the running state only
+    core = make_core(QWEN_NEXT, gpu_tokens=65536, max_num_batched_tokens=640)
+    req = core.add_request(tokens(1000, 1), 4)
+    mamba = next(g for g in core.groups if g.kind == "mamba")
+    core.step()
+    assert req.num_computed == 640 and len(req.blocks[mamba.index]) == 2
+    core.step()
+    assert req.num_computed == 1000 and len(req.blocks[mamba.index]) == 1
+    assert req.bkeys[mamba.index][2] in core.gpu.cached  # the state at 960
+    core.run_until_idle()
+    assert core.kv_cache_usage() == 0.0
