@@ -266,8 +266,9 @@ def compute_layout(shape: ModelShape, gpu: Gpu, request: LayoutRequest) -> KVLay
     tokens_per_hash = _tokens_per_hash(groups, mamba_mode)
     # Padding layers own no memory: a block costs the largest real group.
     worker_bytes = max(g.bytes_per_block for g in groups)
-    # MLA latents are identical on every TP rank (max_tp_shards = 1).
-    tp_replicas = tp if shape.mla_latent else 1
+    # MLA latents are identical on every TP rank (max_tp_shards = 1); Mamba states are
+    # split over TP, so a hybrid's ranks do not hold identical caches (the gcd is 1).
+    tp_replicas = tp if shape.mla_latent and shape.mamba is None else 1
     return KVLayout(
         shape=shape,
         gpu=gpu,
