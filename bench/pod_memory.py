@@ -1,0 +1,356 @@
+"""Pod memory: the plan's figures against the real processes of an emulated engine.
+
+``python bench/pod_memory.py [--cases llama,gemma3,...] [--pool-mib 64]`` (as root:
+it mounts a tmpfs and makes a memory cgroup per case; run from the repository root
+with the engine and operator folders on PYTHONPATH).
+
+Each case serves a tiny model with ``spillway-engine serve --emulate-gpu`` (vLLM
+0.33.0's real API server, engine core(s), scheduler and Spillway's offloader; only the
+GPU is emulated) in its own mount namespace whose ``/dev/shm`` is a tmpfs of the
+plan's ``pod.shm_bytes`` (the pod's emptyDir), with the host pool in vLLM's real
+shared region (``SPILLWAY_SHARED_REGION=1``, as on CUDA), inside its own cgroup-v1
+memory group (the container's). After start-up it sends prompts that fill the pool,
+sampling every process twice a second, then prints planned vs measured peaks:
+
+* region: the tmpfs in use (every engine's pool, plus vLLM's rings) against the
+  plan's ``pod.pool_bytes_per_pod`` / ``pod.shm_bytes``;
+* processes: RssAnon + RssFile of the API server, the engine core(s) and the DP
+  coordinator (peak of their sum) against the measured terms of
+  :mod:`spillway_engine.planner.pod_sizing` (API server + engine cores + per-chunk
+  manager bookkeeping); the GPU worker's CUDA context, NCCL and pinned staging are
+  not measurable here and stay estimates;
+* cgroup: ``memory.max_usage_in_bytes`` of the group (anon + shmem + page cache it
+  faulted first; files already cached on this machine are not charged to it).
+
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "engine"), str(ROOT / "operator")]
+
+from spillway_engine.emulator.tiny import gemma3_config, llama_config, write_model  # noqa: E402
+from spillway_engine.planner import pod_sizing  # noqa: E402
+from spillway_engine.planner.plan import Plan  # noqa: E402
+from tests.contract import engine_process  # noqa: E402
+from tests.contract.engine_process import (  # noqa: E402
+    Server,
+    free_port,
+    kill_group,
+    launch,
+    plan_for,
+    post,
+    wait_ready,
+    write_plan,
+)
+
+MIB = 1 << 20
+CGROUP_V1 = Path("/sys/fs/cgroup/memory")
+
+
+def qwen3_next_config() -> dict[str, Any]:
+    """A Qwen3-Next-style GDN hybrid: three Gated DeltaNet layers, then full attention."""
+    return {
+        "architectures": ["Qwen3NextForCausalLM"],
+        "model_type": "qwen3_next",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 4,
+        "full_attention_interval": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "partial_rotary_factor": 0.25,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 32,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "norm_topk_prob": True,
+        "hidden_act": "silu",
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "vocab_size": 512,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    }
+
+
+def deepseek_v2_config() -> dict[str, Any]:
+    """A DeepSeek-V2-style MLA model (latent KV, replicated across ranks)."""
+    return {
+        "architectures": ["DeepseekV2ForCausalLM"],
+        "model_type": "deepseek_v2",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 32,
+        "num_hidden_layers": 2,
+        "first_k_dense_replace": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "kv_lora_rank": 512,
+        "q_lora_rank": None,
+        "qk_nope_head_dim": 32,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 32,
+        "n_routed_experts": 4,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "moe_layer_freq": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "topk_method": "greedy",
+        "scoring_func": "softmax",
+        "routed_scaling_factor": 1.0,
+        "norm_topk_prob": False,
+        "hidden_act": "silu",
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "vocab_size": 512,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    }
+
+
+#: case -> (config, data-parallel size, what it stands for)
+CASES: dict[str, tuple[dict[str, Any], int, str]] = {
+    "llama": (llama_config(num_layers=2), 1, "single group"),
+    "gemma3": (gemma3_config(num_layers=4, sliding_window=64), 1, "sliding window + full"),
+    "qwen3next": (qwen3_next_config(), 1, "GDN hybrid"),
+    "qwen3next-dp2": (qwen3_next_config(), 2, "GDN hybrid, DP 2"),
+    "deepseek": (deepseek_v2_config(), 1, "MLA"),
+}
+
+
+@dataclass
+class Peak:
+    api: int = 0
+    cores: int = 0
+    others: int = 0
+    processes: int = 0
+    shm: int = 0
+    cgroup: int = 0
+
+
+def _status(pid: int) -> dict[str, int]:
+    out = {}
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return out
+    for key in ("RssAnon", "RssFile", "RssShmem", "VmHWM"):
+        m = re.search(rf"^{key}:\s+(\d+) kB", text, re.M)
+        if m:
+            out[key] = int(m.group(1)) * 1024
+    return out
+
+
+def _role(pid: int, root: int) -> str:
+    if pid == root:
+        return "api"
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        comm = Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return "gone"
+    if "EngineCore" in cmd or "EngineCore" in comm:
+        return "cores"
+    return "others"
+
+
+def _pids(root: int) -> list[int]:
+    out, todo = [], [root]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return out
+
+
+def _shm_used(volume: Path) -> int:
+    st = os.statvfs(volume)
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
+def _sample(server: Server, volume: Path, cgroup: Path, peak: Peak) -> None:
+    roles: dict[str, int] = {"api": 0, "cores": 0, "others": 0}
+    for pid in _pids(server.proc.pid):
+        s = _status(pid)
+        role = _role(pid, server.proc.pid)
+        if role in roles:
+            roles[role] += s.get("RssAnon", 0) + s.get("RssFile", 0)
+    peak.api = max(peak.api, roles["api"])
+    peak.cores = max(peak.cores, roles["cores"])
+    peak.others = max(peak.others, roles["others"])
+    peak.processes = max(peak.processes, sum(roles.values()))
+    peak.shm = max(peak.shm, _shm_used(volume))
+    with contextlib.suppress(OSError):
+        peak.cgroup = int((cgroup / "memory.max_usage_in_bytes").read_text())
+
+
+def _fill(server: Server, n: int, seed: int) -> None:
+    tokens = [(seed * 7919 + i * 104729) % 497 + 3 for i in range(n)]
+    body = {"model": "tiny", "prompt": tokens, "max_tokens": 2, "temperature": 0}
+    post(server.url("/v1/completions"), body)
+
+
+def run_case(name: str, pool_mib: int, work: Path, requests: int) -> tuple[Plan, Peak, str]:
+    config, dp, _ = CASES[name]
+    model = write_model(work / name / "model", config)
+    plan = plan_for(model, cpu_memory_bytes=pool_mib * MIB, data_parallel_size=dp)
+    volume = work / name / "shm"
+    volume.mkdir(parents=True)
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={plan.pod.shm_bytes}", "tmpfs", str(volume)],
+        check=True,
+    )
+    cgroup = CGROUP_V1 / f"spillway-bench-{os.getpid()}-{name}"
+    cgroup.mkdir()
+    prefix = [
+        "sh", "-c", f'echo $$ > {cgroup}/cgroup.procs && exec "$@"', "sh",
+        "unshare", "--mount", "--propagation", "private",
+        "sh", "-c", 'mount --bind "$0" /dev/shm && exec "$@"', str(volume),
+    ]  # fmt: skip
+    root = work / name / "run"
+    plan_path = write_plan(root, plan, model)
+    port = free_port()
+    env = {"SPILLWAY_SHM_DIR": "/dev/shm", "SPILLWAY_SHARED_REGION": "1"}
+    proc = launch(plan_path, root / "engine.log", port, 80 * 4096, env=env, prefix=prefix)
+    server = Server(name, proc, port, root / "engine.log", plan, 0.0)
+    peak = Peak()
+    note = ""
+    stop = threading.Event()
+
+    def sampler() -> None:
+        while not stop.is_set():
+            _sample(server, volume, cgroup, peak)
+            time.sleep(0.5)
+
+    thread = threading.Thread(target=sampler, daemon=True)
+    try:
+        wait_ready(server)
+        thread.start()
+        for i in range(requests):
+            _fill(server, 600, i)
+        _sample(server, volume, cgroup, peak)
+    except Exception as e:  # a case the emulator cannot serve: say why, go on
+        note = str(e).strip().splitlines()[0][:100]
+        errs = [x for x in server.log_text().splitlines() if "Error:" in x]
+        if errs:
+            note += " | " + errs[-1].strip()[:160]
+    finally:
+        stop.set()
+        kill_group(proc)
+        subprocess.run(["umount", "--lazy", str(volume)], check=False)
+        for _ in range(50):
+            try:
+                cgroup.rmdir()
+                break
+            except OSError:
+                time.sleep(0.2)
+    return plan, peak, note
+
+
+def _mib(n: int) -> str:
+    return f"{n / MIB:,.0f}"
+
+
+def measured_terms(plan: Plan) -> int:
+    """The plan's process terms that these runs measure (no GPU worker)."""
+    dp = plan.parallelism.data_parallel_size
+    return pod_sizing.measurable_process_bytes(plan.spillway.num_units, dp) + (
+        pod_sizing.DP_PROCESSES_BYTES if dp > 1 else 0
+    )
+
+
+def table(rows: list[tuple[str, Plan, Peak, str]]) -> str:
+    head = (
+        "| case | DP | chunks/engine | region planned | shm planned | shm measured "
+        "| API server | engine core(s) | core helpers | processes measured | processes planned "
+        "(measured terms) | cgroup peak | planned >= measured |"
+    )
+    lines = [head, "|" + "---|" * 13]
+    for name, plan, peak, note in rows:
+        if note:
+            lines.append(f"| {name} | | | | | | | | | | | | not served: {note} |")
+            continue
+        planned_proc = measured_terms(plan)
+        ok = plan.pod.shm_bytes >= peak.shm and planned_proc >= peak.processes
+        lines.append(
+            f"| {name} | {plan.parallelism.data_parallel_size} | {plan.spillway.num_chunks} "
+            f"| {_mib(plan.pod.pool_bytes_per_pod or 0)} | {_mib(plan.pod.shm_bytes)} "
+            f"| {_mib(peak.shm)} | {_mib(peak.api)} | {_mib(peak.cores)} | {_mib(peak.others)} "
+            f"| {_mib(peak.processes)} | {_mib(planned_proc)} | {_mib(peak.cgroup)} "
+            f"| {'yes' if ok else 'NO'} |"
+        )
+    return "\n".join(lines) + "\n(MiB; peaks of samples every 0.5 s during start-up and load)"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cases", default=",".join(CASES), help=f"of {', '.join(CASES)}")
+    p.add_argument("--pool-mib", type=int, default=64, help="host pool per engine")
+    p.add_argument("--requests", type=int, default=12, help="600-token prompts per case")
+    p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    p.add_argument("--start-timeout", type=int, default=300, help="seconds to wait per engine")
+    args = p.parse_args(argv)
+    engine_process.START_TIMEOUT_S = args.start_timeout
+    if os.geteuid() != 0:
+        print("pod_memory: needs root (tmpfs mounts, memory cgroups)", file=sys.stderr)
+        return 2
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="pod-memory-") as tmp:
+        for name in args.cases.split(","):
+            if name not in CASES:
+                print(f"pod_memory: unknown case {name!r}", file=sys.stderr)
+                return 2
+            t0 = time.monotonic()
+            plan, peak, note = run_case(name, args.pool_mib, Path(tmp), args.requests)
+            print(f"[{name}] {time.monotonic() - t0:.0f} s {note}", file=sys.stderr, flush=True)
+            rows.append((name, plan, peak, note))
+    print(table(rows))
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps(
+                [
+                    {"case": n, "note": note, "plan_pod": plan.pod.model_dump(), **vars(peak)}
+                    for n, plan, peak, note in rows
+                ],
+                indent=1,
+            )
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
