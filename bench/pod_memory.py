@@ -22,6 +22,24 @@ sampling every process twice a second, then prints planned vs measured peaks:
 * cgroup: ``memory.max_usage_in_bytes`` of the group (anon + shmem + page cache it
   faulted first; files already cached on this machine are not charged to it).
 
+Last run (2026-11-30, 2 shared cores, 64 MiB pool per engine, 12 prompts of 600 tokens;
+MiB). "Processes planned" is the measured terms of pod_sizing (API server + engine
+core + host keys x manager bytes); the GPU worker's 6 GiB estimate comes on top:
+
+| case | DP | shm plan / meas | API | core | helpers | procs meas | procs plan | cgroup |
+|---|---|---|---|---|---|---|---|---|
+| llama (one group) | 1 | 320 / 64 | 944 | 1,044 | 1,235 | 3,223 | 3,457 (+7%) | 1,921 |
+| gemma3 (SWA + full) | 1 | 320 / 64 | 944 | 1,045 | 1,259 | 3,247 | 3,458 (+6%) | 1,941 |
+| qwen3next (GDN) | 1 | 320 / 64 | 944 | 1,049 | 1,256 | 3,248 | 3,476 (+7%) | 1,945 |
+| qwen3next (GDN) | 2 | not served in 600 s | | | | | | |
+| deepseek (MLA) | 1 | not served | | | | | | |
+
+(region planned 64 = measured 64 in every served case: the shm in use is the pool.)
+
+DP 2: vLLM started its process manager, DP coordinator, two API servers and two engine
+cores (about 0.85-0.95 GiB RSS each while importing) but the emulated engines did not
+report ready within 600 s on this loaded machine. MLA: the emulated platform has no
+``num_compute_units`` (vLLM's Triton MLA backend asks for it at start-up).
 """
 
 from __future__ import annotations
