@@ -1,6 +1,6 @@
 """The local demo: real vLLM servers on emulated GPUs, a hybrid model, scaling under load.
 
-    make demo            (or: python -m e2e.demo [--burst-seconds 150] [--clients 16] [--keep])
+    make demo            (or: python -m e2e.demo [--burst-seconds 180] [--clients 16] [--keep])
 
 Starts the local control plane with fake H100 nodes, installs the CRD, runs the
 operator and applies config/samples/qwen3-next-tiny-emulated.yaml: a tiny
@@ -245,8 +245,9 @@ def engine_args(apps: client.AppsV1Api, name: str) -> list[str] | None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--burst-seconds", type=float, default=150.0,
-                    help="how long the clients send, from the first ready pod")
+    ap.add_argument("--burst-seconds", type=float, default=180.0,
+                    help="how long the clients send, from the first ready pod (up to twice "
+                    "that while a scaled-up pod is still starting)")
     ap.add_argument("--clients", type=int, default=16, help="concurrent clients in the burst")
     ap.add_argument("--settle-seconds", type=float, default=75.0,
                     help="after the burst, watch the scale-down this long at most")
@@ -363,7 +364,7 @@ def main() -> int:
                     burst_start = now
                     load.urls = urls
                     load.start()
-                    say(f"load: {args.clients} clients for {args.burst_seconds:g}s, each "
+                    say(f"load: {args.clients} clients for {args.burst_seconds:g}s or more, each "
                         f"sending one of {PREFIXES} shared {PREFIX_TOKENS}-token prefixes + a "
                         f"{QUESTION_TOKENS}-token question ({MAX_TOKENS} tokens out), "
                         "to the ready pods in turn")
@@ -373,8 +374,12 @@ def main() -> int:
                                        f"{tails}")
             else:
                 load.urls = urls
+            # The burst runs on (up to twice as long) while a scaled-up pod is still
+            # starting, so the replicas it asked for get to serve it.
+            starting = o["spec"]["replicas"] > st.get("readyReplicas", 0)
             if burst_start is not None and settle_start is None and (
-                    now - burst_start >= args.burst_seconds):
+                    now - burst_start >= args.burst_seconds) and (
+                    not starting or now - burst_start >= 2 * args.burst_seconds):
                 load.stop()
                 settle_start = now
                 say(f"load finished: {load.done} requests ({load.errors} failed); replicas "
@@ -382,16 +387,17 @@ def main() -> int:
             if now - last_scrape >= 3:
                 pods.update(fleet)
                 last_scrape = now
-            # A line when the replicas or the decision change, else every 15 s: the
-            # pressure of real engines moves with every scrape.
+            # A line when the replicas or the decision change, else every 15 s (60 s
+            # while the first engine starts): real engines' pressure moves every scrape.
             line = (o["spec"]["replicas"], st.get("readyReplicas", 0), a.get("lastDecision"))
-            if line != last or now - last_summary >= 15:
+            every = 15 if burst_start is not None else 60
+            if line != last or now - last_summary >= every:
                 comps = ", ".join(f"{k} {v}" for k, v in (a.get("components") or {}).items())
                 say(f"replicas desired {line[0]} ready {line[1]} | pressure "
                     f"{a.get('pressure', '-')} ({comps}) | {a.get('lastDecision')}: "
                     f"{a.get('lastDecisionReason', '')}")
                 last = line
-            if now - last_summary >= 15:
+            if now - last_summary >= every:
                 if burst_start is not None and pods.last:
                     say(pods.summary())
                 last_summary = now
