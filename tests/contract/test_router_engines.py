@@ -253,6 +253,7 @@ def test_prefix_follows_the_events_and_failover_forgets(tmp_path: Path) -> None:
         url = f"http://127.0.0.1:{rport}"
         cmd = [str(Path(sys.executable).with_name("spillway-router")), "--host", "127.0.0.1"]
         cmd += ["--port", str(rport), "--probe-interval", "0.5", "--log-level", "WARNING"]
+        cmd += ["--tokenizer", f"{NAME}={model_dir}"]  # text as the engine tokenizes it
         for i, e in enumerate(engines):
             plan = tmp_path / f"pod{i}" / "plan.json"
             cmd += ["--backend", f"name=pod{i},model={NAME},url=http://127.0.0.1:{e.port},"
@@ -302,6 +303,43 @@ def test_prefix_follows_the_events_and_failover_forgets(tmp_path: Path) -> None:
         assert queries[0] == 0 and hits[0] == 0  # pod0 saw none of them
         assert _router_metric(url, "spillway_router_requests_total",
                               pod="pod1", reason="prefix") == 4  # fmt: skip
+
+        # Text: the router tokenizes it with the model's tokenizer, as the engine does.
+        # A text prompt whose cold choice is pod0, put on pod1 directly, is found there.
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(model_dir))
+
+        def text_of(seed: int) -> str:
+            words = [f"w{seed}x{i}" for i in range(40)]
+            while len(tok.encode(" ".join(words))) < 200:
+                words += words[:10]
+            return " ".join(words)
+
+        text = next(
+            text_of(s)
+            for s in range(50)
+            if next(ring.walk(cold_key(hasher.keys(tok.encode(text_of(s))), []))) == "pod0"
+        )
+        n_text = len(tok.encode(text))
+        assert n_text < 600
+        gpu_before = _router_metric(url, "spillway_router_index_blocks", pod="pod1",
+                                    source="events", tier="GPU")  # fmt: skip
+        status, _ = _post(holder.url("/v1/completions"),
+                          {"model": NAME, "prompt": text, "max_tokens": 2})  # fmt: skip
+        assert status == 200
+        _wait(lambda: _router_metric(url, "spillway_router_index_blocks", pod="pod1",
+                                     source="events", tier="GPU")
+              >= gpu_before + n_text // unit - 1, "the text prompt's events")  # fmt: skip
+        before = [metrics(e) for e in engines]
+        status, reply = _post(url + "/v1/completions",
+                              {"model": NAME, "prompt": text + " and then some more",
+                               "max_tokens": 2})  # fmt: skip
+        assert status == 200, reply
+        after = [metrics(e) for e in engines]
+        q, h = "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"
+        assert after[1][h] - before[1][h] >= (n_text // unit - 1) * unit
+        assert after[0][q] == before[0][q]
 
         # The prefix pushed out of pod1's GPU cache into its host tier (again behind the
         # router's back): the router learns it from pod1's host-tier events and still
