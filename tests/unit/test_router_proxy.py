@@ -13,6 +13,9 @@ import contextlib
 import json
 import os
 import random
+import socket
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -178,6 +181,47 @@ def test_a_dead_pod_is_retried_elsewhere_and_forgotten() -> None:
             assert sum(state.inflight.values()) == 0
 
     asyncio.run(run())
+
+
+def test_a_pod_dying_mid_stream_ends_the_stream_with_an_error() -> None:
+    """A simulator process killed (SIGKILL) while it streams an answer."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    sim = subprocess.Popen(
+        [sys.executable, "-m", "spillway_engine.simulator", "--plan", str(PLANS / LLAMA),
+         "--port", str(port), "--speed", "1", "--served-model-name", MODEL],
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+
+    async def run() -> None:
+        state = RouterState(RouterConfig(mode="approx", probe_interval_s=0.05, eject_s=60))
+        router = RouterApp(state)
+        router.add_backend(Backend("pod0", MODEL, f"http://127.0.0.1:{port}", None, PROFILE))
+        front = TestServer(router.build())
+        await front.start_server()
+        try:
+            await _until(lambda: bool(state.ready(MODEL)), tries=1500)
+            body = {"model": MODEL, "prompt": tokens(64, 4), "max_tokens": 500, "stream": True}
+            async with (
+                aiohttp.ClientSession() as http,
+                http.post(str(front.make_url("/v1/completions")), json=body) as r,
+            ):
+                assert r.status == 200
+                assert (await r.content.readline()).startswith(b"data: ")
+                sim.kill()  # the pod dies mid-answer (500 tokens take seconds at speed 1)
+                rest = (await r.read()).decode()
+            assert '"type": "ServiceUnavailableError"' in rest
+            assert "[DONE]" not in rest
+            assert state.ready(MODEL) == [] and sum(state.inflight.values()) == 0
+        finally:
+            await front.close()
+
+    try:
+        asyncio.run(run())
+    finally:
+        sim.kill()
+        sim.wait(timeout=30)
 
 
 def _garbage(rng: random.Random) -> bytes:
