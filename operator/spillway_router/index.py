@@ -232,29 +232,37 @@ class ApproxTracker:
         if pod not in self._cap:
             return
         gpu, host = self._lru[pod]
+        fresh, back = [], []
         for key in keys:
             if key in gpu:
                 gpu.move_to_end(key)
                 continue
             if key in host:
                 del host[key]
-                self.index.remove(pod, HOST, [key])
+                back.append(key)
             gpu[key] = None
-            self.index.store(pod, GPU, [key])
+            fresh.append(key)
+        self.index.remove(pod, HOST, back)
+        self.index.store(pod, GPU, fresh)
         self._trim(pod)
 
     def _trim(self, pod: str) -> None:
         gpu, host = self._lru[pod]
         gcap, hcap = self._cap[pod]
+        spilled = []
         while len(gpu) > gcap:
             key, _ = gpu.popitem(last=False)
-            self.index.remove(pod, GPU, [key])
+            spilled.append(key)
             if hcap:
                 host[key] = None
-                self.index.store(pod, HOST, [key])
+        self.index.remove(pod, GPU, spilled)
+        if hcap:
+            self.index.store(pod, HOST, spilled)
+        gone = []
         while len(host) > hcap:
             key, _ = host.popitem(last=False)
-            self.index.remove(pod, HOST, [key])
+            gone.append(key)
+        self.index.remove(pod, HOST, gone)
 
     def held(self, pod: str) -> tuple[int, int]:
         gpu, host = self._lru.get(pod, ((), ()))
