@@ -13,9 +13,12 @@ from spillway_engine.simulator.core import EngineCore, replay
 from spillway_engine.simulator.plan_input import gpu_blocks_for_tokens, merge_groups, parse_plan
 
 MODELS = Path(__file__).parents[1] / "fixtures" / "models"
-# Architectures the planner refuses by design (no KV-layout rule): checked below.
-REFUSED = {"granite-4.0-h-small.json", "kimi-linear-48b-a3b.json"}
-MODEL_FILES = sorted(p.name for p in MODELS.glob("*.json") if p.name not in REFUSED)
+# The first-set Granite-4.0-H copy has neither layer_types nor a context length past
+# 2048, so the 4096-token request below is refused (checked below); Kimi-Linear hashes
+# 1920-token blocks, longer than this trace's prefixes, so a replay would show nothing.
+REFUSED = {"granite-4.0-h-small.json": "context length"}
+NOT_SIMULATED = {*REFUSED, "kimi-linear-48b-a3b.json"}
+MODEL_FILES = sorted(p.name for p in MODELS.glob("*.json") if p.name not in NOT_SIMULATED)
 
 
 def _plan(model_file: str, offloader: str) -> plan_module.Plan:
@@ -33,8 +36,8 @@ def _plan(model_file: str, offloader: str) -> plan_module.Plan:
 
 
 @pytest.mark.parametrize("model_file", sorted(REFUSED))
-def test_unsupported_architectures_are_refused_with_a_reason(model_file):
-    with pytest.raises(plan_module.PlanRefused, match="not supported"):
+def test_refused_plans_say_why(model_file):
+    with pytest.raises(plan_module.PlanRefused, match=REFUSED[model_file]):
         _plan(model_file, "spillway")
 
 
