@@ -55,6 +55,8 @@ class FlashMLAStandIn(TritonMLABackend):
 _BACKENDS = {
     "FLASH_ATTN": AttentionBackendEnum.FLASH_ATTN,
     "TRITON_FLASH_ATTN": AttentionBackendEnum.FLASH_ATTN,
+    # vLLM forces Triton attention for Gemma 4 off Hopper: the same MultipleOf(16) rule
+    "TRITON_ATTN": AttentionBackendEnum.FLASH_ATTN,
     "FLASH_ATTN_MLA": AttentionBackendEnum.TRITON_MLA,
     "TRITON_MLA": AttentionBackendEnum.TRITON_MLA,
 }
