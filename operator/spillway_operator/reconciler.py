@@ -66,6 +66,7 @@ def plan_request(spec: InferenceDeploymentSpec) -> PlanRequest:
         blocks_per_chunk=off.blocks_per_chunk,
         chunk_block_size_tokens=off.chunk_tokens,
         cpu_memory_bytes=host,
+        host_memory_scope=off.host_memory_scope.value.lower(),
         memory_limit_bytes=render.memory_limit_bytes(spec) if host is None else None,
         offloader=off.offloader.value,
         gpu=spec.resources.gpu_product.value.lower(),

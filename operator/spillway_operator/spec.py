@@ -321,6 +321,11 @@ class Offloader(StrEnum):
     UPSTREAM = "upstream"
 
 
+class HostMemoryScope(StrEnum):
+    ENGINE = "Engine"
+    POD = "Pod"
+
+
 class OffloadSpec(_Model):
     """The host (CPU) KV-cache tier."""
 
@@ -329,10 +334,16 @@ class OffloadSpec(_Model):
         str,
         Field(
             pattern=r"^(auto|" + QUANTITY_PATTERN[1:-1] + r")$",
-            description="host pool per engine, a quantity, or auto: the largest that fits "
-            "memoryLimit",
+            description="host pool, a quantity (each data-parallel engine's, see "
+            "hostMemoryScope), or auto: the largest that fits memoryLimit",
         ),
     ] = "auto"
+    host_memory_scope: Annotated[
+        HostMemoryScope,
+        Field(description="Engine: hostMemory is each data-parallel engine's pool (the pod "
+              "maps engine.dataParallelSize of them); Pod: it is the pod's total, split "
+              "evenly across its engines"),
+    ] = HostMemoryScope.ENGINE
     memory_limit: Annotated[
         str | None,
         Field(
@@ -521,6 +532,11 @@ class PlanSummary(_Model):
     chunk_tokens: int | None = None
     host_pool_bytes: int | None = None
     host_pool: Annotated[str | None, Field(description="host pool per pod, human-readable")] = None
+    host_pool_bytes_per_engine: Annotated[
+        int | None, Field(description="each data-parallel engine's host pool")] = None
+    host_memory_scope: Annotated[
+        str | None, Field(description="whether spec.offload.hostMemory was read per engine "
+                          "or per pod")] = None
     num_chunks: int | None = None
     capacity_tokens: int | None = None
     shm_bytes: int | None = None

@@ -293,6 +293,8 @@ def plan_summary(plan: Plan, gpus_per_pod: int, digest: str) -> PlanSummary:
         chunk_tokens=plan.spillway.chunk_tokens if plan.offloader == "spillway" else None,
         host_pool_bytes=pool,
         host_pool=human_bytes(pool),
+        host_pool_bytes_per_engine=plan.cpu_memory_bytes,
+        host_memory_scope="Pod" if plan.pod.host_memory_scope == "pod" else "Engine",
         num_chunks=plan.num_chunks,
         capacity_tokens=plan.capacity_tokens,
         shm_bytes=plan.pod.shm_bytes,

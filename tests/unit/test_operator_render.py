@@ -178,3 +178,17 @@ def test_emulated_gpu_runs_the_same_launch_without_a_gpu():
 def test_emulated_gpu_fields_are_checked(bad):
     with pytest.raises(ValueError, match="emulateGPU"):
         spec_of(engine={"emulateGPU": bad})
+
+
+@pytest.mark.parametrize(("scope", "per_engine"), [("Engine", 8), ("Pod", 4)])
+def test_host_memory_is_per_engine_or_per_pod_as_the_spec_says(scope, per_engine):
+    from spillway_operator.status import plan_summary
+
+    spec = spec_of(engine={"dataParallelSize": 2},
+                   offload={"hostMemory": "8Gi", "hostMemoryScope": scope})
+    plan = plan_for(spec)
+    assert plan.cpu_memory_bytes == per_engine * 2**30
+    summary = plan_summary(plan, spec.gpus_per_pod, "digest")
+    assert summary.host_pool_bytes_per_engine == per_engine * 2**30
+    assert summary.host_pool_bytes == 2 * per_engine * 2**30  # two engines' regions
+    assert summary.host_memory_scope == scope
