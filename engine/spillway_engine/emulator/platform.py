@@ -97,6 +97,12 @@ class EmulatedGpuPlatform(Platform):
         return DeviceCapability(int(major), int(minor or 0))
 
     @classmethod
+    def num_compute_units(cls, device_id: int = 0) -> int:
+        # Kernel set-up code asks for it (Triton MLA's split count); only its size
+        # matters: the planned GPU's SMs (132 on H100/H200 SXM; 108 on A100).
+        return {"a100": 108, "l40s": 142}.get(planned_gpu()["name"], 132)
+
+    @classmethod
     def get_device_total_memory(cls, device_id: int = 0) -> int:
         return kv_budget_bytes() + _DEVICE_OVERHEAD_BYTES
 
