@@ -79,7 +79,9 @@ SIM_MODELS: dict[str, tuple[dict, int]] = {
 #: unit each per chunk). Qwen3-Next: 768 KiB, 192 units of 4 KiB; a 64-token chunk of
 #: every group takes 5 (1 per GDN state, 2 for the full layer's page).
 POOL_BYTES = {"llama": 1 * MIB, "gemma3": 1 * MIB, "qwen3_next": 3 * MIB // 4}
-PROMPT_TOKENS = 600  # two 256-token chunks; + 2 output tokens stays below 768
+#: two 256-token chunks (Qwen3-Next: nine of 64); + 2 output tokens stays inside the
+#: next chunk (below 768; 640)
+PROMPT_TOKENS = 600
 MAX_TOKENS = 2
 #: seeds in order: 10 distinct prompts fill and overflow the pool, then earlier ones
 #: come back (from the GPU, the host pool, or neither).
