@@ -314,6 +314,15 @@ def _pod_spec(owner: Owner, spec: InferenceDeploymentSpec, plan: Plan) -> dict[s
     return pod_spec
 
 
+def capacity_annotations(plan: Plan) -> dict[str, str]:
+    """Each pod's planned cache capacity, for routers that score by it (spillway-router's
+    approximate mode, llm-d's approximate prefix scorer) instead of a hand-set number."""
+    return {
+        f"{GROUP}/host-capacity-tokens": str(plan.capacity_tokens),
+        f"{GROUP}/tokens-per-hash": str(plan.tokens_per_hash),
+    }
+
+
 def deployment(owner: Owner, spec: InferenceDeploymentSpec, plan: Plan) -> dict[str, Any]:
     return {
         "apiVersion": "apps/v1",
@@ -330,7 +339,8 @@ def deployment(owner: Owner, spec: InferenceDeploymentSpec, plan: Plan) -> dict[
                 "metadata": {
                     "labels": labels(owner),
                     # A changed plan rolls the pods: they were sized for the old one.
-                    "annotations": {f"{GROUP}/plan-hash": plan_hash(plan)},
+                    "annotations": {f"{GROUP}/plan-hash": plan_hash(plan),
+                                    **capacity_annotations(plan)},
                 },
                 "spec": _pod_spec(owner, spec, plan),
             },

@@ -192,3 +192,13 @@ def test_host_memory_is_per_engine_or_per_pod_as_the_spec_says(scope, per_engine
     assert summary.host_pool_bytes_per_engine == per_engine * 2**30
     assert summary.host_pool_bytes == 2 * per_engine * 2**30  # two engines' regions
     assert summary.host_memory_scope == scope
+
+
+def test_pods_carry_their_planned_capacity_for_routers():
+    spec = spec_of(offload={"hostMemory": "4Gi"})
+    plan = plan_for(spec)
+    annotations = render.deployment(OWNER, spec, plan)["spec"]["template"]["metadata"][
+        "annotations"]
+    assert annotations["spillway.dev/host-capacity-tokens"] == str(plan.capacity_tokens)
+    assert annotations["spillway.dev/tokens-per-hash"] == str(plan.tokens_per_hash)
+    assert plan.capacity_tokens > 0
