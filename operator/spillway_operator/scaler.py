@@ -96,8 +96,10 @@ class Autoscaler:
         self._failing: set[tuple[str, str]] = set()  # keys whose last tick failed
         # Per key: the ready pods of the last tick whose /metrics were unusable, and why.
         self.problems: dict[tuple[str, str], list[str]] = {}
-        # Loops run only while active (this replica leads); objects are kept either way.
-        self.active = True
+        # Loops run only while active: from activate() (Controller.start: on start-up
+        # without election, or when this replica becomes the leader) until deactivate().
+        # Objects are kept either way, so a standby knows them when it takes over.
+        self.active = False
 
     def observe(self, key: tuple[str, str], body: dict[str, Any] | None) -> None:
         if body is None:

@@ -144,6 +144,8 @@ def test_one_leader_and_the_standby_takes_over_after_sigkill(cluster, api, relea
     wait_for(lambda: len(apps.list_namespaced_deployment(work).items) >= 2, 60,
              "op-a's first Deployments")
     assert writes(b) == 0  # the standby wrote nothing
+    # ... and tried nothing: no reconcile or autoscaler loop ran there for its gate to stop.
+    assert b.metric("spillway_operator_writes_fenced_total") == 0
     a.proc.send_signal(signal.SIGKILL)
     a.proc.wait(10)
     killed = time.monotonic()

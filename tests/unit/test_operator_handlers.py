@@ -78,8 +78,7 @@ def test_the_autoscaler_runs_only_while_leading_and_a_standby_exports_no_pressur
     from spillway_operator.scaler import Autoscaler
 
     async def scenario():
-        s = Autoscaler(Kube(None))
-        s.deactivate()  # a standby from the start
+        s = Autoscaler(Kube(None))  # a standby from the start: nothing runs until activated
         body = {"metadata": {"namespace": "ns", "name": "a", "uid": "u"}, "spec": {}}
         s.observe(("ns", "a"), body)
         assert s._tasks == {} and ("ns", "a") in s.objects
