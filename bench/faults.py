@@ -45,6 +45,7 @@ LEASE_NS = "spillway-bench"
 OWNER_LABEL = f"{GROUP}/inference-deployment"
 RESYNC = 10
 QUIET = 5
+CONVERGE_TIMEOUT = 600
 
 
 def body(name: str) -> dict:
@@ -192,13 +193,14 @@ def main() -> int:
             # written nothing for QUIET seconds (status follows the Deployments' own
             # status for a while); the time is that of its last write.
             last_count, last_write = writes(standby), time.monotonic()
-            while True:
+            converged = float("nan")  # nan: not converged within CONVERGE_TIMEOUT
+            while time.monotonic() - killed < CONVERGE_TIMEOUT:
                 time.sleep(0.5)
                 if (w := writes(standby)) != last_count:
                     last_count, last_write = w, time.monotonic()
                 elif time.monotonic() - last_write >= QUIET and trial.check()[0]:
+                    converged = last_write - killed
                     break
-            converged = last_write - killed
             quiet0 = writes(standby)
             time.sleep(2 * RESYNC + 2)
             _, orphans, dups = trial.check()
