@@ -30,6 +30,7 @@ import itertools
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -204,7 +205,9 @@ class Pods:
         self.gone = set(self.last) - set(live)
 
     def total(self, key: str) -> float:
-        return sum(v[key] for v in self.last.values())
+        """Counters over every pod seen; gauges (the pool) over the pods still there."""
+        live = key in ("used", "capacity")
+        return sum(v[key] for name, v in self.last.items() if not (live and name in self.gone))
 
     def summary(self) -> str:
         t = self.total
@@ -217,13 +220,13 @@ class Pods:
 
     def table(self) -> None:
         say("per replica, from each pod's /metrics (vLLM's and Spillway's):")
-        print(f"  {'pod':<34} {'requests':>8} {'prompt tok':>10} {'GPU hit':>8} "
+        print(f"  {'pod':<46} {'requests':>8} {'prompt tok':>10} {'GPU hit':>8} "
               f"{'host hit':>8} {'host lookup hit':>15} {'pool used/cap':>13} "
               f"{'evictions':>9} {'mismatch':>8}", flush=True)
         rows = [*self.last.items(), ("total", {k: self.total(k) for k in SERIES})]
         for name, v in rows:
             label = f"{name} (scaled away)" if name in self.gone else name
-            print(f"  {label:<34} {v['requests']:>8.0f} {v['prompt']:>10.0f} "
+            print(f"  {label:<46} {v['requests']:>8.0f} {v['prompt']:>10.0f} "
                   f"{share(v['gpu_hits'], v['prompt']):>8} "
                   f"{share(v['host_hits'], v['prompt']):>8} "
                   f"{share(v['host_hits'], v['lookup']):>15} "
@@ -231,16 +234,16 @@ class Pods:
                   f"{v['mismatch']:>8.0f}", flush=True)
 
 
-def engine_args(apps: client.AppsV1Api, name: str) -> list[str] | None:
-    """The ``--emulate-*`` flags the operator rendered into the pods' container (the
-    fleet adds ``--emulate-gpu`` itself), so the engines run what the pods would."""
+def container_command(apps: client.AppsV1Api, name: str) -> list[str] | None:
+    """The engine container's command and args as the operator rendered them (the
+    fleet, playing the kubelet, runs these on each pod's IP); None before the
+    Deployment exists."""
     try:
         dep = apps.read_namespaced_deployment(name, NAMESPACE)
     except client.ApiException:
         return None
     [engine] = [c for c in dep.spec.template.spec.containers if c.name == "engine"]
-    args = list(engine.args or [])
-    return args[args.index("--emulate-gpu") + 1:] if "--emulate-gpu" in args else []
+    return [*(engine.command or []), *(engine.args or [])]
 
 
 def main() -> int:
@@ -275,6 +278,10 @@ def main() -> int:
     signal.signal(signal.SIGTERM, on_signal)
     try:
         cluster.config.binaries = locate_binaries()
+        if not cluster.running():
+            # etcd's folder outlives a stopped cluster: its nodes would keep the pod
+            # network of an earlier run, which this run's KWOK may not be given.
+            shutil.rmtree(WORKDIR / "etcd", ignore_errors=True)
         say("starting the local control plane (etcd, kube-apiserver, controller-manager, "
             "scheduler, KWOK) ...")
         seconds = cluster.start()
@@ -321,22 +328,22 @@ def main() -> int:
 
         while not stopping and not obj().get("status", {}).get("plan"):
             time.sleep(0.5)
-        while not stopping and (serve_args := engine_args(apps, name)) is None:
+        while not stopping and (command := container_command(apps, name)) is None:
             time.sleep(0.5)
         if stopping:
             return 0
         print_plan(obj())
 
         fleet = SimulatorFleet(api, NAMESPACE, name, engine="emulated",
-                               model_dirs={model: model_dir}, serve_args=serve_args).__enter__()
-        say(f"each pod runs: spillway-engine serve --plan <its plan> --emulate-gpu "
-            f"{' '.join(serve_args)}  (vLLM's real server; engines take a minute or two to "
-            f"start on a shared CPU)")
+                               model_dirs={model: model_dir}).__enter__()
+        say(f"each pod runs its container's command on its IP: {' '.join(command)}  (vLLM's "
+            "real server; an engine takes a minute or more to start on a shared CPU)")
         load = Load(model, args.clients)
         pods = Pods()
         start = time.monotonic()
         burst_start: float | None = None
         settle_start: float | None = None
+        all_ready_since: float | None = None
         last, last_summary, last_scrape = None, 0.0, 0.0
         announced: set[str] = set()
         while not stopping:
@@ -374,12 +381,16 @@ def main() -> int:
                                        f"{tails}")
             else:
                 load.urls = urls
-            # The burst runs on (up to twice as long) while a scaled-up pod is still
-            # starting, so the replicas it asked for get to serve it.
-            starting = o["spec"]["replicas"] > st.get("readyReplicas", 0)
+            # The burst runs on (up to twice as long) until the pods a scale-up asked
+            # for have served it for 30 s.
+            if o["spec"]["replicas"] > st.get("readyReplicas", 0):
+                all_ready_since = None
+            elif all_ready_since is None:
+                all_ready_since = now
             if burst_start is not None and settle_start is None and (
                     now - burst_start >= args.burst_seconds) and (
-                    not starting or now - burst_start >= 2 * args.burst_seconds):
+                    (all_ready_since is not None and now - all_ready_since >= 30)
+                    or now - burst_start >= 2 * args.burst_seconds):
                 load.stop()
                 settle_start = now
                 say(f"load finished: {load.done} requests ({load.errors} failed); replicas "
