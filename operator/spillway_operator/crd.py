@@ -75,9 +75,14 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
     if "properties" in out:
         out.setdefault("type", "object")
         # Nested objects whose fields all have defaults default to {}, so the API
-        # server fills their defaults too and `kubectl get -o yaml` shows them.
-        for prop in out["properties"].values():
-            if prop.get("type") == "object" and "properties" in prop and not prop.get("required"):
+        # server fills their defaults too and `kubectl get -o yaml` shows them --
+        # except those whose absence means something (default None, e.g. emulateGPU:
+        # present turns the emulated GPU on).
+        for name, prop in out["properties"].items():
+            absent_means_off = "default" in node.get("properties", {}).get(name, {}) and (
+                node["properties"][name]["default"] is None)
+            if (prop.get("type") == "object" and "properties" in prop
+                    and not prop.get("required") and not absent_means_off):
                 prop.setdefault("default", {})
     return out
 

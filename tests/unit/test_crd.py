@@ -86,3 +86,13 @@ def test_model_refuses_what_the_schema_refuses():
         {"model": {"name": "a/b"}, "engine": {"tensorParallelSize": 4, "dataParallelSize": 2}}
     )
     assert spec.gpus_per_pod == 8
+
+
+def test_objects_whose_presence_turns_something_on_have_no_default():
+    """``engine.emulateGPU: {}`` turns the emulated GPU on: the API server must not
+    default it in, or every InferenceDeployment would request no GPU."""
+    engine = crd.spec_schema()["properties"]["engine"]
+    assert "default" not in engine["properties"]["emulateGPU"]
+    assert engine["properties"]["emulateGPU"]["properties"]["speed"]["default"] == 1.0
+    assert "emulateGPU" not in engine["default"]  # nor through the engine's own default
+    assert crd.spec_schema()["properties"]["offload"]["default"]["enabled"] is True
