@@ -672,3 +672,29 @@ def test_helm_upgrade_upgrades_the_crd_and_uninstall_keeps_it(helm, cluster, nam
     # The kept CRD is the generated one again (the session's `kubectl apply -f crds/` agrees).
     want = yaml.safe_load(CRD_FILE.read_text())["spec"]["versions"][0]
     assert columns() == [c["name"] for c in want["additionalPrinterColumns"]]
+
+
+def test_router_is_opt_in_least_privilege_and_admitted(helm, cluster, namespace):
+    """spillway-router renders only when asked, reads pods and plan ConfigMaps and
+    nothing else, and its objects pass the API server's admission (restricted PSA)."""
+    assert not [d for d in render(helm, namespace)
+                if d["metadata"]["name"].endswith("-router")]
+    docs = [d for d in render(helm, namespace, "router.enabled=true")
+            if d["metadata"]["name"].endswith("-router")]
+    kinds = sorted(d["kind"] for d in docs)
+    assert kinds == ["Deployment", "Role", "RoleBinding", "Service", "ServiceAccount"]
+    (role,) = by_kind(docs, "Role")
+    assert rule_set(role["rules"]) == {("", "pods", "list"), ("", "pods", "watch"),
+                                       ("", "configmaps", "get")}
+    (dep,) = by_kind(docs, "Deployment")
+    assert dep["spec"]["replicas"] == 2
+    pod = dep["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    cluster.kubectl("label", "namespace", namespace,
+                    "pod-security.kubernetes.io/enforce=restricted",
+                    "pod-security.kubernetes.io/warn=restricted")
+    proc = run(cluster.config.binaries["kubectl"], f"--kubeconfig={cluster.config.kubeconfig}",
+               "apply", "--dry-run=server", "-n", namespace, "-f", "-",
+               input=yaml.safe_dump_all(docs))
+    assert proc.stdout.count("(server dry run)") == len(docs), proc.stdout
+    assert "PodSecurity" not in proc.stderr and "violate" not in proc.stderr, proc.stderr
