@@ -81,6 +81,9 @@ def _env() -> dict[str, str]:
     # its platform itself (Spillway's plug-in) and log the plan check.
     env.pop("VLLM_TARGET_DEVICE", None)
     env.update(VLLM_LOGGING_LEVEL="INFO", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    # The host pool in vLLM's /dev/shm region, as on a GPU pod (the corruption test
+    # reaches it through the engine core's mapping).
+    env["SPILLWAY_SHARED_REGION"] = "1"
     return env
 
 
