@@ -61,7 +61,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "engine"), str(ROOT / "operator")]
 
-from spillway_engine.emulator.tiny import gemma3_config, llama_config, write_model  # noqa: E402
+from spillway_engine.emulator.tiny import (  # noqa: E402
+    gemma3_config,
+    llama_config,
+    qwen3_next_config,
+    write_model,
+)
 from spillway_engine.planner import pod_sizing  # noqa: E402
 from spillway_engine.planner.plan import Plan  # noqa: E402
 from tests.contract import engine_process  # noqa: E402
@@ -78,43 +83,6 @@ from tests.contract.engine_process import (  # noqa: E402
 
 MIB = 1 << 20
 CGROUP_V1 = Path("/sys/fs/cgroup/memory")
-
-
-def qwen3_next_config() -> dict[str, Any]:
-    """A Qwen3-Next-style GDN hybrid: three Gated DeltaNet layers, then full attention."""
-    return {
-        "architectures": ["Qwen3NextForCausalLM"],
-        "model_type": "qwen3_next",
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 4,
-        "full_attention_interval": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "partial_rotary_factor": 0.25,
-        "linear_conv_kernel_dim": 4,
-        "linear_key_head_dim": 16,
-        "linear_value_head_dim": 16,
-        "linear_num_key_heads": 2,
-        "linear_num_value_heads": 4,
-        "num_experts": 4,
-        "num_experts_per_tok": 2,
-        "moe_intermediate_size": 32,
-        "shared_expert_intermediate_size": 32,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": [],
-        "norm_topk_prob": True,
-        "hidden_act": "silu",
-        "max_position_embeddings": 4096,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
-        "vocab_size": 512,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
-    }
 
 
 def deepseek_v2_config() -> dict[str, Any]:
