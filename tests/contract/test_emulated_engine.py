@@ -12,18 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import random
 import re
-import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,11 +25,23 @@ import numpy as np
 import pytest
 
 from spillway_engine.emulator.tiny import gemma3_config, llama_config, write_model
-from spillway_engine.planner.plan import Plan, PlanRequest, make_plan
+from tests.contract.engine_process import (
+    EXIT_TIMEOUT_S,
+    POOL_BYTES,
+    Server,
+    launch,
+)
 
-MIB = 1 << 20
-MAX_MODEL_LEN = 1024
-POOL_BYTES = 16 * MIB
+# The launch helpers under the names the other emulated-engine tests import from here.
+from tests.contract.engine_process import free_port as _free_port
+from tests.contract.engine_process import get as _get
+from tests.contract.engine_process import kill_group as _kill_group
+from tests.contract.engine_process import plan_for as _plan
+from tests.contract.engine_process import post as _post
+from tests.contract.engine_process import rss_mib as _rss_mib
+from tests.contract.engine_process import wait_ready as _wait_ready
+from tests.contract.engine_process import write_plan as _write_plan
+
 #: model -> (config.json, emulated GPU KV bytes). The budgets hold max_model_len and
 #: little more (80 blocks of 4096 bytes; 160 of 2048), so a few prompts evict others.
 MODELS: dict[str, tuple[dict[str, Any], int]] = {
@@ -43,156 +49,12 @@ MODELS: dict[str, tuple[dict[str, Any], int]] = {
     # sliding-window (64 tokens) + full attention, two KV-cache groups
     "gemma3": (gemma3_config(num_layers=4, sliding_window=64), 160 * 2048),
 }
-START_TIMEOUT_S = 300
-EXIT_TIMEOUT_S = 300
-REQUEST_TIMEOUT_S = 60
-# The pod's entry point (the console script of this environment).
-_SCRIPT = Path(sys.executable).with_name("spillway-engine")
-ENGINE = (
-    [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "spillway_engine.launcher.serve"]
-)
-
-
-@dataclass
-class Server:
-    name: str
-    proc: subprocess.Popen[bytes]
-    port: int
-    log: Path
-    plan: Plan
-    startup_s: float
-
-    def url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.port}{path}"
-
-    def log_text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    # The contract harness sets these for in-process planning; the server must pick
-    # its platform itself (Spillway's plug-in) and log the plan check.
-    env.pop("VLLM_TARGET_DEVICE", None)
-    env.update(VLLM_LOGGING_LEVEL="INFO", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    # The host pool in vLLM's /dev/shm region, as on a GPU pod (the corruption test
-    # reaches it through the engine core's mapping).
-    env["SPILLWAY_SHARED_REGION"] = "1"
-    return env
-
-
-def _plan(model_dir: Path, **kw: Any) -> Plan:
-    config = json.loads((model_dir / "config.json").read_text())
-    kw.setdefault("cpu_memory_bytes", POOL_BYTES)
-    return make_plan(
-        config,
-        PlanRequest(model_name=str(model_dir), gpu="h100", max_model_len=MAX_MODEL_LEN, **kw),
-    )
-
-
-def _write_plan(root: Path, plan: dict[str, Any] | Plan, model_dir: Path) -> Path:
-    root.mkdir(parents=True, exist_ok=True)
-    text = plan.model_dump_json(indent=1) if isinstance(plan, Plan) else json.dumps(plan)
-    (root / "plan.json").write_text(text)
-    (root / "engine.json").write_text(
-        json.dumps({"model": str(model_dir), "served_model_name": "tiny"})
-    )
-    return root / "plan.json"
 
 
 def _launch(plan_path: Path, log: Path, port: int, kv_bytes: int) -> subprocess.Popen[bytes]:
-    """``spillway-engine serve --emulate-gpu``: the pod's launch on the emulated GPU,
-    with no step-time sleeping (speed 0) so the tests stay fast; its own process
-    group, so teardown reaches the engine core too."""
-    cmd = [*ENGINE, "serve", "--plan", str(plan_path), "--host", "127.0.0.1"]
-    cmd += ["--port", str(port), "--emulate-gpu", "--emulate-speed", "0"]
-    cmd += ["--emulate-kv-bytes", str(kv_bytes)]
-    with open(log, "wb") as out:
-        return subprocess.Popen(
-            cmd,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=_env(),
-            start_new_session=True,
-        )
-
-
-def _kill_group(proc: subprocess.Popen[bytes]) -> None:
-    for sig, grace in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            continue
-        # the group may outlive its leader (the engine core): SIGKILL what is left
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        return
-
-
-def _rss_mib(pid: int) -> dict[str, float]:
-    """RSS of ``pid`` and its children, by command name (for the record)."""
-    out = {}
-    pids = [pid]
-    try:
-        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-        pids += [int(c) for c in children]
-    except OSError:
-        pass
-    for p in pids:
-        try:
-            status = Path(f"/proc/{p}/status").read_text()
-            cmd = Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")[0].decode()
-        except OSError:
-            continue
-        rss = re.search(r"VmRSS:\s+(\d+) kB", status)
-        if rss:
-            out[f"{p}:{Path(cmd).name}"] = int(rss.group(1)) / 1024
-    return out
-
-
-def _get(url: str, timeout: float = REQUEST_TIMEOUT_S) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode(errors="replace")
-
-
-def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
-    req = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"content-type": "application/json"}
-    )
-    with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as r:
-        return json.loads(r.read())
-
-
-def _wait_ready(server: Server) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if server.proc.poll() is not None:
-            pytest.fail(
-                f"the engine exited ({server.proc.returncode}) before serving:\n"
-                + server.log_text()[-6000:]
-            )
-        try:
-            if _get(server.url("/health"), timeout=5)[0] == 200:
-                return
-        except OSError:
-            pass
-        time.sleep(1)
-    pytest.fail(
-        f"the engine did not serve within {START_TIMEOUT_S} s:\n{server.log_text()[-6000:]}"
-    )
+    """``engine_process.launch`` with the host pool in vLLM's /dev/shm region, as on a
+    GPU pod (the corruption test reaches it through the engine core's mapping)."""
+    return launch(plan_path, log, port, kv_bytes, env={"SPILLWAY_SHARED_REGION": "1"})
 
 
 @pytest.fixture(scope="module")
@@ -341,12 +203,10 @@ def test_spillway_series_are_exported(server: Server):
     assert m["vllm:kv_offload_store_bytes_total"] > 0
 
 
-def test_wrong_plan_stops_the_engine(models: dict[str, Path], monkeypatch, tmp_path):
+def test_wrong_plan_stops_the_engine(models: dict[str, Path]):
     """A plan sized for another pool than the engine runs: the plan check refuses,
     the whole server exits non-zero (no API server left behind), and the side-by-side
     table is the container's termination message (what the operator shows)."""
-    termination = tmp_path / "termination-log"
-    monkeypatch.setenv("SPILLWAY_TERMINATION_LOG", str(termination))
     model_dir = models["llama"]
     good = _plan(model_dir)
     stale = json.loads(_plan(model_dir, cpu_memory_bytes=2 * POOL_BYTES).model_dump_json())
@@ -365,7 +225,7 @@ def test_wrong_plan_stops_the_engine(models: dict[str, Path], monkeypatch, tmp_p
     assert "Spillway plan check FAILED" in log
     assert re.search(rf"cpu_bytes_to_use\s+\|\s+{2 * POOL_BYTES}\s+\|\s+{POOL_BYTES}", log)
     assert re.search(r"spillway\.num_units\s+\|\s+\d+\s+\|\s+\d+", log)
-    message = termination.read_text()
+    message = (root / "termination-log").read_text()  # launch's private termination log
     assert message.startswith("Spillway plan check FAILED")
     assert re.search(rf"cpu_bytes_to_use\s+\|\s+{2 * POOL_BYTES}\s+\|\s+{POOL_BYTES}", message)
 

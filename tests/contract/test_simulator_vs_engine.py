@@ -51,8 +51,8 @@ from spillway_engine.emulator.tiny import qwen3_next_config, write_model
 from spillway_engine.planner.plan import read_plan
 from spillway_engine.simulator.core import EngineCore, LatencyModel, SchedulerConfig
 from spillway_engine.simulator.plan_input import parse_plan
+from tests.contract.engine_process import MIB
 from tests.contract.test_emulated_engine import (
-    MIB,
     MODELS,
     Server,
     _free_port,
