@@ -321,3 +321,82 @@ def _hold(policy: Policy, current: int, ratio: float, agg: Aggregate, state: Sta
     else:
         reason = f"pressure {agg.pressure:.2f} within tolerance"
     return Decision(current, "hold", reason, replace(state, warm_hold_since=None))
+
+
+# ---------------------------------------------------------------- which pods a scale-down takes
+
+# The ReplicaSet controller deletes, among equally ready pods, those with the lowest cost
+# first (PodDeletionCost, on by default since Kubernetes 1.22); absent means 0.
+DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
+# Set with the cost on each pod chosen for removal: routers send it no new requests.
+DRAINING = "spillway.dev/draining"
+_INT32 = 2**31
+
+
+def hot_host_tokens(hot: float, prev: Sample | None, cur: Sample, tau: float) -> float:
+    """A pod's recent host-tier hits: prompt tokens served from its host pool, decayed
+    with time constant ``tau`` seconds, updated from one pair of scrapes. An idle pod
+    keeps (a decaying) record of what its host tier served, so the hottest cache is
+    still known when the load has gone and the autoscaler scales down."""
+    if prev is None:
+        return hot
+    dt = cur.time - prev.time
+    a, b = prev.values.get("host_hit_tokens", 0.0), cur.values.get("host_hit_tokens", 0.0)
+    if not (dt > 0 and _finite(a) and _finite(b)):
+        return hot
+    if b < a:
+        return b  # restarted: the cache it had is gone, only what it served since counts
+    decay = math.exp(-dt / tau) if tau > 0 else 0.0
+    return hot * decay + (b - a)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A live (not terminating) pod, as the scale-down choice sees it."""
+
+    name: str
+    ready: bool
+    hot: float = 0.0  # hot_host_tokens
+    host_tokens: float = 0.0  # tokens held in its host pool now
+    created: str = ""  # creationTimestamp: RFC 3339 in UTC sorts as time does
+    marked: bool = False  # already carries our draining mark (a scale-down in flight)
+
+
+def choose_removals(pods: list[Candidate], remove: int) -> list[str]:
+    """The ready pods to mark for a scale-down that takes ``remove`` of ``pods``.
+
+    The ReplicaSet controller removes unready pods before it looks at deletion costs,
+    so each unready pod takes one of the places and is not marked. Then pods already
+    marked (still going), then the least hot host cache, the emptiest host pool, the
+    newest pod (the controller's own preference), and the name, so the choice is stable."""
+    take = max(0, min(remove, len(pods)) - sum(1 for p in pods if not p.ready))
+    ready = sorted((p for p in pods if p.ready), key=lambda p: p.name)
+    ready.sort(key=lambda p: p.created, reverse=True)
+    ready.sort(key=lambda p: (not p.marked, p.hot, p.host_tokens))
+    return [p.name for p in ready[:take]]
+
+
+def parse_cost(value: str | None) -> int:
+    """A pod-deletion-cost annotation as the ReplicaSet controller reads it (absent or
+    invalid: 0)."""
+    try:
+        cost = int(str(value).strip()) if value is not None else 0
+    except ValueError:
+        return 0
+    return cost if -_INT32 <= cost < _INT32 else 0
+
+
+def removal_cost(kept: list[int]) -> int:
+    """A deletion cost below every kept pod's (their own, or 0 without one)."""
+    return max(min([0, *kept]) - 1, -_INT32)
+
+
+def stale_marks(marked: list[str], live: int, replicas: int,
+                chosen: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """Live pods carrying our draining mark that must lose it. A scale-down in flight
+    (more live pods than ``replicas``) keeps as many marks as pods are still to go,
+    those just ``chosen`` first; any other mark is stale: the scale write failed, the
+    decision was reversed, someone scaled up. No live pod stays marked for good."""
+    budget = max(0, live - replicas)
+    order = [*chosen, *sorted(set(marked) - set(chosen))]
+    return [m for m in order[budget:] if m in marked and m not in chosen]
