@@ -62,6 +62,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "engine"), str(ROOT / "operator")]
 
 from spillway_engine.emulator.tiny import (  # noqa: E402
+    deepseek_v2_config,
     gemma3_config,
     llama_config,
     qwen3_next_config,
@@ -83,45 +84,6 @@ from tests.contract.engine_process import (  # noqa: E402
 
 MIB = 1 << 20
 CGROUP_V1 = Path("/sys/fs/cgroup/memory")
-
-
-def deepseek_v2_config() -> dict[str, Any]:
-    """A DeepSeek-V2-style MLA model (latent KV, replicated across ranks)."""
-    return {
-        "architectures": ["DeepseekV2ForCausalLM"],
-        "model_type": "deepseek_v2",
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "moe_intermediate_size": 32,
-        "num_hidden_layers": 2,
-        "first_k_dense_replace": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 4,
-        "kv_lora_rank": 512,
-        "q_lora_rank": None,
-        "qk_nope_head_dim": 32,
-        "qk_rope_head_dim": 64,
-        "v_head_dim": 32,
-        "n_routed_experts": 4,
-        "n_shared_experts": 1,
-        "num_experts_per_tok": 2,
-        "moe_layer_freq": 1,
-        "n_group": 1,
-        "topk_group": 1,
-        "topk_method": "greedy",
-        "scoring_func": "softmax",
-        "routed_scaling_factor": 1.0,
-        "norm_topk_prob": False,
-        "hidden_act": "silu",
-        "max_position_embeddings": 4096,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
-        "vocab_size": 512,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
-    }
 
 
 #: case -> (config, data-parallel size, what it stands for)
@@ -231,7 +193,8 @@ def run_case(name: str, pool_mib: int, work: Path, requests: int) -> tuple[Plan,
     plan_path = write_plan(root, plan, model)
     port = free_port()
     env = {"SPILLWAY_SHM_DIR": "/dev/shm", "SPILLWAY_SHARED_REGION": "1"}
-    proc = launch(plan_path, root / "engine.log", port, 80 * 4096, env=env, prefix=prefix)
+    kv_bytes = 80 * max(4096, plan.worker_bytes_per_block)  # 80 GPU blocks (MLA's are larger)
+    proc = launch(plan_path, root / "engine.log", port, kv_bytes, env=env, prefix=prefix)
     server = Server(name, proc, port, root / "engine.log", plan, 0.0)
     peak = Peak()
     note = ""

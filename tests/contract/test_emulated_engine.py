@@ -24,7 +24,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from spillway_engine.emulator.tiny import gemma3_config, llama_config, write_model
+from spillway_engine.emulator.tiny import (
+    deepseek_v2_config,
+    gemma3_config,
+    llama_config,
+    write_model,
+)
 from tests.contract.engine_process import (
     EXIT_TIMEOUT_S,
     POOL_BYTES,
@@ -43,11 +48,15 @@ from tests.contract.engine_process import wait_ready as _wait_ready
 from tests.contract.engine_process import write_plan as _write_plan
 
 #: model -> (config.json, emulated GPU KV bytes). The budgets hold max_model_len and
-#: little more (80 blocks of 4096 bytes; 160 of 2048), so a few prompts evict others.
+#: little more (80 blocks of 4096 or 36,864 bytes; 160 of 2048), so a few prompts
+#: evict others.
 MODELS: dict[str, tuple[dict[str, Any], int]] = {
     "llama": (llama_config(num_layers=2), 80 * 4096),
     # sliding-window (64 tokens) + full attention, two KV-cache groups
     "gemma3": (gemma3_config(num_layers=4, sliding_window=64), 160 * 2048),
+    # MLA: one latent cache per layer (576 bf16 values a token), vLLM's MLA decode
+    # backend's block rule and its own CPU prefill class
+    "deepseek": (deepseek_v2_config(num_layers=2), 80 * 36864),
 }
 
 
@@ -178,7 +187,7 @@ def test_prompt_evicted_from_the_gpu_comes_back_from_the_host_pool(server: Serve
     full = sum(
         g.bytes_per_block // g.tokens_per_block
         for g in server.plan.kv_groups
-        if g.kind == "full_attention"
+        if g.kind in ("full_attention", "mla")
     )
     assert delta("vllm:kv_offload_load_bytes_total") >= 512 * full  # real bytes moved
     assert output_ids(again) == output_ids(first)

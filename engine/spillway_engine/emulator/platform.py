@@ -159,6 +159,15 @@ class EmulatedGpuPlatform(Platform):
         )
 
     @classmethod
+    def get_mla_prefill_backend_cls(cls, mla_selector_config: Any) -> Any:
+        # A GPU's MLA prefill kernels (FlashAttention, FlashInfer) do not import on a
+        # CPU. The prefill backend only computes; the KV layout comes from the decode
+        # backend, which stays the plan's. vLLM's own CPU prefill class constructs here.
+        from vllm.v1.attention.backends.mla.prefill.registry import MLAPrefillBackendEnum
+
+        return MLAPrefillBackendEnum.CPU.get_class()
+
+    @classmethod
     def check_and_update_config(cls, vllm_config: Any) -> None:
         from vllm.config import CompilationMode, CUDAGraphMode
 

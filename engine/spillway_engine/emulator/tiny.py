@@ -121,6 +121,48 @@ def qwen3_next_config(num_layers: int = 4, **overrides: Any) -> dict[str, Any]:
     return config
 
 
+def deepseek_v2_config(num_layers: int = 2, **overrides: Any) -> dict[str, Any]:
+    """A DeepSeek-V2-style MLA model: one latent KV cache (kv_lora_rank + rope dims)
+    per layer, the same on every tensor-parallel rank; MoE layers from the third on."""
+    config = {
+        "architectures": ["DeepseekV2ForCausalLM"],
+        "model_type": "deepseek_v2",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 32,
+        "num_hidden_layers": num_layers,
+        "first_k_dense_replace": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "kv_lora_rank": 512,
+        "q_lora_rank": None,
+        "qk_nope_head_dim": 32,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 32,
+        "n_routed_experts": 4,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "moe_layer_freq": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "topk_method": "greedy",
+        "scoring_func": "softmax",
+        "routed_scaling_factor": 1.0,
+        "norm_topk_prob": False,
+        "hidden_act": "silu",
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "vocab_size": VOCAB_SIZE,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    }
+    config.update(overrides)
+    return config
+
+
 def write_tokenizer(model_dir: Path, vocab_size: int = VOCAB_SIZE) -> None:
     """tokenizer.json (byte-level BPE) and tokenizer_config.json in ``model_dir``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
