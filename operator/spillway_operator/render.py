@@ -118,6 +118,7 @@ def engine_options(spec: InferenceDeploymentSpec) -> dict[str, Any]:
         "dtype": spec.engine.dtype.value,
         "eviction_policy": spec.offload.eviction_policy.value,
         "offload_enabled": spec.offload.enabled,
+        "kv_events": spec.engine.kv_events.enabled,
         "extra_args": list(spec.engine.extra_args),
     }
 
@@ -193,6 +194,9 @@ def _env(spec: InferenceDeploymentSpec) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [
         {"name": "HF_HOME", "value": MODEL_CACHE},
         {"name": "SPILLWAY_PLAN", "value": f"{PLAN_MOUNT}/{PLAN_FILE}"},
+        # the address the engine's KV-event publisher binds (spillway_engine serve)
+        {"name": "SPILLWAY_POD_IP",
+         "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "status.podIP"}}},
     ]
     token = spec.model.token_secret_ref
     if token:  # referenced, never copied: the token stays in its Secret
@@ -323,6 +327,16 @@ def capacity_annotations(plan: Plan) -> dict[str, str]:
     }
 
 
+#: "on": the pod publishes vLLM KV events, their endpoints listed at GET /kv_event_sources
+#: on its http port (one per data-parallel rank); "off": none (spillway_router.kube)
+KV_EVENTS_ANNOTATION = f"{GROUP}/kv-events"
+
+
+def kv_events_annotation(spec: InferenceDeploymentSpec, plan: Plan) -> dict[str, str]:
+    on = spec.engine.kv_events.enabled and plan.enable_prefix_caching
+    return {KV_EVENTS_ANNOTATION: "on" if on else "off"}
+
+
 def deployment(owner: Owner, spec: InferenceDeploymentSpec, plan: Plan) -> dict[str, Any]:
     return {
         "apiVersion": "apps/v1",
@@ -340,7 +354,8 @@ def deployment(owner: Owner, spec: InferenceDeploymentSpec, plan: Plan) -> dict[
                     "labels": labels(owner),
                     # A changed plan rolls the pods: they were sized for the old one.
                     "annotations": {f"{GROUP}/plan-hash": plan_hash(plan),
-                                    **capacity_annotations(plan)},
+                                    **capacity_annotations(plan),
+                                    **kv_events_annotation(spec, plan)},
                 },
                 "spec": _pod_spec(owner, spec, plan),
             },

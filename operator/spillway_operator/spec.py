@@ -217,6 +217,18 @@ class EmulatedGPUSpec(_Model):
     ] = None
 
 
+class KVEventsSpec(_Model):
+    """vLLM's KV-cache events (ZMQ), from which spillway-router learns which pod holds
+    each prefix on the GPU and in the host tier."""
+
+    enabled: Annotated[
+        bool,
+        Field(description="publish them (block hashes sha256; the endpoint of each "
+              "data-parallel rank is listed at the engine's GET /kv_event_sources); off: "
+              "routers place prefixes approximately"),
+    ] = True
+
+
 class EngineSpec(_Model):
     """The vLLM engine each pod runs."""
 
@@ -249,6 +261,7 @@ class EngineSpec(_Model):
         Field(alias="emulateGPU", description="run on an emulated GPU (no GPU requested; "
               "for clusters without GPUs)"),
     ] = None
+    kv_events: KVEventsSpec = KVEventsSpec()
 
     @field_validator("extra_args")
     @classmethod

@@ -30,8 +30,8 @@ from prometheus_client import (
 from prometheus_client import Counter as PCounter
 from prometheus_client.parser import text_string_to_metric_families
 
-from .backends import Backend
-from .events import EventFeed, subscribe
+from .backends import EVENTS_FROM_POD, Backend
+from .events import SOURCES_PATH, EventFeed, event_endpoints, subscribe
 from .hashing import BlockHasher, HashConfig
 from .index import TIERS, ApproxTracker, Match, PrefixIndex
 from .scoring import DEFAULT_BALANCE, PodState, Ring, choose, cold_key
@@ -164,6 +164,13 @@ class RouterState:
         for table in (self.healthy, self.ejected_until, self.pod_load, self.gpu_tokens):
             table.pop(name, None)
         self.feeds.pop(name, None)
+        # its series go too (the probe loop only refreshes the pods still listed)
+        with contextlib.suppress(KeyError):
+            self.metrics.inflight.remove(name)
+        for source in ("events", "approx"):
+            for tier in TIERS:
+                with contextlib.suppress(KeyError):
+                    self.metrics.index_blocks.remove(name, source, tier)
 
     def forget_cache(self, name: str) -> None:
         """The pod's cache is gone (it died or restarted)."""
@@ -353,10 +360,46 @@ class RouterApp:
         self.state.remove(name)
 
     def _start_pod_tasks(self, backend: Backend) -> None:
-        if backend.events and self.state.config.mode == "events":
-            feed = EventFeed(backend.name, self.state.index, self.state.on_event_batch)
-            self.state.feeds[backend.name] = feed
-            self._tasks[backend.name] = [asyncio.create_task(subscribe(backend.events, feed))]
+        if not backend.events or self.state.config.mode != "events":
+            return
+        if backend.events == EVENTS_FROM_POD:
+            # asked once the pod is healthy (see _probe): a restarted engine binds anew
+            if self.state.healthy.get(backend.name):
+                self._tasks[backend.name] = [asyncio.create_task(self._follow_pod(backend))]
+            return
+        feed = EventFeed(backend.name, self.state.index, self.state.on_event_batch)
+        self.state.feeds[backend.name] = feed
+        self._tasks[backend.name] = [asyncio.create_task(subscribe(backend.events, feed))]
+
+    async def _follow_pod(self, backend: Backend) -> None:
+        """Ask the pod where each of its data-parallel ranks publishes, then follow
+        them all into the index under the pod's name. A pod that lists none (events
+        off, or a vLLM without the endpoint) stays approximate."""
+        assert self.session is not None
+        host = backend.url.split("://", 1)[1].rsplit(":", 1)[0]
+        timeout = aiohttp.ClientTimeout(total=max(2.0, self.state.config.probe_interval_s * 2))
+        endpoints: list[str] = []
+        for _ in range(10):
+            try:
+                async with self.session.get(backend.url + SOURCES_PATH, timeout=timeout) as r:
+                    if r.status == 404:
+                        break
+                    if r.status == 200:
+                        endpoints = event_endpoints(await r.json(content_type=None), host)
+                        break
+            except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as e:
+                log.debug("pod %s: %s: %s", backend.name, SOURCES_PATH, e)
+            await asyncio.sleep(self.state.config.probe_interval_s)
+        if not endpoints:
+            log.info("pod %s lists no KV event endpoint: approximate routing", backend.name)
+            return
+        log.info("pod %s: KV events from %s", backend.name, ", ".join(endpoints))
+        feeds = [
+            EventFeed(backend.name, self.state.index, self.state.on_event_batch)
+            for _ in endpoints
+        ]
+        self.state.feeds[backend.name] = feeds[0]
+        await asyncio.gather(*(subscribe(e, f) for e, f in zip(endpoints, feeds, strict=True)))
 
     def _stop_pod_tasks(self, name: str) -> None:
         for t in self._tasks.pop(name, []):
@@ -393,7 +436,12 @@ class RouterApp:
         if backend.name in self.state.backends:
             if ok and self.state.ejected_until.get(backend.name, 0.0) > time.monotonic():
                 return  # still ejected; the next probe after the window readmits it
+            was = self.state.healthy.get(backend.name, False)
             self.state.set_healthy(backend.name, ok)
+            current = self.state.backends.get(backend.name)
+            if ok and not was and current is not None and current.events == EVENTS_FROM_POD:
+                self._stop_pod_tasks(backend.name)
+                self._start_pod_tasks(current)
 
     # ------------------------------------------------------------ handlers
 

@@ -47,12 +47,16 @@ def profile_from_plan(plan: Any) -> Profile:
     )
 
 
+#: ``Backend.events``: ask the pod (``GET /kv_event_sources``) where its ranks publish
+EVENTS_FROM_POD = "pod"
+
+
 @dataclass(frozen=True)
 class Backend:
     name: str
     model: str
     url: str  # http://host:port, no trailing slash
-    events: str | None = None  # tcp://host:port of the pod's KV event publisher
+    events: str | None = None  # tcp://host:port of its KV event publisher, or "pod"
     profile: Profile = field(default_factory=Profile)
     draining: bool = False
 
@@ -71,7 +75,7 @@ _KEYS = {"name", "model", "url", "events", "plan", "draining"}
 
 
 def parse_backend_spec(spec: str) -> dict[str, str]:
-    """``model=M,url=U[,name=N][,events=tcp://H:P][,plan=PATH]`` (the --backend flag)."""
+    """``model=M,url=U[,name=N][,events=tcp://H:P|pod][,plan=PATH]`` (the --backend flag)."""
     out: dict[str, str] = {}
     for part in spec.split(","):
         key, sep, value = part.partition("=")
@@ -88,8 +92,14 @@ def parse_backend_spec(spec: str) -> dict[str, str]:
             raise BackendSpecError(f"--backend {spec!r}: {need}= is required")
     if not out["url"].startswith(("http://", "https://")):
         raise BackendSpecError(f"--backend {spec!r}: url must be http(s)://")
-    if "events" in out and not out["events"].startswith(("tcp://", "ipc://")):
-        raise BackendSpecError(f"--backend {spec!r}: events must be tcp:// or ipc://")
+    events = out.get("events")
+    if events is not None and events != EVENTS_FROM_POD and not events.startswith(
+        ("tcp://", "ipc://")
+    ):
+        raise BackendSpecError(
+            f"--backend {spec!r}: events must be tcp://, ipc:// or {EVENTS_FROM_POD} (ask the "
+            "pod's /kv_event_sources)"
+        )
     out["url"] = out["url"].rstrip("/")
     out.setdefault("name", out["url"].split("://", 1)[1])
     return out

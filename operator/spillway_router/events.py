@@ -1,11 +1,18 @@
 """Subscription to one pod's vLLM KV events (ZMQ PUB, frames: topic, seq, msgpack
-EventBatch). pyzmq comes with vLLM; it is imported only when a pod publishes."""
+EventBatch). pyzmq comes with vLLM; it is imported only when a pod publishes.
+
+Where a pod publishes: ``spillway-engine serve`` binds each data-parallel rank's
+publisher on the pod's IP at a port the OS picks, and vLLM 0.33 lists the bound
+endpoints at ``GET /kv_event_sources`` on the serving port (rank -> its
+KVEventsConfig); :func:`event_endpoints` reads that answer.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from collections.abc import Callable
+from typing import Any
 
 from .index import EventError, PrefixIndex, decode_batch
 
@@ -44,6 +51,39 @@ class EventFeed:
             return
         self.batches += 1
         self.on_batch(self.pod)
+
+
+SOURCES_PATH = "/kv_event_sources"
+
+
+def event_endpoints(sources: Any, pod_host: str) -> list[str]:
+    """The ZMQ endpoints to subscribe to, from a pod's ``/kv_event_sources`` answer,
+    by rank. A wildcard host (``*``, ``0.0.0.0``, ``::``) is the pod's own; ranks
+    whose events are off, or not on TCP, are left out; an answer of another shape is
+    ValueError."""
+    if not isinstance(sources, dict):
+        raise ValueError(f"{SOURCES_PATH} answered {type(sources).__name__}, not an object")
+    out: list[str] = []
+
+    def rank_order(item: tuple[Any, Any]) -> tuple[int, str]:
+        key = str(item[0])
+        return (int(key), key) if key.isdigit() else (1 << 30, key)
+
+    for _rank, config in sorted(sources.items(), key=rank_order):
+        if not isinstance(config, dict) or not config.get("enable_kv_cache_events"):
+            continue
+        if config.get("publisher", "zmq") != "zmq":
+            continue
+        endpoint = config.get("endpoint")
+        if not isinstance(endpoint, str) or not endpoint.startswith("tcp://"):
+            continue  # ipc/inproc are local to the pod
+        host, sep, port = endpoint[len("tcp://") :].rpartition(":")
+        if not sep or not port.isdigit() or int(port) == 0:
+            continue  # not bound yet (tcp://*:0 before the publisher started)
+        if host in ("*", "0.0.0.0", "[::]", "::", ""):
+            host = pod_host
+        out.append(f"tcp://{host}:{port}")
+    return out
 
 
 async def subscribe(endpoint: str, feed: EventFeed) -> None:

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .backends import Backend, Profile, profile_from_plan
+from .backends import EVENTS_FROM_POD, Backend, Profile, profile_from_plan
 
 log = logging.getLogger("spillway.router.kube")
 
@@ -26,6 +26,9 @@ DEPLOYMENT_LABEL = "spillway.dev/inference-deployment"
 PLAN_HASH = "spillway.dev/plan-hash"
 #: set by the operator on a replica chosen for removal: it takes no new requests
 DRAINING = "spillway.dev/draining"
+#: "on": the pod lists its KV event endpoints at /kv_event_sources; "off": none
+#: (spillway_operator.render); pods without it publish on --events-port
+KV_EVENTS = "spillway.dev/kv-events"
 ENGINE_PORT = 8000
 
 
@@ -72,11 +75,14 @@ def backend_from_pod(
     ip = pod["status"]["podIP"]
     host = f"[{ip}]" if ":" in ip else ip
     annotations = meta.get("annotations") or {}
+    events = f"tcp://{host}:{events_port}" if events_port else None
+    if annotations.get(KV_EVENTS) in ("on", "off"):
+        events = EVENTS_FROM_POD if annotations[KV_EVENTS] == "on" else None
     return Backend(
         name=meta.get("name", ip),
         model=info.model,
         url=f"http://{host}:{ENGINE_PORT}",
-        events=f"tcp://{host}:{events_port}" if events_port else None,
+        events=events,
         profile=info.profile,
         draining=annotations.get(DRAINING) == "true",
     )

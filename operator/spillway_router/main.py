@@ -36,7 +36,8 @@ def parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="SPEC",
-        help="a static pod: model=M,url=http://H:P[,name=N][,events=tcp://H:P][,plan=PATH]",
+        help="a static pod: model=M,url=http://H:P[,name=N][,events=tcp://H:P|pod][,plan=PATH]"
+        " (events=pod: ask the pod's /kv_event_sources)",
     )
     src.add_argument("--plan", help="plan.json for static backends that name none")
     src.add_argument(
@@ -46,7 +47,8 @@ def parser() -> argparse.ArgumentParser:
         "--events-port",
         type=int,
         default=5557,
-        help="port of each watched pod's KV event publisher (0: pods publish none)",
+        help="port of the KV event publisher of a watched pod without the spillway.dev/"
+        "kv-events annotation (0: none); annotated pods list theirs at /kv_event_sources",
     )
     r = p.add_argument_group("routing")
     r.add_argument("--mode", choices=("events", "approx"), default="events")

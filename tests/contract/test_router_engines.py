@@ -4,8 +4,10 @@
    on a real ``Request``, for each algorithm and seed the router accepts, with and
    without a cache salt, and in both event encodings (bytes, 64-bit ints).
 2. The router reads vLLM's own ``ZmqEventPublisher`` off a real socket.
-3. Two emulated engines (``spillway-engine serve --emulate-gpu``, KV events on
-   through engine.json's extra_args) behind ``spillway-router``: requests sharing a
+3. Two emulated engines (``spillway-engine serve --emulate-gpu`` with the launcher's
+   default KV events: sha256 block hashes, each publisher bound on the engine's own
+   address at a port the OS picks) behind ``spillway-router``, which finds the
+   endpoints at each engine's ``/kv_event_sources``: requests sharing a
    prefix that was put on one engine *behind the router's back* land on that engine
    (its prefix-cache hits rise, the other's do not), so only the event-fed index
    can have sent them there; the prefix is then pushed into that engine's host tier
@@ -222,19 +224,13 @@ def _wait(predicate, what: str, timeout: float = 60) -> None:
     pytest.fail(f"timed out waiting for {what}")
 
 
-def _engine(root: Path, model_dir: Path, events_port: int) -> Server:
+def _engine(root: Path, model_dir: Path) -> Server:
     plan = _plan(model_dir)
     root.mkdir(parents=True, exist_ok=True)
     (root / "plan.json").write_text(plan.model_dump_json(indent=1))
-    events = {
-        "enable_kv_cache_events": True,
-        "publisher": "zmq",
-        "endpoint": f"tcp://*:{events_port}",  # a wildcard: vLLM binds it
-    }
-    extra = ["--kv-events-config", json.dumps(events), "--prefix-caching-hash-algo", "sha256"]
-    (root / "engine.json").write_text(
-        json.dumps({"model": str(model_dir), "served_model_name": NAME, "extra_args": extra})
-    )
+    # KV events are the launcher's default: nothing about them here
+    (root / "engine.json").write_text(json.dumps({"model": str(model_dir),
+                                                  "served_model_name": NAME}))
     port = _free_port()
     proc = _launch(root / "plan.json", root / "engine.log", port, MODELS["llama"][1])
     return Server(root.name, proc, port, root / "engine.log", plan, 0.0)
@@ -242,13 +238,19 @@ def _engine(root: Path, model_dir: Path, events_port: int) -> Server:
 
 def test_prefix_follows_the_events_and_failover_forgets(tmp_path: Path) -> None:
     model_dir = write_model(tmp_path / "llama", MODELS["llama"][0])
-    ev = [_free_port(), _free_port()]
     engines: list[Server] = []
     router = None
     try:
-        engines = [_engine(tmp_path / f"pod{i}", model_dir, ev[i]) for i in range(2)]
+        engines = [_engine(tmp_path / f"pod{i}", model_dir) for i in range(2)]
         for e in engines:
             _wait_ready(e)
+        # both bound 127.0.0.1 (their --host) on ports of their own: no clash
+        sources = [json.loads(_get(e.url("/kv_event_sources"))[1]) for e in engines]
+        endpoints = [s["0"]["endpoint"] for s in sources]
+        assert all(re.fullmatch(r"tcp://127\.0\.0\.1:\d+", ep) for ep in endpoints), sources
+        assert endpoints[0] != endpoints[1]
+        for e in engines:
+            assert "--prefix-caching-hash-algo sha256" in e.log_text()
         rport = _free_port()
         url = f"http://127.0.0.1:{rport}"
         cmd = [str(Path(sys.executable).with_name("spillway-router")), "--host", "127.0.0.1"]
@@ -257,7 +259,7 @@ def test_prefix_follows_the_events_and_failover_forgets(tmp_path: Path) -> None:
         for i, e in enumerate(engines):
             plan = tmp_path / f"pod{i}" / "plan.json"
             cmd += ["--backend", f"name=pod{i},model={NAME},url=http://127.0.0.1:{e.port},"
-                    f"events=tcp://127.0.0.1:{ev[i]},plan={plan}"]  # fmt: skip
+                    f"events=pod,plan={plan}"]  # fmt: skip
         log = open(tmp_path / "router.log", "wb")  # noqa: SIM115 (closed in finally)
         router = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                   start_new_session=True)  # fmt: skip

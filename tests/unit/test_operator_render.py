@@ -202,3 +202,19 @@ def test_pods_carry_their_planned_capacity_for_routers():
     assert annotations["spillway.dev/host-capacity-tokens"] == str(plan.capacity_tokens)
     assert annotations["spillway.dev/tokens-per-hash"] == str(plan.tokens_per_hash)
     assert plan.capacity_tokens > 0
+
+
+def test_pods_publish_kv_events_on_their_own_ip_unless_switched_off():
+    spec = spec_of()
+    plan = plan_for(spec)
+    dep = render.deployment(OWNER, spec, plan)
+    template = dep["spec"]["template"]
+    assert template["metadata"]["annotations"]["spillway.dev/kv-events"] == "on"
+    env = template["spec"]["containers"][0]["env"]
+    pod_ip = next(e for e in env if e["name"] == "SPILLWAY_POD_IP")
+    assert pod_ip["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert engine_options(spec)["kv_events"] is True
+    off = spec_of(engine={"kvEvents": {"enabled": False}})
+    dep = render.deployment(OWNER, off, plan_for(off))
+    assert dep["spec"]["template"]["metadata"]["annotations"]["spillway.dev/kv-events"] == "off"
+    assert engine_options(off)["kv_events"] is False

@@ -8,6 +8,7 @@ import pytest
 
 from spillway_engine.planner.plan import read_plan
 from spillway_router.backends import (
+    EVENTS_FROM_POD,
     BackendSpecError,
     Profile,
     backend_from_spec,
@@ -103,3 +104,17 @@ def test_pods_become_backends_only_when_ready() -> None:
     assert draining is not None and draining.draining and draining.events is None
     with pytest.raises(ValueError):
         deployment_from_configmap({"data": {"plan.json": "{}", "engine.json": "{}"}})
+
+
+def test_annotated_pods_list_their_own_event_endpoints() -> None:
+    data = {
+        "plan.json": (PLANS / LLAMA).read_text(),
+        "engine.json": json.dumps({"model": "org/llama"}),
+    }
+    info = deployment_from_configmap({"data": data})
+    on = backend_from_pod(_pod(annotations={"spillway.dev/kv-events": "on"}), info, 5557)
+    off = backend_from_pod(_pod(annotations={"spillway.dev/kv-events": "off"}), info, 5557)
+    assert on is not None and on.events == EVENTS_FROM_POD == "pod"
+    assert off is not None and off.events is None
+    f = parse_backend_spec("model=m,url=http://10.0.0.1:8000,events=pod")
+    assert backend_from_spec(f, Profile()).events == EVENTS_FROM_POD

@@ -4,6 +4,7 @@ socket itself is exercised against vLLM's publisher in tests/contract)."""
 from __future__ import annotations
 
 import msgspec
+import pytest
 
 from spillway_router.events import EventFeed
 from spillway_router.index import GPU, PrefixIndex
@@ -43,3 +44,22 @@ def test_bad_messages_are_counted_not_raised() -> None:
     feed.handle([b"", (1).to_bytes(8, "big"), b"\xc1"])
     feed.handle(frames(2, [{"type": "Bogus"}]))
     assert feed.errors == 4 and feed.batches == 0 and index.size() == 0
+
+
+def test_endpoints_from_kv_event_sources() -> None:
+    from spillway_router.events import event_endpoints
+
+    def rank(endpoint: str, on: bool = True) -> dict:
+        return {"enable_kv_cache_events": on, "publisher": "zmq", "endpoint": endpoint}
+
+    # vLLM's answer: rank -> its publisher config, the bound endpoint in it
+    sources = {"1": rank("tcp://10.0.0.5:41002"), "0": rank("tcp://10.0.0.5:41001")}
+    assert event_endpoints(sources, "10.0.0.5") == [
+        "tcp://10.0.0.5:41001", "tcp://10.0.0.5:41002"]  # fmt: skip
+    # a wildcard is the pod's own address; off, unbound or local ranks are left out
+    sources = {"0": rank("tcp://*:5557"), "1": rank("tcp://*:5558", on=False),
+               "2": rank("tcp://*:0"), "3": rank("ipc:///tmp/x")}  # fmt: skip
+    assert event_endpoints(sources, "10.0.0.6") == ["tcp://10.0.0.6:5557"]
+    assert event_endpoints({}, "h") == []
+    with pytest.raises(ValueError):
+        event_endpoints([], "h")

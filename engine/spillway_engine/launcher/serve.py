@@ -22,6 +22,19 @@ checks that the container can hold the plan (:mod:`spillway_engine.launcher.pref
 shm room and the memory cgroup's limit under ``--cgroup-root`` / ``SPILLWAY_CGROUP_ROOT``
 stop the start; a memlock limit below the pinned region is a warning).
 
+KV events: unless ``engine.json`` says ``"kv_events": false`` (or the plan turns prefix
+caching off), the launcher turns on vLLM's ZMQ KV-cache events with the block-hash
+algorithm fixed to ``sha256`` (whose seed is vLLM's constant ``vllm-none-hash`` unless
+PYTHONHASHSEED is set), so spillway-router can hash prompts as the engine does. vLLM
+0.33 binds a publisher endpoint only when it holds a wildcard (``ZmqEventPublisher.
+_is_bind_endpoint``; any other address is *connected* to), and ``tcp://*:0`` binds
+``VLLM_HOST_IP`` on a port the OS picks, per data-parallel rank. So with the pod's IP
+known (``SPILLWAY_POD_IP``, the downward API's ``status.podIP``; else ``--host`` when it
+is one address) the endpoint is ``tcp://*:0`` with ``VLLM_HOST_IP`` set to that IP --
+pods sharing one host never collide -- and vLLM's own ``GET /kv_event_sources`` on the
+serving port lists the bound endpoint of every rank; with no IP known it is
+``tcp://*:5557`` (rank r on 5557 + r, vLLM's offset).
+
 ``spillway-engine simulate ...`` runs the engine simulator
 (:mod:`spillway_engine.simulator`).
 
@@ -35,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import ipaddress
 import json
 import math
 import os
@@ -64,6 +78,12 @@ EXIT_USAGE = 2
 EXIT_PREFLIGHT = 3
 ENGINE_OPTIONS_FILE = "engine.json"
 ENV_ENGINE_OPTIONS = "SPILLWAY_ENGINE_OPTIONS"
+#: the pod's IP (downward API ``status.podIP``), which the KV-event publisher binds
+ENV_POD_IP = "SPILLWAY_POD_IP"
+#: the KV-event port when no IP is known (vLLM's default; rank r publishes on +r)
+KV_EVENTS_PORT = 5557
+#: reproducible across processes and what spillway-router computes by default
+KV_EVENTS_HASH_ALGO = "sha256"
 
 
 class EngineCliError(Exception):
@@ -130,6 +150,7 @@ class EngineOptions:
     dtype: str | None = None
     eviction_policy: str | None = None
     offload_enabled: bool = True
+    kv_events: bool = True
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
 
@@ -162,6 +183,7 @@ def parse_engine_options(data: Any, path: Path) -> EngineOptions:
             f"engine options {path}: gpu_memory_utilization must be in (0, 1], got {util}"
         )
     enabled = _opt(data, "offload_enabled", bool, path)
+    kv_events = _opt(data, "kv_events", bool, path)
     options = EngineOptions(
         model=_opt(data, "model", str, path),
         revision=_opt(data, "revision", str, path),
@@ -171,6 +193,7 @@ def parse_engine_options(data: Any, path: Path) -> EngineOptions:
         dtype=_opt(data, "dtype", str, path),
         eviction_policy=_opt(data, "eviction_policy", str, path),
         offload_enabled=True if enabled is None else enabled,
+        kv_events=True if kv_events is None else kv_events,
         extra_args=tuple(extra),
     )
     if not (options.model or options.weights_path):
@@ -349,6 +372,56 @@ def transfer_config(
     return config, notes
 
 
+def events_bind_ip(host: str, env: Mapping[str, str]) -> str | None:
+    """The address the KV-event publisher binds: the pod's IP, else ``--host`` when it
+    is one address (not a wildcard, not a name), else None (every interface)."""
+    for candidate in (env.get(ENV_POD_IP, "").strip(), host):
+        try:
+            ip = ipaddress.ip_address(candidate)
+        except ValueError:
+            continue
+        if not ip.is_unspecified:
+            return str(ip)
+    return None
+
+
+def kv_events_config(bind_ip: str | None) -> dict[str, Any]:
+    """``--kv-events-config``: ``tcp://*:0`` binds ``VLLM_HOST_IP`` (set to ``bind_ip``
+    by :func:`serve_main`) on an OS-picked port per rank; without an IP, the wildcard
+    on :data:`KV_EVENTS_PORT`."""
+    endpoint = "tcp://*:0" if bind_ip else f"tcp://*:{KV_EVENTS_PORT}"
+    return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint}
+
+
+def _user_sets(user_args: Sequence[str], flag: str) -> bool:
+    return any(a.startswith("--") and _canonical_long(a) == flag for a in user_args)
+
+
+def kv_events_args(
+    plan: Plan, options: EngineOptions, user_args: Sequence[str], bind_ip: str | None
+) -> tuple[list[str], list[str]]:
+    """The KV-event flags and notes; a flag the user gives in extra args is theirs."""
+    if not options.kv_events:
+        return [], []
+    if not plan.enable_prefix_caching:
+        return [], ["prefix caching is off in the plan: no KV events"]
+    args: list[str] = []
+    notes: list[str] = []
+    if _user_sets(user_args, "--kv-events-config"):
+        notes.append("KV events: --kv-events-config from the extra args")
+    else:
+        config = json.dumps(kv_events_config(bind_ip), separators=(",", ":"))
+        args += ["--kv-events-config", config]
+    if _user_sets(user_args, "--prefix-caching-hash-algo"):
+        notes.append(
+            "KV events: --prefix-caching-hash-algo from the extra args (routers must hash "
+            "with the same algorithm)"
+        )
+    else:
+        args += ["--prefix-caching-hash-algo", KV_EVENTS_HASH_ALGO]
+    return args, notes
+
+
 def _dtype_flag(plan: Plan, options: EngineOptions) -> str:
     planned = plan.model.dtype
     asked = options.dtype
@@ -367,8 +440,10 @@ def build_command(
     host: str = "0.0.0.0",
     port: int = 8000,
     extra_args: Sequence[str] = (),
+    events_ip: str | None = None,
 ) -> tuple[list[str], list[str]]:
-    """``vllm serve ...`` for the plan, and notes for the log. Raises EngineCliError."""
+    """``vllm serve ...`` for the plan, and notes for the log. Raises EngineCliError.
+    ``events_ip``: the address the KV-event publisher binds (:func:`events_bind_ip`)."""
     user_args = [*options.extra_args, *extra_args]
     check_extra_args(user_args)
     model = options.weights_path or options.model
@@ -402,6 +477,9 @@ def build_command(
     transfer, notes = transfer_config(plan, options)
     if transfer is not None:
         cmd += ["--kv-transfer-config", json.dumps(transfer, separators=(",", ":"))]
+    events, events_notes = kv_events_args(plan, options, user_args, events_ip)
+    cmd += events
+    notes += events_notes
     cmd += ["--host", host, "--port", str(port), *user_args]
     return cmd, notes
 
@@ -577,8 +655,9 @@ def serve_main(argv: Sequence[str]) -> int:
     )
     plan = load_plan(plan_path)
     options = load_engine_options(options_path)
+    events_ip = events_bind_ip(args.host, os.environ)
     cmd, notes = build_command(
-        plan, options, host=args.host, port=args.port, extra_args=args.extra
+        plan, options, host=args.host, port=args.port, extra_args=args.extra, events_ip=events_ip
     )
     emulated_env: dict[str, str] = {}
     plugins = [ENTRY_POINT_NAME]
@@ -625,6 +704,9 @@ def serve_main(argv: Sequence[str]) -> int:
     )
     print(f"{PROG}: exec {shlex.join(cmd)}", file=sys.stderr)
     env = serving_env(plan_path, options_path, os.environ, plugins)
+    if events_ip and "--kv-events-config" in cmd:
+        # what tcp://*:0 binds; a VLLM_HOST_IP set in the container's env stays
+        env.setdefault("VLLM_HOST_IP", events_ip)
     env.update(emulated_env)
     return _exec(cmd, env)
 
