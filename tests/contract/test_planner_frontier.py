@@ -11,6 +11,7 @@ test checks the planner says so by name.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -298,3 +299,200 @@ def test_mtp_plan_records_the_draft_layers(case: Case, frontier_layouts: Frontie
 def test_mtp_on_a_model_without_mtp_layers_is_refused():
     with pytest.raises(PlanRefused, match="no MTP layers"):
         plan_for(Case(OLMO3, speculative_method="mtp", num_speculative_tokens=1))
+
+
+# Speculative decoding with a separate drafter: a draft model (its own config.json, the
+# target's vocabulary) or an EAGLE-3 head. vLLM builds the drafter into the target's
+# forward context after the target's layers; a draft layer with the target's heads joins
+# the target's group, one with other heads makes one full-attention group of mixed pages
+# (UniformTypeKVCacheSpecs), whose block holds each layer's own page.
+LLAMA31_8B = "llama-3.1-8b-instruct"
+LLAMA31_70B = "llama-3.1-70b-instruct"
+LLAMA32_1B = "llama-3.2-1b"
+EAGLE3_LLAMA31_8B = "eagle3-llama3.1-instruct-8b"
+QWEN3_8B = "qwen3-8b"
+QWEN3_06B = "qwen3-0.6b"
+
+
+def _drafted(model: str, tp: int, method: str, tokens: int, draft: str, **kw: Any) -> Case:
+    return Case(
+        model,
+        tp,
+        speculative_method=method,
+        num_speculative_tokens=tokens,
+        draft_model=draft,
+        **kw,
+    )
+
+
+DRAFTER_CASES = [
+    # EAGLE-3 head with the target's page: one more layer in the one group
+    _drafted(LLAMA31_8B, 1, "eagle3", 3, EAGLE3_LLAMA31_8B),
+    _drafted(LLAMA31_8B, 2, "eagle3", 1, EAGLE3_LLAMA31_8B),
+    _drafted(LLAMA31_8B, 4, "eagle3", 5, EAGLE3_LLAMA31_8B, gpu="a100"),
+    _drafted(LLAMA31_8B, 8, "eagle3", 3, EAGLE3_LLAMA31_8B, kv_cache_dtype="fp8"),
+    # Qwen3-0.6B drafts for Qwen3-8B: same 8 x 128 page, 28 layers join the 36
+    _drafted(QWEN3_8B, 1, "draft_model", 4, QWEN3_06B),
+    _drafted(QWEN3_8B, 2, "draft_model", 4, QWEN3_06B),
+    _drafted(QWEN3_8B, 8, "draft_model", 2, QWEN3_06B, kv_cache_dtype="fp8"),
+    _drafted(QWEN3_8B, 16, "draft_model", 4, QWEN3_06B),  # 8 KV heads over 16: replicated
+    # Llama-3.2-1B (8 x 64) drafts for Llama-3.1 (8 x 128): one group, two page sizes
+    _drafted(LLAMA31_8B, 1, "draft_model", 5, LLAMA32_1B),
+    _drafted(LLAMA31_8B, 2, "draft_model", 5, LLAMA32_1B, gpu="a100"),
+    _drafted(LLAMA31_8B, 4, "draft_model", 3, LLAMA32_1B, kv_cache_dtype="fp8"),
+    _drafted(LLAMA31_70B, 8, "draft_model", 5, LLAMA32_1B),
+]
+
+
+class DrafterLayouts:
+    """vLLM layouts of the drafter cases, built once per session; refusals kept."""
+
+    def __init__(self) -> None:
+        self._built: dict[Case, VllmLayout | Exception] = {}
+
+    def get(self, case: Case, attention_backend: str | None) -> VllmLayout | Exception:
+        if case not in self._built:
+            assert case.draft_model is not None
+            try:
+                self._built[case] = build_layout(
+                    load_frontier(case.model),
+                    case,
+                    attention_backend,
+                    draft_config=load_frontier(case.draft_model),
+                )
+            except Exception as e:  # vLLM refusing is a result too
+                self._built[case] = e
+        return self._built[case]
+
+
+@pytest.fixture(scope="session")
+def drafter_layouts() -> DrafterLayouts:
+    return DrafterLayouts()
+
+
+def drafted_plan(case: Case, **kw: Any) -> Plan:
+    """The plan of a drafter case: the drafter's config.json goes to make_plan."""
+    assert case.draft_model is not None
+    kw.setdefault("cpu_memory_bytes", POOL)
+    return make_plan(
+        load_frontier(case.model),
+        PlanRequest(
+            tensor_parallel_size=case.tensor_parallel_size,
+            gpu=case.gpu,
+            kv_cache_dtype=case.kv_cache_dtype,
+            max_model_len=case.max_model_len,
+            speculative_method=case.speculative_method,
+            num_speculative_tokens=case.num_speculative_tokens,
+            speculative_model=case.draft_model,
+            offloader="upstream",
+            **kw,
+        ),
+        load_frontier(case.draft_model),
+    )
+
+
+def vllm_drafted(layouts: DrafterLayouts, case: Case, plan: Plan) -> VllmLayout:
+    backend = plan.gpu.attention_backend
+    built = layouts.get(case, STAND_IN.get(backend or "", backend))
+    if isinstance(built, Exception):
+        pytest.fail(f"vLLM refused {case} which the planner accepts: {built!r}")
+    return built
+
+
+def planned_groups_as_vllm(plan: Plan) -> list[dict[str, Any]]:
+    """``planned_groups``, a mixed-page group named as the harness names it."""
+    groups = planned_groups(plan)
+    for described, group in zip(groups, plan.kv_groups, strict=True):
+        if group.layer_page_bytes:
+            described["kind"] = f"uniform:{group.kind}"
+    return groups
+
+
+@pytest.mark.parametrize("case", DRAFTER_CASES, ids=str)
+def test_drafter_kv_groups_match_vllm(case: Case, drafter_layouts: DrafterLayouts):
+    plan = drafted_plan(case)
+    built = vllm_drafted(drafter_layouts, case, plan)
+    assert planned_groups_as_vllm(plan) == built.groups
+    assert plan.block_size == built.block_size
+    assert plan.model.num_cache_layers == len(built.layer_names)
+    # the drafter's layers are vLLM's last ones, named by the proposer's prefix
+    own = plan_for(Case(case.model, case.tensor_parallel_size, case.gpu, case.kv_cache_dtype))
+    assert plan.draft_layer_indices == list(
+        range(own.model.num_cache_layers, len(built.layer_names))
+    )
+    drafted = [built.layer_names[i] for i in plan.draft_layer_indices]
+    if case.speculative_method == "draft_model":
+        assert all(name.startswith("draft_model.") for name in drafted)
+    assert plan.speculative_config() == {
+        "method": case.speculative_method,
+        "num_speculative_tokens": case.num_speculative_tokens,
+        "model": case.draft_model,
+    }
+    off = built.offload({"cpu_bytes_to_use": POOL, "blocks_per_chunk": 1})
+    assert plan.tokens_per_hash == off["tokens_per_hash"]
+    assert plan.worker_bytes_per_block == off["worker_bytes_per_block"]
+    assert sum(g.bytes_per_block for g in plan.kv_groups) >= plan.worker_bytes_per_block
+
+
+@pytest.mark.parametrize("bpc", BLOCKS_PER_CHUNK, ids=lambda b: f"bpc{b}")
+@pytest.mark.parametrize("case", DRAFTER_CASES, ids=str)
+def test_drafter_upstream_offload_matches_vllm(
+    case: Case, bpc: int | None, drafter_layouts: DrafterLayouts
+):
+    plan = drafted_plan(case, blocks_per_chunk=bpc)
+    built = vllm_drafted(drafter_layouts, case, plan)
+    off = built.offload({"cpu_bytes_to_use": POOL, "blocks_per_chunk": plan.blocks_per_chunk})
+    up = plan.upstream
+    assert up is not None
+    assert plan.kv_connector_extra_config["blocks_per_chunk"] == off["blocks_per_chunk"]
+    assert up.replicated_layout == off["replicated_layout"]
+    assert (up.row_bytes, up.num_chunks) == (off["row_bytes"], off["num_chunks"])
+    assert up.gauge_tokens == off["gauge_tokens"]
+    assert [g.tokens_per_block for g in up.groups] == off["group_tokens_per_block"]
+
+
+def test_a_draft_model_with_other_heads_adds_a_second_page_size():
+    plan = drafted_plan(_drafted(LLAMA31_8B, 2, "draft_model", 5, LLAMA32_1B))
+    [group] = plan.kv_groups
+    # TP 2: the 8B's layers hold 4 x 128 heads, the 1B's 4 x 64, 16 tokens, bf16, K and V
+    assert sorted(set(group.layer_page_bytes)) == [16 * 4 * 64 * 2 * 2, 16 * 4 * 128 * 2 * 2]
+    assert group.bytes_per_block == 32 * 32768 + 16 * 16384 == plan.worker_bytes_per_block
+    assert plan.draft_layer_indices == list(range(32, 48))
+
+
+# What vLLM refuses, the planner refuses with the same reason.
+DRAFTER_REFUSALS = [
+    # the drafter's vocabulary must be the target's (no heterogeneous vocabulary)
+    (_drafted(QWEN3_8B, 1, "draft_model", 4, LLAMA32_1B), "same vocabulary size"),
+    # the 70B's 64 heads split over 64 ranks, the 1B draft's 32 do not
+    (
+        _drafted(LLAMA31_70B, 64, "draft_model", 4, LLAMA32_1B),
+        r"Total number of attention heads \(32\) must be divisible by tensor parallel size",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "reason"), DRAFTER_REFUSALS, ids=[str(c) for c, _ in DRAFTER_REFUSALS]
+)
+def test_drafter_refused_by_both(case: Case, reason: str, drafter_layouts: DrafterLayouts):
+    built = drafter_layouts.get(case, "FLASH_ATTN")
+    assert isinstance(built, Exception), f"vLLM accepted {case}"
+    assert re.search(reason, str(built))
+    with pytest.raises(PlanRefused, match=reason):
+        drafted_plan(case)
+
+
+def test_a_separate_drafter_without_its_config_is_refused():
+    for method in ("draft_model", "eagle3"):
+        with pytest.raises(PlanRefused, match=r"needs the drafter's config\.json"):
+            plan_for(Case(LLAMA31_8B, speculative_method=method, num_speculative_tokens=2))
+
+
+def test_an_eagle3_head_vllm_builds_with_another_model_file_is_refused():
+    head = dict(load_frontier(EAGLE3_LLAMA31_8B), architectures=["Eagle3Qwen3ForCausalLM"])
+    request = PlanRequest(
+        cpu_memory_bytes=POOL, speculative_method="eagle3", num_speculative_tokens=2
+    )
+    with pytest.raises(PlanRefused, match="Eagle3Qwen3ForCausalLM"):
+        make_plan(load_frontier(LLAMA31_8B), request, head)

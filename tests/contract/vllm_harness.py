@@ -37,6 +37,7 @@ from vllm.config import (
     get_layers_from_vllm_config,
     set_current_vllm_config,
 )
+from vllm.config.utils import replace as vllm_replace
 from vllm.distributed import (
     init_distributed_environment,
     initialize_model_parallel,
@@ -97,9 +98,12 @@ class Case:
     dtype: str = "auto"
     #: GPU KV blocks (vLLM's num_gpu_blocks_override); None: effectively unlimited
     num_gpu_blocks: int | None = None
-    #: --speculative-config method ("mtp") and tokens per step; None: no drafter
+    #: --speculative-config method ("mtp", "draft_model", "eagle3") and tokens per step;
+    #: None: no drafter
     speculative_method: str | None = None
     num_speculative_tokens: int = 0
+    #: fixture name of the drafter's config.json (draft model or EAGLE head), for the record
+    draft_model: str | None = None
 
     def __str__(self) -> str:
         extra = "" if self.kv_cache_dtype == "auto" else f"-{self.kv_cache_dtype}"
@@ -108,6 +112,8 @@ class Case:
         extra += "" if self.dtype == "auto" else f"-{self.dtype}"
         if self.speculative_method:
             extra += f"-{self.speculative_method}{self.num_speculative_tokens}"
+        if self.draft_model:
+            extra += f"-{self.draft_model}"
         return f"{self.model}-tp{self.tensor_parallel_size}-{self.gpu}{extra}"
 
 
@@ -245,8 +251,22 @@ def _build_drafter(vc: Any) -> None:
     """The proposer's ``load_model`` on the meta device: the drafter joins the target's
     forward context and its new attention layers are marked as draft layers."""
     target = set(get_layers_from_vllm_config(vc, AttentionLayerBase))
+    spec = vc.speculative_config
     with torch.device("meta"), _cuda_streams_stood_in():
-        initialize_model(vc, model_config=vc.speculative_config.draft_model_config)
+        if spec.method == "draft_model":
+            # DraftModelProposer._create_draft_vllm_config / _get_model: the draft's own
+            # model and parallel config, unquantised, under the "draft_model" prefix
+            draft_vc = vllm_replace(
+                vc,
+                quant_config=None,
+                parallel_config=vllm_replace(
+                    spec.draft_parallel_config, rank=vc.parallel_config.rank
+                ),
+                model_config=spec.draft_model_config,
+            )
+            initialize_model(draft_vc, prefix="draft_model")
+        else:
+            initialize_model(vc, model_config=spec.draft_model_config)
     layers = get_layers_from_vllm_config(vc, AttentionLayerBase)
     for name in set(layers) - target:
         layers[name].is_draft_layer = True
@@ -270,9 +290,25 @@ def vllm_default_max_model_len(config: dict[str, Any]) -> int:
     return ModelConfig(model=_write_config(config), skip_tokenizer_init=True).max_model_len
 
 
-def build_layout(config: dict[str, Any], case: Case, attention_backend: str | None) -> VllmLayout:
-    """Plan ``config`` with vLLM for ``case``; raises whatever vLLM raises."""
+def build_layout(
+    config: dict[str, Any],
+    case: Case,
+    attention_backend: str | None,
+    draft_config: dict[str, Any] | None = None,
+) -> VllmLayout:
+    """Plan ``config`` with vLLM for ``case``; raises whatever vLLM raises.
+
+    ``draft_config``: the config.json of a separate drafter (a draft model or an EAGLE
+    head), passed to vLLM as the speculative config's ``model``."""
     model_dir = _write_config(config)
+    speculative: dict[str, Any] | None = None
+    if case.speculative_method is not None:
+        speculative = {
+            "method": case.speculative_method,
+            "num_speculative_tokens": case.num_speculative_tokens,
+        }
+        if draft_config is not None:
+            speculative["model"] = _write_config(draft_config)
     # EngineArgs, as `vllm serve` builds the config (it sets CacheConfig.sliding_window
     # for all-sliding models, prefix caching defaults, mamba cache mode...).
     vc = EngineArgs(
@@ -285,12 +321,7 @@ def build_layout(config: dict[str, Any], case: Case, attention_backend: str | No
         kv_cache_dtype=case.kv_cache_dtype,
         enable_prefix_caching=case.enable_prefix_caching,
         block_size=case.block_size,
-        speculative_config=None
-        if case.speculative_method is None
-        else {
-            "method": case.speculative_method,
-            "num_speculative_tokens": case.num_speculative_tokens,
-        },
+        speculative_config=speculative,
         kv_transfer_config=KVTransferConfig(
             kv_connector="OffloadingConnector",
             kv_role="kv_both",

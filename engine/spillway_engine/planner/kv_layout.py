@@ -52,9 +52,13 @@ class LayoutRequest:
     block_size: int | None = None
     enable_prefix_caching: bool = True
     dtype: str = "auto"
-    #: ``--speculative-config`` method; only "mtp" (the model's own MTP heads) is modelled
+    #: ``--speculative-config`` method: "mtp" (the model's own MTP heads), "draft_model"
+    #: or "eagle3" (a separate drafter whose shape is ``drafter``)
     speculative_method: str | None = None
     num_speculative_tokens: int = 0
+    #: the cache layers of a separate drafter (draft model or EAGLE-3 head), from its
+    #: own config.json; ``None`` for MTP (the heads are in the model's config)
+    drafter: ModelShape | None = None
 
 
 @dataclass(frozen=True)
@@ -80,6 +84,10 @@ class KVGroup:
     sliding_window: int | None = None
     attention_chunk_size: int | None = None
     padded_layers: int = 0
+    #: each layer's page when they differ (vLLM's ``UniformTypeKVCacheSpecs``: one
+    #: attention type, other heads, e.g. a draft model's layers beside the target's);
+    #: ``page_bytes`` is then their sum, the group spec's page
+    layer_page_bytes: tuple[int, ...] = ()
 
     @property
     def num_layers(self) -> int:
@@ -88,6 +96,8 @@ class KVGroup:
     @property
     def bytes_per_block(self) -> int:
         """Bytes one block of this group holds on one rank (its layers' pages)."""
+        if self.layer_page_bytes:
+            return self.page_bytes
         return self.page_bytes * self.num_layers
 
 
@@ -108,6 +118,8 @@ class KVLayout:
     kv_heads_per_rank: int
     tp_replicas: int
     notes: tuple[str, ...] = field(default=())
+    #: cache layers the drafter adds (the last ones of ``shape.layers``)
+    draft_layers: int = 0
 
     @property
     def replicated_mla(self) -> bool:
@@ -172,8 +184,11 @@ def compute_layout(shape: ModelShape, gpu: Gpu, request: LayoutRequest) -> KVLay
         )
     kv_dtype, kv_bytes = _kv_dtype(shape, request.kv_cache_dtype)
     notes = list(shape.notes)
-    shape, num_spec = _with_drafter(shape, request, notes)
+    # The target's layers pick the backend and block size (update_block_size_for_backend
+    # reads the model config); a drafter selects its own backend for its layers.
     backend = _backend(shape, gpu, request.kv_cache_dtype, request.block_size)
+    own_layers = len(shape.layers)
+    shape, num_spec = _with_drafter(shape, request, notes)
 
     # Per-token attention page on one rank (AttentionSpec with block_size 1).
     kv_heads = 1 if shape.mla_latent else max(1, shape.num_kv_heads // tp)
@@ -285,7 +300,12 @@ def compute_layout(shape: ModelShape, gpu: Gpu, request: LayoutRequest) -> KVLay
         kv_heads_per_rank=kv_heads,
         tp_replicas=tp_replicas,
         notes=tuple(notes),
+        draft_layers=len(shape.layers) - own_layers,
     )
+
+
+#: --speculative-config methods whose drafter the planner models
+SPECULATIVE_METHODS = ("mtp", "draft_model", "eagle3")
 
 
 def _with_drafter(
@@ -293,34 +313,86 @@ def _with_drafter(
 ) -> tuple[ModelShape, int]:
     """The shape with the drafter's cache layers appended, and the draft tokens per step.
 
-    vLLM's proposer builds the drafter into the same forward context: its layers get
-    specs like the target's (``is_draft`` does not take part in grouping), so a draft
-    layer with the target's spec joins the target's group; Mamba convolution states
-    keep ``num_speculative_tokens`` more rows.
+    vLLM's proposer builds the drafter into the same forward context after the target
+    (its layers come last): each draft layer gets a spec from its own heads (``is_draft``
+    does not take part in grouping), so a draft layer with the target's spec joins the
+    target's group and one with other heads makes a one-type group of mixed pages;
+    Mamba convolution states keep ``num_speculative_tokens`` more rows.
     """
     method = request.speculative_method
     if method is None:
         return shape, 0
-    if method != "mtp":
+    if method not in SPECULATIVE_METHODS:
         raise UnsupportedModel(
-            f"speculative method {method!r} is not modelled (only 'mtp', the model's own "
-            "MTP heads); a draft model or EAGLE head adds layers from its own config.json"
+            f"speculative method {method!r} is not modelled (mtp: the model's own MTP "
+            "heads; draft_model and eagle3 with the drafter's config.json)"
         )
     if request.num_speculative_tokens < 1:
         raise UnsupportedModel("num_speculative_tokens must be at least 1 with a drafter")
-    if not shape.mtp_layers:
-        raise UnsupportedModel(
-            f"{shape.architecture}: the config has no MTP layers (num_nextn_predict_layers / "
-            "mtp_num_hidden_layers) for --speculative-config method=mtp"
-        )
+    if method == "mtp":
+        if not shape.mtp_layers:
+            raise UnsupportedModel(
+                f"{shape.architecture}: the config has no MTP layers (num_nextn_predict_layers "
+                "/ mtp_num_hidden_layers) for --speculative-config method=mtp"
+            )
+        drafted = shape.mtp_layers
+        what = "MTP drafter"
+    else:
+        drafted = _drafter_layers(shape, request)
+        what = f"{method} drafter ({request.drafter.architecture})"  # type: ignore[union-attr]
     notes.append(
-        f"MTP drafter: {len(shape.mtp_layers)} cache layer(s) appended after the "
-        f"model's {len(shape.layers)}, {request.num_speculative_tokens} draft token(s) per step"
+        f"{what}: {len(drafted)} cache layer(s) appended after the model's "
+        f"{len(shape.layers)}, {request.num_speculative_tokens} draft token(s) per step"
     )
-    return (
-        replace(shape, layers=shape.layers + shape.mtp_layers),
-        request.num_speculative_tokens,
+    return replace(shape, layers=shape.layers + drafted), request.num_speculative_tokens
+
+
+def _drafter_layers(shape: ModelShape, request: LayoutRequest) -> tuple[LayerKind, ...]:
+    """A separate drafter's cache layers with its own heads (the KV dtype is the
+    target's: vLLM builds the draft's ModelConfig with the target's dtype)."""
+    draft = request.drafter
+    method = request.speculative_method
+    if draft is None:
+        raise UnsupportedModel(
+            f"--speculative-config method {method!r} needs the drafter's config.json (its "
+            "'model'); a drafter the planner cannot see is not modelled"
+        )
+    tp = request.tensor_parallel_size
+    if draft.mla_latent or draft.mamba is not None:
+        raise UnsupportedModel(
+            f"a {method} drafter with MLA or Mamba layers ({draft.architecture}) is not modelled"
+        )
+    if shape.mla_latent or shape.mamba is not None:
+        raise UnsupportedModel(
+            f"a {method} drafter beside {shape.architecture}'s "
+            f"{'MLA' if shape.mla_latent else 'Mamba'} layers is not modelled (only "
+            "attention targets)"
+        )
+    if any(layer.kind != "full_attention" for layer in shape.layers + draft.layers):
+        raise UnsupportedModel(
+            f"a {method} drafter with sliding-window or chunked layers, or beside them, is "
+            "not modelled (full-attention targets and drafters only)"
+        )
+    if draft.num_attention_heads % tp:
+        # ModelConfig.verify_with_parallel_config on the draft's config
+        raise UnsupportedModel(
+            f"the drafter's {draft.num_attention_heads} attention heads are not divisible "
+            f"by TP {tp}: vLLM refuses it (Total number of attention heads "
+            f"({draft.num_attention_heads}) must be divisible by tensor parallel size ({tp}))"
+        )
+    if draft.num_kv_heads % tp and tp % draft.num_kv_heads:
+        raise UnsupportedModel(
+            f"the drafter's {draft.num_kv_heads} KV heads cannot be split evenly over TP {tp}"
+        )
+    if draft.head_size != draft.head_size_v:
+        raise UnsupportedModel("a drafter with different K and V head sizes is not modelled")
+    same = (draft.num_kv_heads, draft.head_size) == (shape.num_kv_heads, shape.head_size)
+    layer = LayerKind(
+        "full_attention",
+        num_kv_heads=None if same else draft.num_kv_heads,
+        head_size=None if same else draft.head_size,
     )
+    return (layer,) * len(draft.layers)
 
 
 def _unify_pages(specs: list[_Spec]) -> list[_Spec]:
@@ -357,10 +429,26 @@ def _group(specs: list[_Spec], notes: list[str]) -> tuple[KVGroup, ...]:
             ),
         )
     if len({(s.kind, s.block_size, s.sliding_window, s.attention_chunk_size) for s in specs}) == 1:
-        # UniformTypeKVCacheSpecs: one group whose layers' pages differ.
-        raise UnsupportedModel(
-            "layers of one attention type with different page sizes (a UniformType "
-            "group) are not modelled"
+        # UniformTypeKVCacheSpecs: one group whose layers' pages differ; its spec's
+        # page is their sum, and a block holds each layer's own page.
+        s = specs[0]
+        if s.kind in ("mamba", "mla"):
+            raise UnsupportedModel(f"{s.kind} layers with different page sizes are not modelled")
+        pages = tuple(spec.page_bytes for spec in specs)
+        notes.append(
+            f"one {s.kind} group of {len(specs)} layers with {len(set(pages))} page sizes "
+            "(vLLM's UniformTypeKVCacheSpecs)"
+        )
+        return (
+            KVGroup(
+                s.kind,
+                tuple(range(len(specs))),
+                s.block_size,
+                sum(pages),
+                s.sliding_window,
+                s.attention_chunk_size,
+                layer_page_bytes=pages,
+            ),
         )
     unified = _unify_pages(specs)
     buckets: dict[_Spec, list[int]] = {}

@@ -5,7 +5,9 @@ engine use. It is pure (no I/O, no vLLM import) and raises :class:`PlanRefused` 
 the reason vLLM would give, or the piece Spillway does not model.
 
 Assumptions (vLLM 0.33.0 defaults): OffloadingConnector on (layout LBHNC), hybrid KV
-cache manager on, no speculative decoding, no decode/prefill context parallelism,
+cache manager on, speculative decoding only as asked (``speculative_method``; a
+separate drafter's config.json is ``make_plan``'s ``draft_config``), no decode/prefill
+context parallelism,
 ``mp`` executor on one node, ``--prefix-cache-retention-interval`` at its default.
 """
 
@@ -18,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from spillway_engine import __version__
 from spillway_engine.planner.families import model_shape
+from spillway_engine.planner.families.eagle3 import eagle3_shape
 from spillway_engine.planner.gpus import DEFAULT_GPU, UnknownGpu, get_gpu
 from spillway_engine.planner.kv_layout import KVLayout, LayoutRequest, compute_layout
 from spillway_engine.planner.offload_geometry import (
@@ -34,7 +37,7 @@ from spillway_engine.planner.pod_sizing import (
     max_pool_bytes,
     size_pod,
 )
-from spillway_engine.planner.shape import ModelConfigError, UnsupportedModel
+from spillway_engine.planner.shape import ModelConfigError, ModelShape, UnsupportedModel
 from spillway_engine.vllm_pins import (
     SPILLWAY_CONNECTOR,
     SPILLWAY_CONNECTOR_MODULE,
@@ -91,11 +94,18 @@ class PlanRequest(_Model):
         "spillway", description="Which offloader's geometry sizes the pool."
     )
     gpu: str = Field(DEFAULT_GPU, description="GPU model (see spillway_engine.planner.gpus).")
-    speculative_method: Literal["mtp"] | None = Field(
-        None, description="vLLM --speculative-config method: mtp (the model's MTP heads)."
+    speculative_method: Literal["mtp", "draft_model", "eagle3"] | None = Field(
+        None,
+        description="vLLM --speculative-config method: mtp (the model's MTP heads), "
+        "draft_model or eagle3 (a separate drafter: make_plan's draft_config).",
     )
     num_speculative_tokens: int = Field(
         0, ge=0, description="--speculative-config num_speculative_tokens (with a method)."
+    )
+    speculative_model: str | None = Field(
+        None,
+        description="--speculative-config model: the drafter's id or path (draft_model, "
+        "eagle3), for the record and the engine's flag.",
     )
 
 
@@ -137,6 +147,11 @@ class KVGroupInfo(_Model):
     sliding_window: int | None = Field(description="Window in tokens, or null.")
     attention_chunk_size: int | None = Field(None, description="Chunked-local span, or null.")
     padded_layers: int = Field(0, description="Padding layers vLLM adds to this group.")
+    layer_page_bytes: list[int] = Field(
+        default_factory=list,
+        description="Each layer's page when they differ (one attention type, other heads: "
+        "a draft model's layers); page_bytes and bytes_per_block are then their sum.",
+    )
 
 
 class GroupChunkInfo(_Model):
@@ -236,9 +251,27 @@ class Plan(_Model):
     speculative_method: str | None = Field(
         None, description="--speculative-config method the groups include a drafter for."
     )
+    num_speculative_tokens: int = Field(
+        0, description="--speculative-config num_speculative_tokens (0 without a drafter)."
+    )
+    speculative_model: str | None = Field(
+        None, description="--speculative-config model (a separate drafter), or null."
+    )
     draft_layer_indices: list[int] = Field(
         default_factory=list, description="Cache layers the drafter adds (last in order)."
     )
+
+    def speculative_config(self) -> dict[str, Any] | None:
+        """The --speculative-config the engine passes, or None without a drafter."""
+        if self.speculative_method is None:
+            return None
+        out: dict[str, Any] = {
+            "method": self.speculative_method,
+            "num_speculative_tokens": self.num_speculative_tokens,
+        }
+        if self.speculative_model is not None:
+            out["model"] = self.speculative_model
+        return out
 
 
 class PlanReadError(ValueError):
@@ -339,16 +372,46 @@ def _chunks(geometry: UpstreamGeometry | SpillwayGeometry) -> list[GroupChunkInf
     ]
 
 
-def _draft_layers(layout: KVLayout, request: PlanRequest) -> list[int]:
+def _draft_layers(layout: KVLayout) -> list[int]:
     """Indices of the drafter's cache layers: appended after the model's own."""
     total = len(layout.shape.layers)
-    if request.speculative_method is None:
-        return []
-    return list(range(total - len(layout.shape.mtp_layers), total))
+    return list(range(total - layout.draft_layers, total))
 
 
-def _layout(config: dict[str, Any], request: PlanRequest) -> tuple[KVLayout, int]:
+def _vocab_size(config: dict[str, Any]) -> Any:
+    text = config.get("text_config")
+    return (text if isinstance(text, dict) else config).get("vocab_size")
+
+
+def _drafter(
+    config: dict[str, Any], request: PlanRequest, draft_config: dict[str, Any] | None
+) -> ModelShape | None:
+    """The separate drafter's shape (draft model or EAGLE-3 head), or None."""
+    method = request.speculative_method
+    if method not in ("draft_model", "eagle3"):
+        if draft_config is not None:
+            raise PlanRefused(
+                f"a drafter config.json is only read for draft_model or eagle3, not {method!r}"
+            )
+        return None
+    if draft_config is None:
+        return None  # compute_layout refuses with the reason
+    if method == "draft_model":
+        target, draft = _vocab_size(config), _vocab_size(draft_config)
+        if target != draft:  # SpeculativeConfig.verify_equal_vocab_size_if_draft_model
+            raise PlanRefused(
+                "Target and draft model should have the same vocabulary size. "
+                f"Target model vocab_size={target}. Draft model vocab_size={draft}."
+            )
+        return model_shape(draft_config)
+    return eagle3_shape(draft_config)
+
+
+def _layout(
+    config: dict[str, Any], request: PlanRequest, draft_config: dict[str, Any] | None = None
+) -> tuple[KVLayout, int]:
     shape = model_shape(config)
+    drafter = _drafter(config, request, draft_config)
     max_len = request.max_model_len or shape.derived_max_model_len
     if max_len > shape.derived_max_model_len:
         raise PlanRefused(
@@ -369,21 +432,31 @@ def _layout(config: dict[str, Any], request: PlanRequest) -> tuple[KVLayout, int
             enable_prefix_caching=request.enable_prefix_caching,
             speculative_method=request.speculative_method,
             num_speculative_tokens=request.num_speculative_tokens,
+            drafter=drafter,
         ),
     )
     return layout, max_len
 
 
-def make_plan(config: dict[str, Any], request: PlanRequest) -> Plan:
-    """The plan for ``config`` (a parsed config.json) and ``request``, or PlanRefused."""
+def make_plan(
+    config: dict[str, Any],
+    request: PlanRequest,
+    draft_config: dict[str, Any] | None = None,
+) -> Plan:
+    """The plan for ``config`` (a parsed config.json) and ``request``, or PlanRefused.
+
+    ``draft_config``: the separate drafter's config.json for ``speculative_method``
+    draft_model or eagle3 (the ``model`` of vLLM's --speculative-config)."""
     try:
-        return _make_plan(config, request)
+        return _make_plan(config, request, draft_config)
     except (ModelConfigError, UnsupportedModel, UnknownGpu, OffloadRefused, PodSizingError) as e:
         raise PlanRefused(str(e)) from e
 
 
-def _make_plan(config: dict[str, Any], request: PlanRequest) -> Plan:
-    layout, max_len = _layout(config, request)
+def _make_plan(
+    config: dict[str, Any], request: PlanRequest, draft_config: dict[str, Any] | None
+) -> Plan:
+    layout, max_len = _layout(config, request, draft_config)
     workers = request.tensor_parallel_size * request.pipeline_parallel_size
     dp = request.data_parallel_size
     cpu_bytes = _pool_bytes(request, workers, dp)
@@ -453,7 +526,9 @@ def _make_plan(config: dict[str, Any], request: PlanRequest) -> Plan:
         ),
         notes=list(layout.notes),
         speculative_method=request.speculative_method,
-        draft_layer_indices=_draft_layers(layout, request),
+        num_speculative_tokens=request.num_speculative_tokens if request.speculative_method else 0,
+        speculative_model=request.speculative_model if request.speculative_method else None,
+        draft_layer_indices=_draft_layers(layout),
     )
 
 
@@ -579,6 +654,7 @@ def _kv_groups(layout: KVLayout) -> list[KVGroupInfo]:
             sliding_window=g.sliding_window,
             attention_chunk_size=g.attention_chunk_size,
             padded_layers=g.padded_layers,
+            layer_page_bytes=list(g.layer_page_bytes),
         )
         for g in layout.groups
     ]
