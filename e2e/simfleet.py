@@ -69,6 +69,21 @@ def _engine_args(pod: Any) -> list[str]:
     return []
 
 
+def _downward_env(pod: Any, ip: str) -> dict[str, str]:
+    """The engine container's env that the kubelet fills from the pod's IP (the
+    downward API's ``status.podIP``, e.g. SPILLWAY_POD_IP, which the KV-event
+    publisher binds)."""
+    out: dict[str, str] = {}
+    for c in pod.spec.containers or []:
+        if c.name != ENGINE_CONTAINER:
+            continue
+        for e in c.env or []:
+            ref = e.value_from.field_ref if e.value_from else None
+            if ref is not None and ref.field_path == "status.podIP":
+                out[e.name] = ip
+    return out
+
+
 def _with_value(args: list[str], flag: str, value: str) -> list[str]:
     """``args`` with ``flag``'s value replaced (or the flag added)."""
     out = list(args)
@@ -139,7 +154,8 @@ class SimulatorFleet:
             path.write_text(plan)
         return path
 
-    def _start(self, pod_name: str, ip: str, plan: Path, pod_args: list[str]) -> _Sim:
+    def _start(self, pod_name: str, ip: str, plan: Path, pod_args: list[str],
+               pod_env: dict[str, str] | None = None) -> _Sim:
         log = self._dir / f"{pod_name}.log"
         if self.engine == "emulated":
             termination = self._dir / f"{pod_name}.termination-log"
@@ -155,7 +171,7 @@ class SimulatorFleet:
             env = {**os.environ, "SPILLWAY_TERMINATION_LOG": str(termination),
                    "SPILLWAY_SHARED_REGION": "1", "SPILLWAY_SHM_DIR": str(self._shm(pod_name)),
                    "VLLM_LOGGING_LEVEL": "INFO", "HF_HUB_OFFLINE": "1",
-                   "TOKENIZERS_PARALLELISM": "false"}
+                   "TOKENIZERS_PARALLELISM": "false", **(pod_env or {})}
             env.pop("VLLM_TARGET_DEVICE", None)
             proc = subprocess.Popen(cmd, stdout=open(log, "wb"),  # noqa: SIM115
                                     stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -216,7 +232,8 @@ class SimulatorFleet:
                 plan = self._plan_file()
                 if plan is None:
                     continue
-                self.sims[pod_name] = self._start(pod_name, ip, plan, _engine_args(pod))
+                self.sims[pod_name] = self._start(pod_name, ip, plan, _engine_args(pod),
+                                                  _downward_env(pod, ip))
             for pod_name, sim in self.sims.items():
                 pod = alive.get(pod_name)
                 if pod is None:
