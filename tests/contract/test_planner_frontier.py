@@ -496,3 +496,25 @@ def test_an_eagle3_head_vllm_builds_with_another_model_file_is_refused():
     )
     with pytest.raises(PlanRefused, match="Eagle3Qwen3ForCausalLM"):
         make_plan(load_frontier(LLAMA31_8B), request, head)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [c for c in DRAFTER_CASES if c.tensor_parallel_size <= 2],
+    ids=str,
+)
+def test_engine_plan_check_passes_a_drafter_plan(case: Case, drafter_layouts: DrafterLayouts):
+    """The engine's start-up check reads vLLM's groups (a mixed-page group included)
+    as the plan has them, and a wrong page in the drafter's group is caught."""
+    from spillway_engine.launcher import plan_check
+
+    plan = drafted_plan(case)
+    built = vllm_drafted(drafter_layouts, case, plan)
+    built.offload({"cpu_bytes_to_use": POOL, "blocks_per_chunk": plan.blocks_per_chunk})
+    observed = plan_check.observe(built.vllm_config, built.kv_cache_config)
+    assert plan_check.compare(plan, observed) == []
+    wrong = plan.model_copy(
+        update={"kv_groups": [g.model_copy(update={"page_bytes": g.page_bytes + 1})
+                              for g in plan.kv_groups]}
+    )
+    assert [m.field for m in plan_check.compare(wrong, observed)] == ["kv_groups[0].page_bytes"]

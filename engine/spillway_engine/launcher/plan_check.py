@@ -52,9 +52,13 @@ class ObservedGroup:
     tokens_per_block: int
     page_bytes: int
     sliding_window: int | None = None
+    #: a group of mixed pages (a draft model's layers): its block, the pages' sum
+    block_bytes: int | None = None
 
     @property
     def bytes_per_block(self) -> int:
+        if self.block_bytes is not None:
+            return self.block_bytes
         return self.page_bytes * self.num_layers
 
 
@@ -130,7 +134,10 @@ GROUP_FIELDS = (
 
 
 def _group_fields(group: KVGroupInfo | ObservedGroup) -> dict[str, Any]:
-    return {name: getattr(group, name) for name in GROUP_FIELDS}
+    fields = {name: getattr(group, name) for name in GROUP_FIELDS}
+    if isinstance(group, KVGroupInfo) and group.layer_page_bytes:
+        fields["kind"] = f"uniform({group.kind})"  # as _kind names vLLM's mixed-page spec
+    return fields
 
 
 def compare(plan: Plan, observed: ObservedGeometry) -> list[Mismatch]:
@@ -257,11 +264,15 @@ def _observe_group(group: Any) -> ObservedGroup:
 
     spec = group.kv_cache_spec
     layers = len(group.layer_names)
+    block = None
     if isinstance(spec, UniformTypeKVCacheSpecs):
         pages = {s.page_size_bytes for s in spec.kv_cache_specs.values()}
-        # one page per layer when they agree; otherwise the group's sum, which the
-        # planner's per-layer page can never equal (a mismatch, as it should be)
-        page = pages.pop() if len(pages) == 1 else spec.page_size_bytes
+        # one page per layer when they agree; otherwise the group's sum (the plan's
+        # page of a mixed-page group), which is also its block
+        if len(pages) == 1:
+            page = pages.pop()
+        else:
+            page = block = spec.page_size_bytes
     else:
         page = spec.page_size_bytes
     return ObservedGroup(
@@ -270,6 +281,7 @@ def _observe_group(group: Any) -> ObservedGroup:
         tokens_per_block=spec.block_size,
         page_bytes=page,
         sliding_window=getattr(spec, "sliding_window", None),
+        block_bytes=block,
     )
 
 
