@@ -262,6 +262,13 @@ class Kube:
                             query={"labelSelector": selector})
         return data.get("items", [])
 
+    def annotate_pod(self, namespace: str, name: str, annotations: dict[str, str | None]) -> None:
+        """Merge-patch a pod's annotations (None removes one): the autoscaler's
+        scale-down marks. Gated like every write."""
+        self.request("patch", resource_path("v1", "Pod", namespace, name),
+                     body={"metadata": {"annotations": annotations}},
+                     content_type="application/merge-patch+json")
+
     # ------------------------------------------------------------ the resource
 
     @staticmethod

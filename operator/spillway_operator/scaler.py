@@ -6,6 +6,12 @@ Every ``intervalSeconds`` it scrapes the ready pods' /metrics concurrently
 ``spec.autoscaling.enabled`` - decides and writes the replica count through the
 InferenceDeployment's scale subresource (the one writer of spec.replicas; the
 reconciler carries it to the Deployment). Status and Events record each decision.
+
+Before a scale-down is written, the pods that should go (the least hot host cache,
+``pressure.choose_removals``) get a low ``controller.kubernetes.io/pod-deletion-cost``,
+so the ReplicaSet controller removes exactly them, and ``spillway.dev/draining``, so
+routers stop sending them new requests. Marks on live pods that are no longer going
+(the scale write failed, the decision was reversed) are removed at the next tick.
 """
 
 from __future__ import annotations
@@ -25,16 +31,24 @@ from pydantic import ValidationError
 from spillway_operator import metrics, render
 from spillway_operator.kube import Kube, TemporaryError
 from spillway_operator.pressure import (
+    DELETION_COST,
+    DRAINING,
     Aggregate,
+    Candidate,
     MetricsError,
     Policy,
     Sample,
     State,
     aggregate,
+    choose_removals,
     decide,
+    hot_host_tokens,
     parse_body,
+    parse_cost,
     pod_pressure,
+    removal_cost,
     resume_state,
+    stale_marks,
 )
 from spillway_operator.spec import AutoscalingStatus, InferenceDeploymentSpec
 from spillway_operator.status import now_rfc3339, read_status, to_wire
@@ -82,6 +96,10 @@ def _ready(pod: dict[str, Any]) -> bool:
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds)
 
 
+def _annotation(pod: dict[str, Any], name: str) -> str | None:
+    return (pod.get("metadata", {}).get("annotations") or {}).get(name)
+
+
 class Autoscaler:
     def __init__(self, kube: Kube, port: int = render.ENGINE_PORT):
         self.kube = kube
@@ -90,6 +108,8 @@ class Autoscaler:
         self._tasks: dict[tuple[str, str], asyncio.Task] = {}
         self._samples: dict[tuple[str, str], dict[str, Sample]] = {}
         self._states: dict[tuple[str, str], State] = {}
+        # Per key and pod: recent host-tier hits (pressure.hot_host_tokens).
+        self._hot: dict[tuple[str, str], dict[str, float]] = {}
         self._session: aiohttp.ClientSession | None = None
         self._exported: set[tuple[str, str]] = set()
         self._parser = ThreadPoolExecutor(PARSE_WORKERS, thread_name_prefix="metrics-parse")
@@ -109,6 +129,7 @@ class Autoscaler:
             self.objects.pop(key, None)
             self._samples.pop(key, None)
             self._states.pop(key, None)
+            self._hot.pop(key, None)
             self.problems.pop(key, None)
             self._failing.discard(key)
             if key in self._exported:
@@ -126,6 +147,7 @@ class Autoscaler:
         self.active = True
         self._samples.clear()
         self._states.clear()
+        self._hot.clear()
         for key in list(self.objects):
             if key not in self._tasks:
                 self._tasks[key] = asyncio.create_task(self._loop(key, random.uniform(0, 1)))
@@ -233,12 +255,14 @@ class Autoscaler:
             self._exported.add(key)
 
         current = int(body.get("spec", {}).get("replicas", spec.replicas))
+        marked: list[str] = []
         if spec.autoscaling.enabled:
             starting = len(live) - len(ready)
-            desired, decision, reason = await self._scale(key, body, spec, now, current,
-                                                          len(ready), starting, agg)
+            desired, decision, reason, marked = await self._scale(
+                key, body, spec, now, current, live, ready, starting, agg)
         else:
             desired, decision, reason = current, "disabled", "autoscaling is off"
+        await self._unmark_stale(ns, live, desired, marked)
         old = read_status(body.get("status")).autoscaling or AutoscalingStatus()
         await self._write_status(key, old, agg, desired, decision, reason)
 
@@ -262,6 +286,9 @@ class Autoscaler:
 
         results = await asyncio.gather(*(one(p) for p in ready))
         prev = self._samples.get(key, {})
+        hot = self._hot.get(key, {})
+        tau = max(float(spec.autoscaling.scale_down_stabilization_seconds),
+                  4 * float(spec.autoscaling.interval_seconds))
         cur: dict[str, Sample] = {}
         per_pod = []
         problems: list[str] = []
@@ -274,28 +301,110 @@ class Autoscaler:
                 continue
             cur[pod_name] = result
             per_pod.append(pod_pressure(prev.get(pod_name), result, max_dt))
+            hot[pod_name] = hot_host_tokens(hot.get(pod_name, 0.0), prev.get(pod_name), result,
+                                            tau)
         self._samples[key] = cur
+        # Kept while a pod is unmeasured for a tick; gone with the pod.
+        self._hot[key] = {p["metadata"]["name"]: hot.get(p["metadata"]["name"], 0.0)
+                          for p in ready}
         self.problems[key] = problems
         return aggregate(per_pod)
 
     async def _scale(self, key: tuple[str, str], body: dict[str, Any],
-                     spec: InferenceDeploymentSpec, now: float, current: int, ready: int,
-                     starting: int, agg: Aggregate) -> tuple[int, str, str]:
-        """Decide, and write a changed replica count; returns (replicas, action, reason)."""
+                     spec: InferenceDeploymentSpec, now: float, current: int,
+                     live: list[dict[str, Any]], ready: list[dict[str, Any]], starting: int,
+                     agg: Aggregate) -> tuple[int, str, str, list[str]]:
+        """Decide, and write a changed replica count; returns (replicas, action, reason,
+        the pods marked to go). A scale-down first marks the pods that should go, and
+        unmarks them again when the scale write fails."""
         ns, name = key
         state = self._states.get(key)
         if state is None:  # operator start or a new leader: windows start from now
             state = resume_state(now, current)
-        d = decide(policy_of(spec), now, current, ready, starting, agg, state)
+        d = decide(policy_of(spec), now, current, len(ready), starting, agg, state)
         self._states[key] = d.state
+        marked: list[str] = []
         if d.replicas != current:
-            await asyncio.to_thread(self.kube.patch_scale, ns, name, d.replicas)
+            if d.replicas < current:
+                marked = await self._mark(key, live, ready, len(live) - d.replicas)
+            try:
+                await asyncio.to_thread(self.kube.patch_scale, ns, name, d.replicas)
+            except BaseException:
+                await self._unmark(ns, marked, quiet=True)
+                raise
+            going = ""
+            if marked:
+                hot = self._hot.get(key, {})
+                going = "; removing " + ", ".join(
+                    f"{p} ({hot.get(p, 0.0):.0f} recent host-hit tokens)" for p in marked)
             await asyncio.to_thread(
                 self.kube.post_event, body, "Normal",
                 "ScaledUp" if d.replicas > current else "ScaledDown",
-                f"replicas {current} -> {d.replicas}: {d.reason}")
+                f"replicas {current} -> {d.replicas}: {d.reason}{going}")
             log.info("%s/%s: replicas %d -> %d (%s)", ns, name, current, d.replicas, d.reason)
-        return d.replicas, d.action, d.reason
+        return d.replicas, d.action, d.reason, marked
+
+    async def _mark(self, key: tuple[str, str], live: list[dict[str, Any]],
+                    ready: list[dict[str, Any]], remove: int) -> list[str]:
+        """Mark the ready pods that a scale-down taking ``remove`` of ``live`` should
+        remove (a deletion cost below the kept pods', and draining); their names."""
+        ns = key[0]
+        hot = self._hot.get(key, {})
+        samples = self._samples.get(key, {})
+        ready_names = {p["metadata"]["name"] for p in ready}
+        candidates = []
+        for p in live:
+            meta = p["metadata"]
+            pod = meta["name"]
+            sample = samples.get(pod)
+            candidates.append(Candidate(
+                name=pod, ready=pod in ready_names, hot=hot.get(pod, 0.0),
+                host_tokens=sample.values.get("host_tokens", 0.0) if sample else 0.0,
+                created=meta.get("creationTimestamp") or "",
+                marked=_annotation(p, DRAINING) == "true"))
+        chosen = choose_removals(candidates, remove)
+        kept = [parse_cost(_annotation(p, DELETION_COST)) for p in live
+                if p["metadata"]["name"] not in chosen]
+        cost = str(removal_cost(kept))
+        done: list[str] = []
+        try:
+            for pod in chosen:
+                try:
+                    await asyncio.to_thread(self.kube.annotate_pod, ns, pod,
+                                            {DELETION_COST: cost, DRAINING: "true"})
+                except ApiException as exc:
+                    if exc.status != 404:
+                        raise
+                    continue  # gone meanwhile: one fewer to mark
+                done.append(pod)
+        except BaseException:
+            await self._unmark(ns, done, quiet=True)
+            raise
+        return done
+
+    async def _unmark(self, ns: str, pods: list[str], quiet: bool = False) -> None:
+        """Take our marks off ``pods``. ``quiet``: best effort, on the way out of a
+        failed write (a mark left behind is stale and goes at the next tick)."""
+        for pod in pods:
+            try:
+                await asyncio.to_thread(self.kube.annotate_pod, ns, pod,
+                                        {DELETION_COST: None, DRAINING: None})
+            except ApiException as exc:
+                if exc.status != 404 and not quiet:
+                    raise
+            except Exception:
+                if not quiet:
+                    raise
+                log.warning("%s/%s: scale-down mark left for the next tick", ns, pod)
+
+    async def _unmark_stale(self, ns: str, live: list[dict[str, Any]], replicas: int,
+                            chosen: list[str]) -> None:
+        """Unmark live pods (as listed this tick) that no scale-down takes any more."""
+        marked = [p["metadata"]["name"] for p in live if _annotation(p, DRAINING) == "true"]
+        stale = stale_marks(marked, len(live), replicas, chosen)
+        if stale:
+            log.info("%s: unmarking %s (no scale-down takes them)", ns, ", ".join(stale))
+            await self._unmark(ns, stale)
 
     async def _write_status(self, key: tuple[str, str], old: AutoscalingStatus, agg: Aggregate,
                             desired: int, decision: str, reason: str) -> None:

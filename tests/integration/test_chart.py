@@ -52,6 +52,7 @@ NAMESPACED_RULES = {
     *{("", r, v) for r in ("services", "configmaps")
       for v in ("get", "list", "watch", "patch", "create")},
     *{("", "pods", v) for v in ("list", "watch")},
+    ("", "pods", "patch"),  # the autoscaler's scale-down marks (deletion cost, draining)
     ("", "secrets", "get"),
     ("", "events", "create"),
     *{("monitoring.coreos.com", "servicemonitors", v) for v in ("get", "patch", "create")},
@@ -490,6 +491,7 @@ def test_operator_runs_as_the_chart_service_account(helm, cluster, api, namespac
                ["patch", "inferencedeployments.spillway.dev", "-n", work, "--subresource",
                 "scale"],
                ["create", "events", "-n", work], ["get", "secrets", "-n", work],
+               ["patch", "pods", "-n", work],
                ["watch", "customresourcedefinitions.apiextensions.k8s.io"],
                *[[v, "leases.coordination.k8s.io", "-n", release_ns]
                  for v in ("get", "create", "update")]]
@@ -497,7 +499,9 @@ def test_operator_runs_as_the_chart_service_account(helm, cluster, api, namespac
     denied = [["delete", "deployments.apps", "-n", work],
               ["update", "deployments.apps", "-n", work],
               ["create", "pods", "-n", work], ["delete", "pods", "-n", work],
-              ["get", "pods", "-n", work],
+              ["get", "pods", "-n", work], ["update", "pods", "-n", work],
+              ["patch", "pods", "-n", work, "--subresource", "status"],
+              ["create", "pods", "-n", work, "--subresource", "eviction"],
               ["create", "pods", "-n", work, "--subresource", "exec"],
               ["get", "pods", "-n", work, "--subresource", "log"],
               ["list", "secrets", "-n", work], ["watch", "secrets", "-n", work],
@@ -623,6 +627,9 @@ def test_operator_runs_as_the_chart_service_account(helm, cluster, api, namespac
     assert ("Starting the watch-stream for namespaces.v1" in logtext) == namespaced
     if namespaced:  # the autoscaler's write went through this ServiceAccount
         assert re.search(rf'"PATCH /apis/{GROUP}/{VERSION}/namespaces/{work}/{PLURAL}/gemma/scale'
+                         r' HTTP/1\.1" 200', logtext), logtext[-4000:]
+        # ... and so did its mark on the pod that went (before the scale write).
+        assert re.search(rf'"PATCH /api/v1/namespaces/{work}/pods/gemma-[a-z0-9-]+'
                          r' HTTP/1\.1" 200', logtext), logtext[-4000:]
 
     # Uninstall: no operator object is left; the CRD (and so users' objects) stays.

@@ -75,7 +75,9 @@ runs the operator with this ServiceAccount's token against a real API server.
   a non-resource URL every authenticated user may read).
 - pods list, watch: readiness of the engine pods (list by selector, which also gives the
   autoscaler the pod IPs it scrapes directly, without the API server's proxy) and kopf's
-  watch.
+  watch. pods patch: before a scale-down the autoscaler annotates the pods that should go
+  (controller.kubernetes.io/pod-deletion-cost, spillway.dev/draining) and takes stale
+  marks off again; no get (the list gives the pods), no create, delete or subresources.
 - secrets get: the optional Hugging Face token Secret named in a spec. The name is the
   user's choice, so resourceNames cannot narrow it; no list or watch is granted.
 - events create: the operator's own Events on InferenceDeployments.
@@ -98,7 +100,7 @@ Events, pods/exec, pods/log, nodes, and any write to the InferenceDeployment's s
   verbs: ["get", "list", "watch", "patch", "create"]
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["list", "watch"]
+  verbs: ["list", "watch", "patch"]
 - apiGroups: [""]
   resources: ["secrets"]
   verbs: ["get"]
