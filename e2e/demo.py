@@ -12,15 +12,21 @@ manager, Spillway's plan check and host offloader, with only the GPU emulated (n
 weights, no forward pass; steps timed as an 8B model on an H100). A pod turns Ready
 when its engine answers /health.
 
-The load is a closed loop of clients that share 16 long prompt prefixes, spread
-over the ready pods as their Service would. The emulated GPU holds fewer of them
-than the clients ask for, so prefixes are pushed out of the GPU and come back from
-the host pool. The demo prints the plan, vLLM's start-up lines and the plan check
-from a pod, the pressure and replicas as the operator's autoscaler sees them, and,
-from the pods' own /metrics, host-hit tokens and their share of the prompt tokens,
-the pool fill and the emulator's KV mismatch count (pages loaded from the host that
-differ from what recomputation writes; it must stay 0). Exit status 1 if no prompt
-token came from the host tier or any page mismatched. Ctrl-C stops everything.
+The load is a closed loop of clients that share 16 long prompt prefixes, sent
+through ``spillway-router`` (run here as a process watching the demo's namespace,
+as the chart runs it in a cluster): it follows each pod's KV events (on by default,
+each engine's publisher bound on its pod IP) and sends every request to the pod
+holding the longest part of its prefix, on the GPU or in the host tier; cold
+prefixes go by consistent hashing with bounded load. The emulated GPU holds fewer
+prefixes than the clients ask for, so prefixes are pushed out of the GPU and come
+back from the host pool. The demo prints the plan, vLLM's start-up lines and the
+plan check from a pod, the pressure and replicas as the operator's autoscaler sees
+them, and, from the pods' own /metrics, host-hit tokens and their share of the
+prompt tokens, the pool fill and the emulator's KV mismatch count (pages loaded from
+the host that differ from what recomputation writes; it must stay 0), then a table
+per replica: requests the router sent it (by prefix / cold), and its GPU and host
+prefix-cache hit rates. Exit status 1 if no prompt token came from the host tier or
+any page mismatched. Ctrl-C stops everything.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import os
 import random
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -130,6 +137,36 @@ def scrape(ip: str) -> dict[str, float] | None:
     return out
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def router_routed(url: str) -> dict[str, dict[str, float]]:
+    """pod -> {reason: requests} from spillway-router's /metrics ({} when unreachable)."""
+    try:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=3) as r:
+            text = r.read().decode()
+    except OSError:
+        return {}
+    out: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "spillway_router_requests_total":
+                by = out.setdefault(s.labels["pod"], {})
+                by[s.labels["reason"]] = by.get(s.labels["reason"], 0.0) + s.value
+    return out
+
+
+def router_ready(url: str) -> int:
+    try:
+        with urllib.request.urlopen(f"{url}/healthz", timeout=3) as r:
+            return sum(json.loads(r.read())["ready_pods"].values())
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
 def share(part: float, whole: float) -> str:
     return f"{100 * part / whole:.1f}%" if whole > 0 else "-"
 
@@ -137,8 +174,8 @@ def share(part: float, whole: float) -> str:
 @dataclass
 class Load:
     """Closed-loop clients: each sends a completion (one of the shared prefixes plus a
-    unique question, as token ids), waits for it, and sends the next, to the ready
-    pods in turn."""
+    unique question, as token ids), waits for it, and sends the next, to ``urls`` in
+    turn (the router's)."""
 
     model: str
     clients: int
@@ -218,15 +255,20 @@ class Pods:
                 f"{t('loaded') / 2**20:.1f} MiB loaded from host, "
                 f"{t('stored') / 2**20:.1f} MiB stored, KV mismatches {t('mismatch'):.0f}")
 
-    def table(self) -> None:
-        say("per replica, from each pod's /metrics (vLLM's and Spillway's):")
-        print(f"  {'pod':<46} {'requests':>8} {'prompt tok':>10} {'GPU hit':>8} "
-              f"{'host hit':>8} {'host lookup hit':>15} {'pool used/cap':>13} "
+    def table(self, routed: dict[str, dict[str, float]]) -> None:
+        say("per replica: requests spillway-router sent it (by prefix held / cold), and "
+            "from its own /metrics (vLLM's and Spillway's) its requests and prefix-cache "
+            "hit rates, GPU and host, as shares of its prompt tokens:")
+        print(f"  {'pod':<50} {'routed prefix/cold':>18} {'requests':>8} {'prompt tok':>10} "
+              f"{'GPU hit':>8} {'host hit':>8} {'host lookup hit':>15} {'pool used/cap':>13} "
               f"{'evictions':>9} {'mismatch':>8}", flush=True)
         rows = [*self.last.items(), ("total", {k: self.total(k) for k in SERIES})]
         for name, v in rows:
             label = f"{name} (scaled away)" if name in self.gone else name
-            print(f"  {label:<46} {v['requests']:>8.0f} {v['prompt']:>10.0f} "
+            by = routed.get(name, {}) if name != "total" else {
+                r: sum(p.get(r, 0.0) for p in routed.values()) for r in ("prefix", "cold")}
+            via = f"{by.get('prefix', 0):.0f}/{by.get('cold', 0):.0f}"
+            print(f"  {label:<50} {via:>18} {v['requests']:>8.0f} {v['prompt']:>10.0f} "
                   f"{share(v['gpu_hits'], v['prompt']):>8} "
                   f"{share(v['host_hits'], v['prompt']):>8} "
                   f"{share(v['host_hits'], v['lookup']):>15} "
@@ -266,6 +308,7 @@ def main() -> int:
     cluster = LocalCluster(ClusterConfig(workdir=WORKDIR, ports=Ports.from_base(17380), nodes=2,
                                          pod_net=free_pod_net()))
     procs: list[subprocess.Popen] = []
+    router_url = ""
     fleet: SimulatorFleet | None = None
     load: Load | None = None
     stopping = False
@@ -336,6 +379,18 @@ def main() -> int:
 
         fleet = SimulatorFleet(api, NAMESPACE, name, engine="emulated",
                                model_dirs={model: model_dir}).__enter__()
+        # The router as the chart runs it: it watches the namespace's engine pods,
+        # reads their plans, and follows their KV events.
+        router_port = free_port()
+        router_url = f"http://127.0.0.1:{router_port}"
+        router_log = open(WORKDIR / "router.log", "wb")  # noqa: SIM115 (the process holds it)
+        procs.append(subprocess.Popen(
+            [str(Path(sys.executable).with_name("spillway-router")), "--host", "127.0.0.1",
+             "--port", str(router_port), "--kube-namespace", NAMESPACE, "--probe-interval", "1"],
+            stdout=router_log, stderr=subprocess.STDOUT,
+            env={**os.environ, "KUBECONFIG": str(cluster.config.kubeconfig)}))
+        say(f"spillway-router on {router_url} (log: {WORKDIR / 'router.log'}), watching "
+            f"{NAMESPACE}'s engine pods and their KV events")
         say(f"each pod runs its container's command on its IP: {' '.join(command)}  (vLLM's "
             "real server; an engine takes a minute or more to start on a shared CPU)")
         load = Load(model, args.clients)
@@ -367,20 +422,18 @@ def main() -> int:
                     say(f"pod {pod} serves after {now - sim.started:.0f}s: "
                         f"{check.split('] ', 1)[-1]}")
             if burst_start is None:
-                if urls:
+                if urls and router_ready(router_url):
                     burst_start = now
-                    load.urls = urls
+                    load.urls = [router_url]
                     load.start()
                     say(f"load: {args.clients} clients for {args.burst_seconds:g}s or more, each "
                         f"sending one of {PREFIXES} shared {PREFIX_TOKENS}-token prefixes + a "
                         f"{QUESTION_TOKENS}-token question ({MAX_TOKENS} tokens out), "
-                        "to the ready pods in turn")
+                        "through spillway-router")
                 elif now - start > args.start_timeout:
                     tails = {p: fleet.log_text(p)[-1500:] for p in fleet.sims}
                     raise ClusterError(f"no engine served within {args.start_timeout:g}s: "
                                        f"{tails}")
-            else:
-                load.urls = urls
             # The burst runs on (up to twice as long) until the pods a scale-up asked
             # for have served it for 30 s.
             if o["spec"]["replicas"] > st.get("readyReplicas", 0):
@@ -427,7 +480,7 @@ def main() -> int:
             return 0
         pods.update(fleet)
         say(pods.summary())
-        pods.table()
+        pods.table(router_routed(router_url))
         hits, mismatches = pods.total("host_hits"), pods.total("mismatch")
         ok = hits > 0 and mismatches == 0
         say(f"{'OK' if ok else 'FAILED'}: host-hit tokens {hits:.0f} (> 0 expected), "
