@@ -883,3 +883,13 @@ def test_serve_binds_events_on_the_pod_ip(tmp_path, capsys, monkeypatch):
     _exe, argv, env = fake.calls[-1]
     assert json.loads(flag(argv, "--kv-events-config"))["endpoint"] == "tcp://*:5557"
     assert "VLLM_HOST_IP" not in env
+
+
+def test_a_hash_seed_is_noted_for_the_router(tmp_path, capsys, monkeypatch):
+    path = write(tmp_path, plan_for(LLAMA, offloader="upstream"), {"model": "m"})
+    monkeypatch.setenv("PYTHONHASHSEED", "42")
+    code, _, err = run(capsys, "serve", "--plan", str(path), "--dry-run")
+    assert code == 0 and "spillway-router --hash-seed 42" in err
+    monkeypatch.delenv("PYTHONHASHSEED")
+    code, _, err = run(capsys, "serve", "--plan", str(path), "--dry-run")
+    assert code == 0 and "--hash-seed" not in err

@@ -659,6 +659,11 @@ def serve_main(argv: Sequence[str]) -> int:
     cmd, notes = build_command(
         plan, options, host=args.host, port=args.port, extra_args=args.extra, events_ip=events_ip
     )
+    seed = os.environ.get("PYTHONHASHSEED")
+    if seed is not None and "--prefix-caching-hash-algo" in cmd:
+        # vLLM seeds the first block hash with it instead of "vllm-none-hash"
+        notes.append(f"KV events: block hashes seeded by PYTHONHASHSEED={seed} (give "
+                     f"spillway-router --hash-seed {seed})")
     emulated_env: dict[str, str] = {}
     plugins = [ENTRY_POINT_NAME]
     if args.emulate_gpu:
