@@ -264,23 +264,12 @@ def test_gemma4_full_layers_take_their_own_heads_and_bigger_blocks():
 
 
 @pytest.mark.parametrize("gpu", ["h100", "h200"])
-def test_gemma4_on_hopper_is_refused(gpu: str):
-    """Not a vLLM refusal: vLLM runs Gemma 4 on Hopper with FlashAttention 4, whose page
-    sizes the CPU cannot reproduce (no FA4 build); the planner says so instead of guessing."""
-    with pytest.raises(PlanRefused, match="FlashAttention 4"):
-        plan_for(Case(GEMMA4, gpu=gpu))
-
-
-def test_sparse_mla_is_refused_by_the_planner_by_name(frontier_layouts: FrontierLayouts):
-    """Not a vLLM refusal: vLLM 0.33.0 serves DeepSeek-V3.2 on Hopper with sparse-MLA
-    kernels (an indexer cache beside each latent). On the CPU the harness has no stand-in
-    for them, so vLLM's build fails inside the sparse backend, not with a refusal; the
-    planner refuses with the reason instead of planning a layout it cannot check."""
-    case = Case("deepseek-v3.2-exp", 8)
-    built = frontier_layouts.get(case, "FLASH_ATTN_MLA")
-    assert isinstance(built, Exception) and "topk_indices_buffer" in str(built)
-    with pytest.raises(PlanRefused, match="lightning-indexer"):
-        plan_for(case)
+def test_gemma4_with_fp8_kv_on_hopper_is_refused(gpu: str):
+    """Not a vLLM refusal: with an FP8 cache on SM90 vLLM mixes FA3 (sliding layers) and
+    FA4 with fixed 64-token FP8 pages (head-512 full layers); the planner says so. The
+    16-bit cache on Hopper plans (``test_sparse_and_hopper_groups_match_vllm``)."""
+    with pytest.raises(PlanRefused, match="FA4 with fixed 64-token FP8 pages"):
+        plan_for(Case(GEMMA4, gpu=gpu, kv_cache_dtype="fp8"))
 
 
 @pytest.mark.parametrize("case", MTP_CASES, ids=str)
@@ -518,3 +507,137 @@ def test_engine_plan_check_passes_a_drafter_plan(case: Case, drafter_layouts: Dr
                               for g in plan.kv_groups]}
     )
     assert [m.field for m in plan_check.compare(wrong, observed)] == ["kv_groups[0].page_bytes"]
+
+
+# --- DeepSeek sparse attention (DeepSeek-V3.2, GLM-5) and Gemma 4 on Hopper ----------
+#
+# vLLM builds DSA models on Hopper with sparse-MLA kernels the CPU cannot import
+# (FlashAttention's sparse MLA needs CUDA). Reconstructed here: the layers are built by
+# vLLM's own model class (on a CPU, ``DeepseekV3ForCausalLM``/``GlmMoeDsaForCausalLM``
+# of deepseek_v2.py, whose attention, Indexer and DeepseekV32IndexerCache match the CUDA
+# module's) with vLLM's FLASHMLA_SPARSE backend class standing in for
+# FLASH_ATTN_MLA_SPARSE (both MultipleOf(64), both align 16-bit blocks to rows; its
+# impl needs a workspace, made on the CPU). The specs are the layers' own
+# get_kv_cache_spec customised by those classes, grouped by vLLM's planning code.
+DSV32 = "deepseek-v3.2-exp"
+GLM5 = "glm-5"
+SPARSE_CASES = [
+    Case(DSV32),
+    Case(DSV32, 2),
+    Case(DSV32, 4),
+    Case(DSV32, 8),
+    Case(DSV32, 8, kv_cache_dtype="fp8"),  # FLASHMLA_SPARSE, fp8_ds_mla 656 B a token
+    Case(DSV32, 4, kv_cache_dtype="fp8"),
+    Case(DSV32, 8, block_size=128),
+    Case(DSV32, 8, gpu="h200"),
+    Case(GLM5, 4),
+    Case(GLM5, 8),
+    Case(GLM5, 8, kv_cache_dtype="fp8"),
+    # MTP heads build a full indexer too: one more key + latent pair in the group
+    Case(DSV32, 8, speculative_method="mtp", num_speculative_tokens=1),
+    Case(GLM5, 8, speculative_method="mtp", num_speculative_tokens=2),
+]
+# Gemma 4 on Hopper with a 16-bit cache: Gemma4Config forces FA4 (shipped in vLLM's
+# vllm_flash_attn/cute) for every layer; its pages are MultipleOf(16) on SM90 (the
+# 128-token hd256 pages are SM100/110 only, the 64-token ones FP8 only), so the
+# FLASH_ATTN class's rule on a CPU is Hopper's.
+GEMMA4_HOPPER_CASES = [
+    Case(GEMMA4),
+    Case(GEMMA4, 2),
+    Case(GEMMA4, 8, gpu="h200"),
+    Case(GEMMA4_E2B),
+]
+
+
+def _cpu_workspace() -> None:
+    # FlashMLA's sparse impl reserves its prefill workspace when a layer is built.
+    import torch
+    from vllm.v1.worker.workspace import init_workspace_manager, is_workspace_manager_initialized
+
+    if not is_workspace_manager_initialized():
+        init_workspace_manager(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("case", SPARSE_CASES + GEMMA4_HOPPER_CASES, ids=str)
+def test_sparse_and_hopper_groups_match_vllm(case: Case, frontier_layouts: FrontierLayouts):
+    plan = plan_for(case)
+    _cpu_workspace()
+    built = vllm_for(frontier_layouts, case, plan)
+    assert planned_groups_as_vllm(plan) == built.groups
+    assert plan.block_size == built.block_size
+    assert plan.model.num_cache_layers == len(built.layer_names)
+    for bpc in BLOCKS_PER_CHUNK:
+        planned = plan_for(case, blocks_per_chunk=bpc)
+        off = built.offload(
+            {"cpu_bytes_to_use": POOL, "blocks_per_chunk": planned.blocks_per_chunk}
+        )
+        assert planned.tokens_per_hash == off["tokens_per_hash"]
+        assert planned.worker_bytes_per_block == off["worker_bytes_per_block"]
+        up = planned.upstream
+        assert up is not None
+        assert up.replicated_layout == off["replicated_layout"]
+        assert (up.row_bytes, up.num_chunks) == (off["row_bytes"], off["num_chunks"])
+        assert up.gauge_tokens == off["gauge_tokens"]
+        assert [g.tokens_per_block for g in up.groups] == off["group_tokens_per_block"]
+
+
+def test_sparse_mla_layout_is_one_group_of_latents_and_indexer_keys(
+    frontier_layouts: FrontierLayouts,
+):
+    """DeepSeek-V3.2: 61 latents (576 x bf16) and 61 indexer keys (128 uint8 + 4 B of
+    scales), one mixed-page MLA group on 64-token blocks; fp8 is FlashMLA's 656 B."""
+    plan = plan_for(Case(DSV32, 8))
+    assert plan.gpu.attention_backend == "FLASH_ATTN_MLA_SPARSE"
+    (group,) = plan.kv_groups
+    assert group.kind == "mla" and group.tokens_per_block == 64
+    assert group.layer_page_bytes == [132 * 64, 576 * 2 * 64] * 61
+    fp8 = plan_for(Case(DSV32, 8, kv_cache_dtype="fp8"))
+    assert fp8.gpu.attention_backend == "FLASHMLA_SPARSE"
+    assert fp8.kv_groups[0].layer_page_bytes[:2] == [132 * 64, 656 * 64]
+
+
+@pytest.mark.parametrize("gpu", ["a100", "l40s"])
+def test_sparse_mla_off_hopper_is_refused_as_vllm_refuses(gpu: str):
+    """vLLM's CUDA selector for MLA on SM8x (platforms/cuda.py, which does not import on a
+    CPU) lists the dense MLA backends, which reject use_sparse, then FLASH_ATTN_MLA_SPARSE
+    (supports_compute_capability: major == 9, its module needs CUDA), FLASHMLA_SPARSE and
+    FLASHINFER_MLA_SPARSE_SM90; none is valid, so vLLM stops with 'No valid attention
+    backend found'. The two sparse classes that import on a CPU are asked here."""
+    from vllm.platforms.interface import DeviceCapability
+    from vllm.v1.attention.backends.mla.triton_mla import TritonMLABackend
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum as B
+
+    cap = DeviceCapability(8, 9 if gpu == "l40s" else 0)
+    for backend in (B.FLASHMLA_SPARSE, B.FLASHINFER_MLA_SPARSE_SM90):
+        assert not backend.get_class().supports_compute_capability(cap)
+        assert backend.get_class().supports_compute_capability(DeviceCapability(9, 0))
+    assert not TritonMLABackend.is_sparse()  # the dense MLA backend SM8x would run
+    with pytest.raises(PlanRefused, match="No valid attention backend found"):
+        plan_for(Case(DSV32, 8, gpu=gpu))
+
+
+def test_sparse_mla_with_an_unmodelled_fp8_variant_is_refused():
+    # fp8_e4m3 is not FLASHMLA_SPARSE's (its list: auto, bfloat16, fp8_ds_mla, fp8,
+    # nvfp4_ds_mla), so vLLM falls to FLASHINFER_MLA_SPARSE_SM90, not modelled
+    from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseBackend
+
+    assert "fp8_e4m3" not in FlashMLASparseBackend.supported_kv_cache_dtypes
+    with pytest.raises(PlanRefused, match="FLASHINFER_MLA_SPARSE_SM90"):
+        plan_for(Case(DSV32, 8, kv_cache_dtype="fp8_e4m3"))
+
+
+@pytest.mark.parametrize(
+    ("arch", "reason"),
+    [("Glm5NextForCausalLM", "CircularBufferSpec"), ("DeepseekV4ForCausalLM", "256-token")],
+)
+def test_other_sparse_families_are_refused_with_the_reason(arch: str, reason: str):
+    """Not vLLM refusals: vLLM serves both; their cache kinds are not modelled, and the
+    planner names them."""
+    from vllm.model_executor.models.registry import _TEXT_GENERATION_MODELS
+
+    assert arch in _TEXT_GENERATION_MODELS
+    with pytest.raises(PlanRefused, match=reason):
+        make_plan(
+            {"architectures": [arch], "num_hidden_layers": 2},
+            PlanRequest(cpu_memory_bytes=POOL),
+        )

@@ -23,7 +23,13 @@ from vllm.v1.worker.utils import customize_attention_spec
 
 #: The backend vLLM 0.33 picks on a GPU the planner does not name (its default).
 DEFAULT_BACKEND = "FLASH_ATTN"
-MLA_BACKENDS = ("FLASH_ATTN_MLA", "TRITON_MLA", "FLASHMLA")
+MLA_BACKENDS = (
+    "FLASH_ATTN_MLA",
+    "TRITON_MLA",
+    "FLASHMLA",
+    "FLASH_ATTN_MLA_SPARSE",
+    "FLASHMLA_SPARSE",
+)
 #: GPUs whose FlashInfer GDN prefill kernel checkpoints every 64 tokens (SM90).
 _GDN_64_GPUS = ("h100", "h200")
 
@@ -63,6 +69,10 @@ _BACKENDS = {
 BACKEND_PATHS: Mapping[str, str] = {
     **{name: backend.get_path() for name, backend in _BACKENDS.items()},
     "FLASHMLA": f"{__name__}.FlashMLAStandIn",
+    # Sparse MLA: FlashMLA's sparse backend imports on a CPU (FlashAttention's needs
+    # CUDA); both run MultipleOf(64) blocks and align 16-bit blocks to whole rows.
+    "FLASHMLA_SPARSE": AttentionBackendEnum.FLASHMLA_SPARSE.get_path(),
+    "FLASH_ATTN_MLA_SPARSE": AttentionBackendEnum.FLASHMLA_SPARSE.get_path(),
 }
 
 

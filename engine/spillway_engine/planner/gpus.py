@@ -35,6 +35,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from spillway_engine.planner.shape import UnsupportedModel
+
 GdnKernel = Literal["flashinfer", "triton"]
 
 
@@ -70,6 +72,14 @@ FLASHINFER = Backend("FLASHINFER", KernelBlocks(16))
 FLASH_ATTN_MLA = Backend("FLASH_ATTN_MLA", KernelBlocks(16))
 FLASHMLA = Backend("FLASHMLA", KernelBlocks(64, fixed=True))
 TRITON_MLA = Backend("TRITON_MLA", KernelBlocks(16))
+# Sparse MLA (DeepSeek sparse attention) on SM90: the first of FLASH_ATTN_MLA_SPARSE,
+# FLASHMLA_SPARSE, FLASHINFER_MLA_SPARSE_SM90 that takes the KV dtype; each runs
+# MultipleOf(64) kernel blocks (v1/attention/backends/mla/*sparse*.py).
+FLASH_ATTN_MLA_SPARSE = Backend("FLASH_ATTN_MLA_SPARSE", KernelBlocks(64))
+FLASHMLA_SPARSE = Backend("FLASHMLA_SPARSE", KernelBlocks(64))
+#: FLASHMLA_SPARSE serves an fp8 KV cache as fp8_ds_mla: 512 fp8 NoPE + 16 B scales +
+#: 64 bf16 RoPE = 656 B a token (MLAAttention.get_kv_cache_spec, state_content_bytes)
+FP8_DS_MLA_BYTES_PER_TOKEN = 656
 
 #: FlashInfer GDN prefill checkpoint grid (vllm/v1/attention/backends/gdn_attn.py).
 FLASHINFER_GDN_CHECKPOINT_ALIGNMENT = 64
@@ -110,6 +120,27 @@ class Gpu:
         if block_size is None or FLASHMLA.blocks.accepts(block_size):
             return FLASHMLA
         return TRITON_MLA
+
+    def sparse_mla_backend(self, *, kv_cache_dtype: str) -> Backend:
+        """The sparse-MLA backend (platforms/cuda.py ``_get_backend_priorities``)."""
+        if self.compute_capability[0] != 9:
+            # Every sparse-MLA backend in the SM8x list needs SM90 (or SM100): the
+            # selector finds none and vLLM stops.
+            raise UnsupportedModel(
+                f"sparse MLA on {self.name} (SM{self.compute_capability[0]}"
+                f"{self.compute_capability[1]}): vLLM 0.33.0 refuses it (No valid attention "
+                "backend found: FLASH_ATTN_MLA_SPARSE, FLASHMLA_SPARSE and "
+                "FLASHINFER_MLA_SPARSE_SM90 need compute capability 9.x)"
+            )
+        if kv_cache_dtype in ("auto", "bfloat16", "float16"):
+            return FLASH_ATTN_MLA_SPARSE
+        if kv_cache_dtype == "fp8":
+            return FLASHMLA_SPARSE  # FlashAttention's sparse MLA has 16-bit KV only
+        raise UnsupportedModel(
+            f"sparse MLA with kv-cache dtype {kv_cache_dtype!r} on {self.name}: vLLM 0.33.0 "
+            "runs it on FLASHINFER_MLA_SPARSE_SM90 (plain fp8 latents), which is not "
+            "modelled; use 'fp8' (FLASHMLA_SPARSE's fp8_ds_mla) or a 16-bit cache"
+        )
 
     @property
     def gdn_prefill_kernel(self) -> GdnKernel:

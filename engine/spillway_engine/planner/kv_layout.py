@@ -28,7 +28,14 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from spillway_engine.arith import cdiv
-from spillway_engine.planner.gpus import Backend, Gpu, KernelBlocks
+from spillway_engine.planner.gpus import (
+    FLASH_ATTN,
+    FLASHMLA_SPARSE,
+    FP8_DS_MLA_BYTES_PER_TOKEN,
+    Backend,
+    Gpu,
+    KernelBlocks,
+)
 from spillway_engine.planner.shape import (
     DTYPE_BYTES,
     KV_CACHE_DTYPES,
@@ -145,17 +152,25 @@ def _backend(
 ) -> Backend | None:
     if not any(layer.kind != "mamba" for layer in shape.layers):
         return None
+    if shape.sparse_mla:
+        return gpu.sparse_mla_backend(kv_cache_dtype=kv_cache_dtype)
     if shape.mla_latent:
         return gpu.mla_backend(kv_cache_dtype=kv_cache_dtype, block_size=block_size)
     if any(layer.head_size not in (None, shape.head_size) for layer in shape.layers):
-        if gpu.generation == "hopper":
-            raise UnsupportedModel(
-                f"{shape.architecture} with per-layer head sizes on {gpu.name}: vLLM 0.33.0 "
-                "runs FlashAttention 4 there, whose kernel page sizes (128-token pages for "
-                "head size 256, 64 with an FP8 KV cache) are not modelled; plan for an "
-                "Ampere or Ada GPU, where vLLM forces TRITON_ATTN"
-            )
-        return TRITON_ATTN
+        if gpu.generation != "hopper":
+            return TRITON_ATTN
+        # Gemma4Config on SM90: FA4 (shipped with vLLM's FlashAttention) for every layer,
+        # MultipleOf(16) pages (its 128-token hd256 pages are SM100 only)...
+        if kv_cache_dtype in ("auto", "bfloat16", "float16"):
+            return FLASH_ATTN
+        # ...but with an FP8 cache FA3 for the sliding layers and FA4 (64-token FP8
+        # pages, head size 512) for the full ones
+        raise UnsupportedModel(
+            f"{shape.architecture} with per-layer head sizes and an FP8 KV cache on "
+            f"{gpu.name}: vLLM 0.33.0 runs FA3 on the sliding layers and FA4 with fixed "
+            "64-token FP8 pages on the head-512 full layers; that mix is not modelled "
+            "(a 16-bit KV cache on Hopper, or FP8 on Ampere/Ada, is)"
+        )
     return gpu.attention_backend(
         mm_prefix=shape.mm_prefix, kv_cache_dtype=kv_cache_dtype, sinks=shape.sinks
     )
@@ -200,9 +215,13 @@ def compute_layout(shape: ModelShape, gpu: Gpu, request: LayoutRequest) -> KVLay
             "replicated head"
         )
     per_token = kv_heads * (shape.head_size + shape.head_size_v) * kv_bytes
+    if backend is FLASHMLA_SPARSE and kv_dtype in ("fp8", "fp8_e4m3"):
+        per_token = FP8_DS_MLA_BYTES_PER_TOKEN  # FlashMLA's sparse fp8_ds_mla format
 
     def layer_per_token(layer: LayerKind) -> int:
         """Attention bytes per token of a layer with its own heads (else the model's)."""
+        if layer.bytes_per_token is not None:
+            return layer.bytes_per_token
         if layer.num_kv_heads is None and layer.head_size is None:
             return per_token
         heads = shape.num_kv_heads if layer.num_kv_heads is None else layer.num_kv_heads
@@ -432,7 +451,7 @@ def _group(specs: list[_Spec], notes: list[str]) -> tuple[KVGroup, ...]:
         # UniformTypeKVCacheSpecs: one group whose layers' pages differ; its spec's
         # page is their sum, and a block holds each layer's own page.
         s = specs[0]
-        if s.kind in ("mamba", "mla"):
+        if s.kind == "mamba":  # MLA: sparse latents beside indexer keys (DeepSeek-V3.2)
             raise UnsupportedModel(f"{s.kind} layers with different page sizes are not modelled")
         pages = tuple(spec.page_bytes for spec in specs)
         notes.append(

@@ -46,6 +46,9 @@ class LayerKind:
     #: this layer's own KV heads / head size where they differ from the model's (Gemma 4)
     num_kv_heads: int | None = None
     head_size: int | None = None
+    #: bytes per token of a cache with its own fixed format, whatever the KV dtype and
+    #: TP (the sparse-attention indexer's uint8 keys and scales, DeepSeek-V3.2)
+    bytes_per_token: int | None = None
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,8 @@ class ModelShape:
     head_size: int = 0
     head_size_v: int = 0
     mla_latent: int = 0
+    #: sparse MLA (DeepSeek sparse attention): the latents run on sparse-MLA kernels
+    sparse_mla: bool = False
     mamba: MambaState | None = None
     gdn: bool = False
     sinks: bool = False

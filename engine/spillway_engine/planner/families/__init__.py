@@ -11,6 +11,7 @@ from typing import Any
 
 from spillway_engine.planner.families import (
     deepseek_mla,
+    deepseek_sparse,
     dense,
     gemma,
     gemma4,
@@ -32,6 +33,7 @@ _ARCHITECTURES: dict[str, ShapeRule] = {
     **gpt_oss.ARCHITECTURES,
     **llama4.ARCHITECTURES,
     **deepseek_mla.ARCHITECTURES,
+    **deepseek_sparse.ARCHITECTURES,
     **qwen3_next.ARCHITECTURES,
     **jamba.ARCHITECTURES,
     **nemotron_h.ARCHITECTURES,
@@ -42,19 +44,18 @@ _ARCHITECTURES: dict[str, ShapeRule] = {
 
 SUPPORTED_ARCHITECTURES = tuple(sorted(_ARCHITECTURES))
 
-_SPARSE_MLA = (
-    "sparse MLA (DeepSeek sparse attention): vLLM 0.33.0 keeps a lightning-indexer key "
-    "cache beside every MLA latent and runs sparse-MLA kernels with their own page size; "
-    "that layout is not modelled yet"
-)
 #: Architectures vLLM 0.33.0 serves whose KV layout Spillway knows it does not reproduce.
 NOT_YET_MODELLED: dict[str, str] = {
-    "DeepseekV32ForCausalLM": _SPARSE_MLA,
-    "GlmMoeDsaForCausalLM": _SPARSE_MLA,
-    "Glm5NextForCausalLM": _SPARSE_MLA + " (GLM-5 Next's kpool indexer)",
+    "Glm5NextForCausalLM": (
+        "GLM-5 Next mixes KDA linear-attention states (with prefill checkpoints), NoPE "
+        "sparse MLA, a kpool-compressed indexer cache (tokens_per_state = index_kpool) "
+        "and a circular tail-buffer cache (CircularBufferSpec); none of these four "
+        "spec kinds is modelled yet"
+    ),
     "DeepseekV4ForCausalLM": (
-        "compressed sparse attention: per-layer compress ratios with compressor and "
-        "indexer caches on fixed 256-token kernel blocks; not modelled yet"
+        "compressed sparse attention: per-layer compress ratios with compressor, "
+        "sliding-window and indexer caches on fixed 256-token kernel blocks; not "
+        "modelled yet"
     ),
     "Gemma4ForConditionalGeneration": (
         "the multimodal Gemma 4 (a prefix-LM with a vision tower) is not modelled; the "
