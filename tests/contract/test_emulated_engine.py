@@ -326,6 +326,27 @@ def test_a_step_lasts_the_modelled_gpu_time(monkeypatch):
     assert slept == [pause]
 
 
+def test_an_idle_data_parallel_rank_steps_without_touching_the_cache(monkeypatch):
+    """vLLM runs a dummy step on an idle data-parallel rank while another is busy (the
+    DP 2 engine died on it before): it lasts a one-token step, at least 1 ms, and
+    reads or writes no request or page."""
+    from spillway_engine.emulator import latency
+    from spillway_engine.emulator import worker as worker_mod
+
+    worker = _bare_worker()
+    worker._gpu, worker._cost = latency.gpu_profile("h200"), latency.ModelCost.of(8e9)
+    before = [p.pages.copy() for p in worker._pages]
+    slept: list[float] = []
+    monkeypatch.setattr(worker_mod.time, "sleep", slept.append)
+    for speed in (0.0, 1.0):
+        worker._speed = speed
+        worker.execute_dummy_batch()
+    assert slept[0] == pytest.approx(0.001)
+    assert slept[1] == pytest.approx(latency.step_s(1, worker._gpu, worker._cost))
+    assert worker._requests == {} and worker._mismatches == 0
+    assert all((p.pages == b).all() for p, b in zip(worker._pages, before, strict=True))
+
+
 def _region_mapping(server: Server) -> Path:
     """The engine core's mapping of the host pool's shm region (its file is unlinked
     once every worker has mapped it; /proc/PID/map_files still reaches it)."""

@@ -78,6 +78,8 @@ logger = logging.getLogger("vllm.spillway.emulator")
 
 _MASK = (1 << 64) - 1
 _SEED = 0x5BD1E9955BD1E995
+#: Shortest dummy step of an idle data-parallel rank (see execute_dummy_batch).
+_IDLE_STEP_FLOOR_S = 0.001
 
 
 def mix64(*values: int) -> int:
@@ -358,6 +360,14 @@ class EmulatedGpuWorker(WorkerBase):
         pause = sleep_for(modelled, self._speed, time.perf_counter() - t0)
         if pause > 0:
             time.sleep(pause)
+
+    def execute_dummy_batch(self) -> None:
+        # Under data parallelism an idle engine runs a one-token step while another rank
+        # is busy, so the MoE collectives of a wave stay in step. The emulated model has
+        # no collectives: only the step's modelled time passes (at least 1 ms, so the
+        # idle rank does not spin a CPU core the busy one needs).
+        modelled = sleep_for(step_s(1, self._gpu, self._cost), self._speed)
+        time.sleep(max(modelled, _IDLE_STEP_FLOOR_S))
 
     def sample_tokens(self, grammar_output: Any) -> None:
         return None  # execute_model already answered with the sampled tokens
