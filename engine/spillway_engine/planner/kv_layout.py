@@ -24,6 +24,7 @@ Unsupported architectures raise :class:`UnsupportedModel` naming what is missing
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -277,24 +278,16 @@ def compute_layout(shape: ModelShape, gpu: Gpu, request: LayoutRequest) -> KVLay
             mamba_block = request.max_model_len
 
     specs: list[_Spec] = []
+    # One _Spec per LayerKind object (the family rules share one per kind of layer):
+    # grouping then buckets by identity instead of hashing each layer's dataclass.
+    made: dict[int, _Spec] = {}
     for layer in shape.layers:
-        if layer.kind == "mamba":
-            assert mamba_page is not None
-            specs.append(_Spec("mamba", mamba_block, mamba_padded or mamba_page))
-            continue
-        if layer.kind == "sliding_window" and shape.mla_latent:
-            raise UnsupportedModel("sliding-window MLA is not modelled")
-        layer_token = layer_per_token(layer)
-        specs.append(
-            _Spec(
-                layer.kind,
-                block,
-                block * layer_token,
-                layer.sliding_window,
-                layer.attention_chunk_size,
-                layer_token,
+        spec = made.get(id(layer))
+        if spec is None:
+            spec = made[id(layer)] = _layer_spec(
+                layer, shape, block, mamba_block, mamba_page, mamba_padded, layer_per_token
             )
-        )
+        specs.append(spec)
 
     groups = _group(specs, notes)
     tokens_per_hash = _tokens_per_hash(groups, mamba_mode)
@@ -414,8 +407,44 @@ def _drafter_layers(shape: ModelShape, request: LayoutRequest) -> tuple[LayerKin
     return (layer,) * len(draft.layers)
 
 
-def _unify_pages(specs: list[_Spec]) -> list[_Spec]:
+def _layer_spec(
+    layer: LayerKind,
+    shape: ModelShape,
+    block: int,
+    mamba_block: int,
+    mamba_page: int | None,
+    mamba_padded: int | None,
+    layer_per_token: Callable[[LayerKind], int],
+) -> _Spec:
+    """One layer's spec on one rank (``get_kv_cache_spec``)."""
+    if layer.kind == "mamba":
+        assert mamba_page is not None
+        return _Spec("mamba", mamba_block, mamba_padded or mamba_page)
+    if layer.kind == "sliding_window" and shape.mla_latent:
+        raise UnsupportedModel("sliding-window MLA is not modelled")
+    layer_token = layer_per_token(layer)
+    return _Spec(
+        layer.kind,
+        block,
+        block * layer_token,
+        layer.sliding_window,
+        layer.attention_chunk_size,
+        layer_token,
+    )
+
+
+def _distinct(specs: list[_Spec]) -> list[_Spec]:
+    """The distinct spec objects, in order of first use (equal ones may repeat)."""
+    return list({id(s): s for s in specs}.values())
+
+
+def _unify_pages(specs: list[_Spec], distinct: list[_Spec]) -> list[_Spec]:
     """``unify_kv_cache_spec_page_size``: grow smaller attention blocks, else pad."""
+    unified = dict(zip(map(id, distinct), _unify_distinct(distinct), strict=True))
+    return [unified[id(s)] for s in specs]
+
+
+def _unify_distinct(specs: list[_Spec]) -> list[_Spec]:
     largest = max(s.page_bytes for s in specs)
     out = []
     for s in specs:
@@ -435,7 +464,8 @@ def _unify_pages(specs: list[_Spec]) -> list[_Spec]:
 
 def _group(specs: list[_Spec], notes: list[str]) -> tuple[KVGroup, ...]:
     """``get_kv_cache_groups`` for the layer-outer (LBHNC) layout."""
-    if len(set(specs)) == 1:
+    distinct = _distinct(specs)
+    if len(set(distinct)) == 1:
         s = specs[0]
         return (
             KVGroup(
@@ -447,7 +477,11 @@ def _group(specs: list[_Spec], notes: list[str]) -> tuple[KVGroup, ...]:
                 s.attention_chunk_size,
             ),
         )
-    if len({(s.kind, s.block_size, s.sliding_window, s.attention_chunk_size) for s in specs}) == 1:
+    if (
+        len({(s.kind, s.block_size, s.sliding_window, s.attention_chunk_size)
+             for s in distinct})
+        == 1
+    ):
         # UniformTypeKVCacheSpecs: one group whose layers' pages differ; its spec's
         # page is their sum, and a block holds each layer's own page.
         s = specs[0]
@@ -469,10 +503,23 @@ def _group(specs: list[_Spec], notes: list[str]) -> tuple[KVGroup, ...]:
                 layer_page_bytes=pages,
             ),
         )
-    unified = _unify_pages(specs)
-    buckets: dict[_Spec, list[int]] = {}
+    unified = _unify_pages(specs, distinct)
+    # Layers by spec object, then objects merged by value (order of first use kept).
+    by_object: dict[int, tuple[_Spec, list[int]]] = {}
     for index, spec in enumerate(unified):
-        buckets.setdefault(spec, []).append(index)
+        entry = by_object.get(id(spec))
+        if entry is None:
+            by_object[id(spec)] = (spec, [index])
+        else:
+            entry[1].append(index)
+    buckets: dict[_Spec, list[int]] = {}
+    for spec, layers in by_object.values():
+        merged = buckets.setdefault(spec, [])
+        if merged:
+            merged.extend(layers)
+            merged.sort()
+        else:
+            merged.extend(layers)
     sizes = [len(v) for v in buckets.values()]
     group_size = min(sizes)
     if max(sizes) < group_size * 1.5:

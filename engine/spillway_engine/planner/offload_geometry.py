@@ -26,7 +26,6 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
-from fractions import Fraction
 from typing import Literal
 
 from spillway_engine.arith import cdiv, round_up
@@ -233,9 +232,10 @@ def upstream_geometry(layout: KVLayout, request: OffloadRequest) -> UpstreamGeom
         )
         for i, g in enumerate(layout.groups)
     )
-    # Every prefix token costs 1/tpc_g rows in each group (dense retention).
-    rows_per_token = sum(Fraction(1, g.tokens_per_chunk) for g in groups)
-    capacity = math.floor(num_chunks / rows_per_token)
+    # Every prefix token costs 1/tpc_g rows in each group (dense retention): over the
+    # common multiple L of the spans, sum(L / tpc_g) rows per L tokens (exact integers).
+    span = math.lcm(*(g.tokens_per_chunk for g in groups))
+    capacity = num_chunks * span // sum(span // g.tokens_per_chunk for g in groups)
     gauge = (
         num_chunks
         * request.max_model_len
@@ -270,20 +270,30 @@ def host_units(chunk_bytes: list[int]) -> tuple[int, list[int]]:
     """
     if not chunk_bytes or min(chunk_bytes) <= 0:
         raise ValueError("every group needs a positive chunk size")
-    smallest, total = min(chunk_bytes), sum(chunk_bytes)
-    best: tuple[Fraction, int, list[int]] | None = None
-    for split in range(1, MAX_UNITS_PER_CHUNK + 1):
-        unit = round_up(cdiv(smallest, split), ROW_ALIGNMENT)
-        units = [cdiv(b, unit) for b in chunk_bytes]
-        if max(units) > MAX_UNITS_PER_CHUNK:
+    # Fill is total / (unit x units): the least bytes taken fills best (first one on a
+    # tie), an exact fit takes exactly the total. Groups of equal chunks count once.
+    sizes: dict[int, int] = {}
+    for b in chunk_bytes:
+        sizes[b] = sizes.get(b, 0) + 1
+    smallest, largest, total = min(sizes), max(sizes), sum(chunk_bytes)
+    pairs = tuple(sizes.items())
+    best_unit = best_taken = 0
+    split = 1
+    while split <= MAX_UNITS_PER_CHUNK:
+        share = -(-smallest // split)  # cdiv and round_up inline: this loop is hot
+        unit = -(-share // ROW_ALIGNMENT) * ROW_ALIGNMENT
+        if -(-largest // unit) > MAX_UNITS_PER_CHUNK:
             break
-        fill = Fraction(total, unit * sum(units))
-        if best is None or fill > best[0]:
-            best = (fill, unit, units)
-        if fill == 1:
+        taken = unit * sum(n * -(-b // unit) for b, n in pairs)
+        if not best_unit or taken < best_taken:
+            best_unit, best_taken = unit, taken
+        if taken == total or unit == ROW_ALIGNMENT:
             break
-    assert best is not None
-    return best[1], best[2]
+        # the splits up to the next smaller unit give this unit again (the same fill,
+        # which cannot beat the best): go straight to the first one that does not
+        split = -(-smallest // (unit - ROW_ALIGNMENT))
+    assert best_unit
+    return best_unit, [-(-b // best_unit) for b in chunk_bytes]
 
 
 @dataclass(frozen=True)

@@ -356,9 +356,9 @@ def _validation_message(error: ValidationError, source: str) -> str:
     return f"plan {source}: {_field_name(first['loc'])}: {message}{more}"
 
 
-def _chunks(geometry: UpstreamGeometry | SpillwayGeometry) -> list[GroupChunkInfo]:
+def _chunks(geometry: UpstreamGeometry | SpillwayGeometry) -> list[dict[str, Any]]:
     return [
-        GroupChunkInfo(
+        dict(
             group_index=g.group_index,
             tokens_per_block=g.tokens_per_block,
             blocks_per_chunk=g.blocks_per_chunk,
@@ -477,18 +477,20 @@ def _make_plan(
         )
         chosen = _chosen_offload(request.offloader, upstream, spillway)
     pod = _sized_pod(chosen.region_bytes, workers, dp, limit, chosen.host_keys)
-    return Plan(
+    # One validation of nested dicts (pydantic's core walks them) instead of a model
+    # per group and chunk: a tenth of a millisecond on many-group models.
+    return Plan.model_validate(dict(
         vllm_version=VLLM_VERSION,
         spillway_version=__version__,
         gpu=_gpu_info(layout),
-        model=ModelInfo(
+        model=dict(
             name=request.model_name,
             architecture=layout.shape.architecture,
             model_type=layout.shape.model_type,
             dtype=layout.shape.dtype,
             num_cache_layers=len(layout.shape.layers),
         ),
-        parallelism=Parallelism(
+        parallelism=dict(
             tensor_parallel_size=request.tensor_parallel_size,
             pipeline_parallel_size=request.pipeline_parallel_size,
             data_parallel_size=dp,
@@ -513,7 +515,7 @@ def _make_plan(
         spillway=_spillway_info(spillway),
         kv_connector_extra_config=chosen.extra_config,
         kv_transfer_config=chosen.transfer_config,
-        pod=PodInfo(
+        pod=dict(
             shm_bytes=pod.shm_bytes,
             memory_request_bytes=pod.memory_request_bytes,
             memory_limit_bytes=pod.memory_limit_bytes,
@@ -529,7 +531,7 @@ def _make_plan(
         num_speculative_tokens=request.num_speculative_tokens if request.speculative_method else 0,
         speculative_model=request.speculative_model if request.speculative_method else None,
         draft_layer_indices=_draft_layers(layout),
-    )
+    ))
 
 
 def _pool_bytes(request: PlanRequest, workers: int, dp: int) -> int:
@@ -630,9 +632,9 @@ def _sized_pod(
     return pod
 
 
-def _gpu_info(layout: KVLayout) -> GpuInfo:
+def _gpu_info(layout: KVLayout) -> dict[str, Any]:
     gpu = layout.gpu
-    return GpuInfo(
+    return dict(
         name=gpu.name,
         product=gpu.product,
         generation=gpu.generation,
@@ -642,9 +644,9 @@ def _gpu_info(layout: KVLayout) -> GpuInfo:
     )
 
 
-def _kv_groups(layout: KVLayout) -> list[KVGroupInfo]:
+def _kv_groups(layout: KVLayout) -> list[dict[str, Any]]:
     return [
-        KVGroupInfo(
+        dict(
             kind=g.kind,
             num_layers=g.num_layers,
             layer_indices=list(g.layer_indices),
@@ -660,8 +662,8 @@ def _kv_groups(layout: KVLayout) -> list[KVGroupInfo]:
     ]
 
 
-def _upstream_info(upstream: UpstreamGeometry) -> UpstreamInfo:
-    return UpstreamInfo(
+def _upstream_info(upstream: UpstreamGeometry) -> dict[str, Any]:
+    return dict(
         blocks_per_chunk=upstream.blocks_per_chunk,
         copies=upstream.copies,
         replicated_layout=upstream.replicated_layout,
@@ -675,8 +677,8 @@ def _upstream_info(upstream: UpstreamGeometry) -> UpstreamInfo:
     )
 
 
-def _spillway_info(spillway: SpillwayGeometry) -> SpillwayInfo:
-    return SpillwayInfo(
+def _spillway_info(spillway: SpillwayGeometry) -> dict[str, Any]:
+    return dict(
         chunk_tokens=spillway.chunk_tokens,
         copies=spillway.copies,
         unit_bytes=spillway.unit_bytes,

@@ -31,7 +31,7 @@ def _deepseek_mla(config: dict[str, Any], arch: str) -> ModelShape:
         architecture=arch,
         model_type=str(cfg.get("model_type", "")),
         dtype=model_dtype(config, cfg.data),
-        layers=tuple(LayerKind("mla") for _ in range(n)),
+        layers=(LayerKind("mla"),) * n,  # one shared object: see kv_layout
         num_attention_heads=cfg.int("num_attention_heads"),
         num_kv_heads=1,
         head_size=latent,
@@ -39,9 +39,7 @@ def _deepseek_mla(config: dict[str, Any], arch: str) -> ModelShape:
         mla_latent=latent,
         derived_max_model_len=derived_max_len(cfg),
         # deepseek_mtp.py: num_nextn_predict_layers MLA layers, used with method=mtp
-        mtp_layers=tuple(
-            LayerKind("mla") for _ in range(cfg.int("num_nextn_predict_layers", 0, minimum=0))
-        ),
+        mtp_layers=(LayerKind("mla"),) * cfg.int("num_nextn_predict_layers", 0, minimum=0),
     )
 
 

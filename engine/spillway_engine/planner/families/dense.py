@@ -37,6 +37,8 @@ def _dense(config: dict[str, Any], arch: str) -> ModelShape:
                 "num_hidden_layers) is rejected by vLLM 0.33.0"
             )
     layers: list[LayerKind] = []
+    full = LayerKind("full_attention")
+    slid = {window: LayerKind("sliding_window", window)} if window else {}
     for i in range(n):
         # llama.py: "sliding_attention" layers take config.sliding_window; other layers
         # fall back to CacheConfig.sliding_window, which EngineArgs only sets when there
@@ -47,9 +49,7 @@ def _dense(config: dict[str, Any], arch: str) -> ModelShape:
             sliding = window if layer_types[i] == "sliding_attention" else None
         else:
             raise UnsupportedModel(f"{arch}: layer type {layer_types[i]!r} is not modelled")
-        layers.append(
-            LayerKind("sliding_window", sliding) if sliding else LayerKind("full_attention")
-        )
+        layers.append(slid[sliding] if sliding else full)
     if window and all(layer.kind == "sliding_window" for layer in layers):
         notes.append(f"sliding window {window} on every layer (config sliding_window)")
     return attention_shape(

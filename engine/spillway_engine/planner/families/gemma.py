@@ -38,12 +38,8 @@ def _gemma(config: dict[str, Any], arch: str) -> ModelShape:
         layer_types = [
             "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)
         ]
-    layers = tuple(
-        LayerKind("sliding_window", window)
-        if t == "sliding_attention" and window
-        else LayerKind("full_attention")
-        for t in layer_types
-    )
+    sliding, full = LayerKind("sliding_window", window), LayerKind("full_attention")
+    layers = tuple(sliding if t == "sliding_attention" and window else full for t in layer_types)
     return attention_shape(
         config,
         cfg,

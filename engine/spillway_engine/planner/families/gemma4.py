@@ -51,10 +51,10 @@ def _gemma4(config: dict[str, Any], arch: str) -> ModelShape:
     for t in set(layer_types[n - shared :]):
         if t not in layer_types[: n - shared]:
             raise UnsupportedModel(f"{arch}: a KV-shared {t} layer has no earlier {t} layer")
+    sliding = LayerKind("sliding_window", window)
+    full = LayerKind("full_attention", num_kv_heads=global_kv, head_size=global_head)
     layers = tuple(
-        LayerKind("sliding_window", window)
-        if t == "sliding_attention" and window
-        else LayerKind("full_attention", num_kv_heads=global_kv, head_size=global_head)
+        sliding if t == "sliding_attention" and window else full
         for t in layer_types[: n - shared]
     )
     notes = (f"{shared} KV-shared layers own no cache",) if shared else ()

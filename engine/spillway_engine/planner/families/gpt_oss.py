@@ -19,12 +19,8 @@ def _gpt_oss(config: dict[str, Any], arch: str) -> ModelShape:
     cfg = text_config(config, {"sliding_window": 128, "head_dim": 64})
     n = cfg.int("num_hidden_layers")
     window = sliding_window_of(cfg)
-    layers = tuple(
-        LayerKind("sliding_window", window)
-        if i % 2 == 0 and window
-        else LayerKind("full_attention")
-        for i in range(n)
-    )
+    sliding, full = LayerKind("sliding_window", window), LayerKind("full_attention")
+    layers = tuple(sliding if i % 2 == 0 and window else full for i in range(n))
     return attention_shape(
         config,
         cfg,

@@ -39,9 +39,8 @@ def _granite_hybrid(config: dict[str, Any], arch: str) -> ModelShape:
     unknown = sorted(set(layer_types) - {"mamba", "attention"})
     if unknown:
         raise UnsupportedModel(f"{arch}: layer types {unknown} are not modelled")
-    layers = tuple(
-        LayerKind("mamba") if t == "mamba" else LayerKind("full_attention") for t in layer_types
-    )
+    mamba, attention = LayerKind("mamba"), LayerKind("full_attention")  # shared: see kv_layout
+    layers = tuple(mamba if t == "mamba" else attention for t in layer_types)
     hidden = cfg.int("hidden_size")
     inner = cfg.int("mamba_expand") * hidden
     m_heads = cfg.int("mamba_n_heads")

@@ -37,7 +37,8 @@ def _kimi_linear(config: dict[str, Any], arch: str) -> ModelShape:
         # vLLM asserts it while building the model
         raise UnsupportedModel(f"{arch}: Kimi-K3 MLA (MultiHeadLatentAttention) is NoPE-only")
     kda = set(kda_layers)
-    layers = tuple(LayerKind("mamba") if i + 1 in kda else LayerKind("mla") for i in range(n))
+    kda_layer, mla = LayerKind("mamba"), LayerKind("mla")  # shared: see kv_layout
+    layers = tuple(kda_layer if i + 1 in kda else mla for i in range(n))
     linear_cfg = type(cfg)(linear, f"{cfg.where} linear_attn_config")
     heads, head_dim = linear_cfg.int("num_heads"), linear_cfg.int("head_dim")
     kernel = linear_cfg.int("short_conv_kernel_size", 4)

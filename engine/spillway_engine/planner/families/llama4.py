@@ -26,12 +26,9 @@ def _llama4(config: dict[str, Any], arch: str) -> ModelShape:
     if not isinstance(rope, list) or len(rope) < n:
         raise ModelConfigError(f"{cfg.where}: 'no_rope_layers' needs one entry per layer")
     # llama4.py: RoPE layers are chunked-local, NoPE layers (0) are global
-    layers = tuple(
-        LayerKind("chunked_local", attention_chunk_size=chunk)
-        if rope[i]
-        else LayerKind("full_attention")
-        for i in range(n)
-    )
+    local = LayerKind("chunked_local", attention_chunk_size=chunk)
+    full = LayerKind("full_attention")
+    layers = tuple(local if rope[i] else full for i in range(n))
     return attention_shape(
         config,
         cfg,

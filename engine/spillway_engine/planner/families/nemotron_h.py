@@ -27,11 +27,8 @@ def _nemotron_h(config: dict[str, Any], arch: str) -> ModelShape:
     unknown = set(pattern) - set("M*-E")
     if unknown:
         raise UnsupportedModel(f"{arch}: layer codes {sorted(unknown)} are not modelled")
-    layers = tuple(
-        LayerKind("mamba") if c == "M" else LayerKind("full_attention")
-        for c in pattern
-        if c in "M*"
-    )
+    mamba, attention = LayerKind("mamba"), LayerKind("full_attention")  # shared: see kv_layout
+    layers = tuple(mamba if c == "M" else attention for c in pattern if c in "M*")
     m_heads, head_dim = cfg.int("mamba_num_heads"), cfg.int("mamba_head_dim")
     groups, d_state = cfg.int("n_groups"), cfg.int("ssm_state_size")
     kernel = cfg.int("conv_kernel")

@@ -30,10 +30,11 @@ def _qwen3_next(config: dict[str, Any], arch: str) -> ModelShape:
             "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)
         ]
     layers = []
+    attention, gdn = LayerKind("full_attention"), LayerKind("mamba")  # shared: see kv_layout
     for t in layer_types:
         if t not in ("full_attention", "linear_attention"):
             raise UnsupportedModel(f"{arch}: layer type {t!r} is not modelled")
-        layers.append(LayerKind("full_attention" if t == "full_attention" else "mamba"))
+        layers.append(attention if t == "full_attention" else gdn)
     k_heads, v_heads = cfg.int("linear_num_key_heads"), cfg.int("linear_num_value_heads")
     k_dim, v_dim = cfg.int("linear_key_head_dim"), cfg.int("linear_value_head_dim")
     kernel = cfg.int("linear_conv_kernel_dim")
@@ -66,7 +67,7 @@ def _qwen3_next(config: dict[str, Any], arch: str) -> ModelShape:
         mamba=MambaState("gdn", states),
         gdn=True,
         # qwen3_next_mtp.py / qwen3_5_mtp.py: full-attention MTP layers
-        mtp_layers=tuple(LayerKind("full_attention") for _ in range(mtp)),
+        mtp_layers=(attention,) * mtp,
     )
 
 

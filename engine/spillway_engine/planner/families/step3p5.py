@@ -35,12 +35,8 @@ def _step3p5(config: dict[str, Any], arch: str) -> ModelShape:
     if unknown:
         raise UnsupportedModel(f"{arch}: layer types {unknown} are not modelled")
     window = sliding_window_of(cfg)
-    layers = tuple(
-        LayerKind("sliding_window", window)
-        if t == "sliding_attention" and window
-        else LayerKind("full_attention")
-        for t in layer_types
-    )
+    sliding, full = LayerKind("sliding_window", window), LayerKind("full_attention")
+    layers = tuple(sliding if t == "sliding_attention" and window else full for t in layer_types)
     kv_heads = cfg.int("num_attention_groups", None) or cfg.int("num_key_value_heads")
     heads = cfg.int("num_attention_heads")
     other = cfg.get("attention_other_setting") or {}
