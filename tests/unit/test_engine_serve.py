@@ -893,3 +893,37 @@ def test_a_hash_seed_is_noted_for_the_router(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("PYTHONHASHSEED")
     code, _, err = run(capsys, "serve", "--plan", str(path), "--dry-run")
     assert code == 0 and "--hash-seed" not in err
+
+
+# ------------------------------------------------------- speculative decoding
+
+
+def test_command_passes_the_plans_speculative_config():
+    """The drafter's layers are in the plan's KV groups, so vLLM gets the same drafter."""
+    from .planner_fixtures import load_frontier
+
+    plain = plan_for(LLAMA)
+    assert plain.speculative_config() is None
+    assert "--speculative-config" not in build_command(plain, OPTIONS)[0]
+
+    mtp = make_plan(
+        load_frontier("qwen3.5-35b-a3b"),
+        PlanRequest(cpu_memory_bytes=8 << 30, max_model_len=4096,
+                    speculative_method="mtp", num_speculative_tokens=2),
+    )
+    cmd, _ = build_command(mtp, OPTIONS)
+    assert json.loads(flag(cmd, "--speculative-config")) == {
+        "method": "mtp", "num_speculative_tokens": 2
+    }
+
+    drafted = make_plan(
+        load_frontier("qwen3-8b"),
+        PlanRequest(cpu_memory_bytes=8 << 30, max_model_len=8192, speculative_method="draft_model",
+                    num_speculative_tokens=4, speculative_model="Qwen/Qwen3-0.6B"),
+        load_frontier("qwen3-0.6b"),
+    )
+    cmd, _ = build_command(drafted, OPTIONS)
+    assert json.loads(flag(cmd, "--speculative-config")) == {
+        "method": "draft_model", "num_speculative_tokens": 4, "model": "Qwen/Qwen3-0.6B"
+    }
+    assert drafted.draft_layer_indices == list(range(36, 64))

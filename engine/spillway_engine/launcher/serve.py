@@ -474,6 +474,10 @@ def build_command(
     cmd.append(
         "--enable-prefix-caching" if plan.enable_prefix_caching else "--disable-prefix-caching"
     )
+    speculative = plan.speculative_config()
+    if speculative is not None:
+        # the drafter's cache layers are in the plan's groups: vLLM must build that drafter
+        cmd += ["--speculative-config", json.dumps(speculative, separators=(",", ":"))]
     transfer, notes = transfer_config(plan, options)
     if transfer is not None:
         cmd += ["--kv-transfer-config", json.dumps(transfer, separators=(",", ":"))]
