@@ -543,14 +543,13 @@ class LocalCluster:
 
     # ---------------------------------------------------------------- outages
 
-    def stop_apiserver(self, timeout: float = 15) -> None:
-        """Stop kube-apiserver alone (an outage for the clients); etcd and the
-        controllers stay up and reconnect once ``start_apiserver`` brings it back."""
-        pid = self.pids.get("kube-apiserver")
+    def _stop_component(self, name: str, sig: signal.Signals, timeout: float) -> None:
+        """Stop one component (``sig``, then KILL after ``timeout``) and forget its pid."""
+        pid = self.pids.get(name)
         if pid is None:
-            raise ClusterError("kube-apiserver is not running under this harness")
+            raise ClusterError(f"{name} is not running under this harness")
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pid, signal.SIGTERM)
+            os.killpg(pid, sig)
         deadline = time.monotonic() + timeout
         while self._alive(pid) and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -559,7 +558,13 @@ class LocalCluster:
                 os.killpg(pid, signal.SIGKILL)
             while self._alive(pid):
                 time.sleep(0.05)
-        del self.pids["kube-apiserver"]
+        del self.pids[name]
+        self._save_state()
+
+    def stop_apiserver(self, timeout: float = 15) -> None:
+        """Stop kube-apiserver alone (an outage for the clients); etcd and the
+        controllers stay up and reconnect once ``start_apiserver`` brings it back."""
+        self._stop_component("kube-apiserver", signal.SIGTERM, timeout)
 
     def start_apiserver(self, timeout: float = 120) -> float:
         """Start kube-apiserver again on its port, with the same PKI and etcd; returns
@@ -574,6 +579,35 @@ class LocalCluster:
         self.stop_apiserver()
         time.sleep(max(0.0, down_seconds - (time.monotonic() - t0)))
         self.start_apiserver(timeout)
+        return time.monotonic() - t0
+
+    def stop_etcd(self, kill: bool = False, timeout: float = 15) -> None:
+        """Stop etcd alone (SIGTERM, or SIGKILL as a crash looks); kube-apiserver stays
+        up and answers errors for what it cannot serve from its watch cache."""
+        self._stop_component("etcd", signal.SIGKILL if kill else signal.SIGTERM, timeout)
+
+    def start_etcd(self, timeout: float = 120) -> float:
+        """Start etcd again on its ports with its data dir (every object and revision
+        kept); returns seconds until kube-apiserver's /readyz answers again."""
+        t0 = time.monotonic()
+        self._start_etcd(timeout)
+        ctx = self._ssl()
+        self._wait(
+            "kube-apiserver /readyz after etcd came back",
+            lambda: self._http_ok(f"{self.config.server}/readyz", ctx),
+            "kube-apiserver",
+            timeout,
+        )
+        return time.monotonic() - t0
+
+    def restart_etcd(self, down_seconds: float = 0.0, kill: bool = False,
+                     timeout: float = 120) -> float:
+        """An etcd restart (down for ``down_seconds``); returns seconds from the stop
+        until kube-apiserver is ready again."""
+        t0 = time.monotonic()
+        self.stop_etcd(kill=kill)
+        time.sleep(max(0.0, down_seconds - (time.monotonic() - t0)))
+        self.start_etcd(timeout)
         return time.monotonic() - t0
 
     # ---------------------------------------------------------------- kubectl
