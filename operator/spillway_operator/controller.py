@@ -52,6 +52,10 @@ class Controller:
         self._queued: set[Key] = set()
         self._active: set[Key] = set()
         self._dirty: set[Key] = set()  # changed while being reconciled
+        # The one pending retry of each key. A retry scheduled on top of another (an
+        # event or a resync reconciled a failing key in between) replaces it: else
+        # each such reconcile started one more chain of retries, for ever.
+        self._retries: dict[Key, asyncio.TimerHandle] = {}
         self._tasks: list[asyncio.Task] = []
         # Keys whose last reconcile failed temporarily: one warning when a key starts
         # failing, quiet retries after it, one line when it recovers.
@@ -63,6 +67,7 @@ class Controller:
         key = (body["metadata"]["namespace"], body["metadata"]["name"])
         if event_type == "DELETED":
             self.objects.pop(key, None)
+            self._cancel_retry(key)
             self.backoff.reset(key)
             self._failing.pop(key, None)
             if self.autoscaler:
@@ -75,7 +80,8 @@ class Controller:
 
     def enqueue(self, key: Key, delay: float = 0.0) -> None:
         if delay > 0:
-            asyncio.get_running_loop().call_later(delay, self.enqueue, key)
+            self._cancel_retry(key)
+            self._retries[key] = asyncio.get_running_loop().call_later(delay, self._retry, key)
             return
         if key in self._active:
             self._dirty.add(key)
@@ -83,6 +89,14 @@ class Controller:
             self._queued.add(key)
             self._queue.put_nowait(key)
         metrics.QUEUE_DEPTH.set(len(self._queued))
+
+    def _retry(self, key: Key) -> None:
+        self._retries.pop(key, None)
+        self.enqueue(key)
+
+    def _cancel_retry(self, key: Key) -> None:
+        if (handle := self._retries.pop(key, None)) is not None:
+            handle.cancel()
 
     # ------------------------------------------------------------ workers
 
@@ -117,6 +131,7 @@ class Controller:
                     self.enqueue(key, max(result.requeue_after, self.backoff.next(key)))
                 else:
                     self.backoff.reset(key)
+                    self._cancel_retry(key)
             finally:
                 self._active.discard(key)
                 if key in self._dirty:
@@ -168,6 +183,8 @@ class Controller:
         for t in self._tasks:
             t.cancel()
         self._tasks = []
+        for key in list(self._retries):
+            self._cancel_retry(key)
         self._failing.clear()
         self.backoff.failures.clear()
 

@@ -1,16 +1,17 @@
 """kopf wiring: thin handlers that feed the controller's queue.
 
 Watched: InferenceDeployments, and the Deployments, Pods, Services and ConfigMaps
-Spillway manages (by label), whose changes re-reconcile their owner so drift is
-repaired and status follows the pods.
+Spillway manages (by label or owner reference), whose changes re-reconcile their
+owner so drift is repaired and status follows the pods.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import kopf
@@ -23,10 +24,11 @@ from spillway_operator.leader import Election, LeaderElector, LeaseClient
 from spillway_operator.reconciler import Reconciler
 from spillway_operator.render import FIELD_MANAGER
 from spillway_operator.scaler import Autoscaler
-from spillway_operator.spec import GROUP, PLURAL, VERSION
+from spillway_operator.spec import GROUP, KIND, PLURAL, VERSION
 
 OWNER_LABEL = f"{GROUP}/inference-deployment"
-MANAGED = {"app.kubernetes.io/managed-by": FIELD_MANAGER, OWNER_LABEL: kopf.PRESENT}
+MANAGED_BY = "app.kubernetes.io/managed-by"
+MANAGED = {MANAGED_BY: FIELD_MANAGER, OWNER_LABEL: kopf.PRESENT}
 
 _state: dict[str, Any] = {}
 
@@ -42,6 +44,17 @@ def _drop_retry_lines(record: logging.LogRecord) -> bool:
     return not str(record.msg).startswith("Retrying (")
 
 
+class RetryForever:
+    """kopf's API retry delays: 1, 2, 5 s, then every 10 s without end. kopf's own
+    list ends, and a watch whose retries end stops the whole operator: an API server
+    or etcd outage longer than the list (30 s, a control-plane upgrade) became an
+    exit, and a crash loop under the kubelet. client-go's reflectors never give up
+    either. Iterable afresh for every request (kopf counts no length: no last try)."""
+
+    def __iter__(self) -> Iterator[float]:
+        return itertools.chain((1, 2, 5), itertools.repeat(10))
+
+
 def configure(settings: kopf.OperatorSettings, env: Mapping[str, str]) -> None:
     settings.posting.enabled = False  # Spillway posts its own, meaningful Events
     # An API server outage is one warning per object from the controller; urllib3's
@@ -51,7 +64,7 @@ def configure(settings: kopf.OperatorSettings, env: Mapping[str, str]) -> None:
         pool_log.addFilter(_drop_retry_lines)
     settings.watching.server_timeout = int(env.get("SPILLWAY_WATCH_TIMEOUT", "300"))
     settings.watching.client_timeout = settings.watching.server_timeout + 30
-    settings.networking.error_backoffs = [1, 2, 5, 10]
+    settings.networking.error_backoffs = RetryForever()
     settings.persistence.finalizer = f"{GROUP}/operator"
 
 
@@ -64,10 +77,24 @@ def make_controller(kube: Kube, env: Mapping[str, str]) -> Controller:
     )
 
 
-def owner_key(namespace: str | None, labels: Mapping[str, str]) -> tuple[str, str] | None:
-    """The InferenceDeployment a managed child belongs to, from its labels."""
+def owner_key(namespace: str | None, labels: Mapping[str, str],
+              owner_references: list[Mapping[str, Any]] | None = None) -> tuple[str, str] | None:
+    """The InferenceDeployment a managed child belongs to: by its owner reference (a
+    hand edit of its labels keeps it), else by its label (pods, owned by ReplicaSets)."""
+    for ref in owner_references or ():
+        if namespace and ref.get("kind") == KIND and \
+                str(ref.get("apiVersion", "")).split("/")[0] == GROUP and ref.get("name"):
+            return (namespace, ref["name"])
     name = labels.get(OWNER_LABEL)
     return (namespace, name) if namespace and name else None
+
+
+def is_child(labels: Mapping[str, str], meta: Mapping[str, Any], **_: Any) -> bool:
+    """kopf's filter for the children's events: managed by label, or owned by an
+    InferenceDeployment (someone removed the labels: the event must still reach its
+    owner, whose reconcile puts them back)."""
+    managed = labels.get(MANAGED_BY) == FIELD_MANAGER and OWNER_LABEL in labels
+    return managed or owner_key("-", {}, meta.get("ownerReferences")) is not None
 
 
 def make_elector(election: Election, controller: Controller) -> LeaderElector:
@@ -125,16 +152,18 @@ async def on_inference_deployment(body: kopf.Body, type: str | None, **_: Any) -
         controller.observe(dict(body), type)
 
 
-def _owner_changed(namespace: str | None, labels: kopf.Labels) -> None:
+def _owner_changed(namespace: str | None, labels: kopf.Labels,
+                   meta: kopf.Meta | None = None) -> None:
     controller: Controller | None = _state.get("controller")
-    key = owner_key(namespace, labels)
+    key = owner_key(namespace, labels, (meta or {}).get("ownerReferences"))
     if controller is not None and key is not None and key in controller.objects:
         controller.enqueue(key)
 
 
-@kopf.on.event("apps", "v1", "deployments", labels=MANAGED)
-async def on_deployment(namespace: str | None, labels: kopf.Labels, **_: Any) -> None:
-    _owner_changed(namespace, labels)
+@kopf.on.event("apps", "v1", "deployments", when=is_child)
+async def on_deployment(namespace: str | None, labels: kopf.Labels, meta: kopf.Meta,
+                       **_: Any) -> None:
+    _owner_changed(namespace, labels, meta)
 
 
 @kopf.on.event("", "v1", "pods", labels=MANAGED)
@@ -142,11 +171,13 @@ async def on_pod(namespace: str | None, labels: kopf.Labels, **_: Any) -> None:
     _owner_changed(namespace, labels)
 
 
-@kopf.on.event("", "v1", "services", labels=MANAGED)
-async def on_service(namespace: str | None, labels: kopf.Labels, **_: Any) -> None:
-    _owner_changed(namespace, labels)
+@kopf.on.event("", "v1", "services", when=is_child)
+async def on_service(namespace: str | None, labels: kopf.Labels, meta: kopf.Meta,
+                    **_: Any) -> None:
+    _owner_changed(namespace, labels, meta)
 
 
-@kopf.on.event("", "v1", "configmaps", labels=MANAGED)
-async def on_configmap(namespace: str | None, labels: kopf.Labels, **_: Any) -> None:
-    _owner_changed(namespace, labels)
+@kopf.on.event("", "v1", "configmaps", when=is_child)
+async def on_configmap(namespace: str | None, labels: kopf.Labels, meta: kopf.Meta,
+                      **_: Any) -> None:
+    _owner_changed(namespace, labels, meta)

@@ -30,6 +30,10 @@ from spillway_operator.status import now_rfc3339
 # Keys whose values are resource quantities: compared by value ("1Gi" == "1024Mi").
 _QUANTITY_PARENTS = {"requests", "limits", "capacity", "allocatable"}
 _QUANTITY_KEYS = {"sizeLimit"}
+# Maps that server-side apply owns whole (mapType=atomic): a key someone else added
+# is replaced when we apply, so it is a difference, not a field to ignore. The
+# Service's selector (a hand-added key selects no pod); the Deployment's is immutable.
+_ATOMIC_MAPS = {("spec", "selector")}
 
 SERVICE_MONITOR_API = "monitoring.coreos.com/v1"
 # The REST resource (plural) of each (apiVersion, kind) the operator touches.
@@ -117,7 +121,7 @@ def contains(live: Any, desired: Any, path: tuple[str, ...] = ()) -> bool:
     item by item (order and length), as we send them.
     """
     if isinstance(desired, dict):
-        if not isinstance(live, dict):
+        if not isinstance(live, dict) or (path in _ATOMIC_MAPS and live.keys() != desired.keys()):
             return False
         return all(k in live and contains(live[k], v, (*path, k)) for k, v in desired.items())
     if isinstance(desired, list):

@@ -1,0 +1,104 @@
+"""What the fault tests (tests/integration/test_faults.py) found, as pure functions:
+kopf must never give up on the API server, a hand edit of a child must reach its
+owner and be seen as a difference, and a failing object keeps one retry pending."""
+
+from __future__ import annotations
+
+import asyncio
+import collections.abc
+import itertools
+
+import kopf
+
+from spillway_operator.controller import Backoff, Controller
+from spillway_operator.handlers import OWNER_LABEL, configure, is_child, owner_key
+from spillway_operator.kube import contains
+
+
+def test_kopf_retries_api_errors_for_ever_so_an_outage_never_ends_the_operator():
+    """kopf gives up after the last delay of a sized list, and a watch that gives up
+    stops the operator; ours has no last delay, and every request starts afresh."""
+    settings = kopf.OperatorSettings()
+    configure(settings, {})
+    backoffs = settings.networking.error_backoffs
+    assert not isinstance(backoffs, collections.abc.Sized)  # kopf: no "last attempt"
+    first = list(itertools.islice(backoffs, 1000))
+    assert first[:4] == [1, 2, 5, 10] and len(first) == 1000 and max(first) == 10
+    assert list(itertools.islice(backoffs, 4)) == [1, 2, 5, 10]  # the next request
+
+
+REF = {"apiVersion": "spillway.dev/v1alpha1", "kind": "InferenceDeployment", "name": "chat",
+       "uid": "u", "controller": True}
+
+
+def test_a_child_whose_labels_were_removed_still_names_its_owner():
+    assert owner_key("team-a", {}, [REF]) == ("team-a", "chat")
+    # The reference wins over a label edited to name another object.
+    assert owner_key("team-a", {OWNER_LABEL: "other"}, [REF]) == ("team-a", "chat")
+    assert owner_key("team-a", {OWNER_LABEL: "chat"}, None) == ("team-a", "chat")  # pods
+    foreign = {**REF, "apiVersion": "example.com/v1"}
+    assert owner_key("team-a", {}, [foreign, {"kind": "ReplicaSet", "name": "x"}]) is None
+    assert owner_key(None, {}, [REF]) is None
+
+
+def test_the_children_filter_takes_labelled_or_owned_objects_only():
+    labels = {"app.kubernetes.io/managed-by": "spillway", OWNER_LABEL: "chat"}
+    assert is_child(labels=labels, meta={})
+    assert is_child(labels={}, meta={"ownerReferences": [REF]})  # labels removed by hand
+    assert not is_child(labels={OWNER_LABEL: "chat"}, meta={})  # not managed by us
+    assert not is_child(labels={}, meta={"ownerReferences": [{**REF, "kind": "Other"}]})
+
+
+def test_a_key_added_to_the_service_selector_is_a_difference():
+    """spec.selector is an atomic map: applying ours replaces a hand-added key, so it
+    must not be ignored as another manager's field (the Service selected no pod)."""
+    desired = {"spec": {"selector": {"app": "a", "owner": "chat"}, "type": "ClusterIP"}}
+    live = {"spec": {"selector": {"app": "a", "owner": "chat"}, "type": "ClusterIP",
+                     "clusterIP": "10.0.0.7"}}
+    assert contains(live, desired)
+    live["spec"]["selector"]["by-hand"] = "x"
+    assert not contains(live, desired)
+    # Elsewhere a map still ignores what others add (labels, annotations).
+    assert contains({"metadata": {"labels": {"a": "1", "b": "2"}}},
+                    {"metadata": {"labels": {"a": "1"}}})
+    # The Deployment's selector: same keys, compared as before.
+    assert contains({"spec": {"selector": {"matchLabels": {"a": "1"}}}},
+                    {"spec": {"selector": {"matchLabels": {"a": "1"}}}})
+
+
+def test_a_failing_key_keeps_one_retry_pending_whatever_else_reconciles_it():
+    """Before: each reconcile of a failing key scheduled a retry of its own, so every
+    extra event (its own status write, a resync, a pod) started another chain of
+    retries that never ended. Now one retry is pending per key."""
+
+    class Failing:  # the reconciler's place: a key whose model config never appears
+        def __init__(self):
+            self.calls = 0
+
+        def reconcile(self, body):
+            self.calls += 1
+
+            class Result:
+                requeue_after = 0.1
+            return Result()
+
+    body = {"metadata": {"namespace": "ns", "name": "a"}}
+
+    async def scenario() -> int:
+        rec = Failing()
+        c = Controller(rec, workers=2, backoff=Backoff(base=0.01, cap=0.1))
+        c.start()
+        for _ in range(10):  # ten events, each reconciled on its own
+            c.observe(body, "MODIFIED")
+            await asyncio.sleep(0.03)
+        assert len(c._retries) == 1
+        before = rec.calls
+        await asyncio.sleep(1.0)
+        during = rec.calls - before
+        c.observe(body, "DELETED")  # gone: its retry goes with it
+        assert c._retries == {}
+        await c.stop()
+        return during
+
+    # One chain retries every 0.1 s: about 10 in a second; ten chains would make ~100.
+    assert asyncio.run(scenario()) <= 15
