@@ -23,7 +23,13 @@ from spillway_engine.planner.plan import Plan, PlanRefused, PlanRequest, make_pl
 from spillway_engine.quantity import parse_bytes
 from spillway_operator import metrics, render
 from spillway_operator.kube import Kube, Rejected, TemporaryError
-from spillway_operator.spec import Condition, ConditionType, InferenceDeploymentSpec
+from spillway_operator.spec import (
+    Condition,
+    ConditionType,
+    DraftModelSpec,
+    InferenceDeploymentSpec,
+    ModelSpec,
+)
 from spillway_operator.status import (
     Observed,
     build_status,
@@ -70,7 +76,20 @@ def plan_request(spec: InferenceDeploymentSpec) -> PlanRequest:
         memory_limit_bytes=render.memory_limit_bytes(spec) if host is None else None,
         offloader=off.offloader.value,
         gpu=spec.resources.gpu_product.value.lower(),
+        **_speculative_request(spec),
     )
+
+
+def _speculative_request(spec: InferenceDeploymentSpec) -> dict[str, Any]:
+    """engine.speculative as the planner's request fields (none without it)."""
+    speculative = spec.engine.speculative
+    if speculative is None:
+        return {}
+    return {
+        "speculative_method": speculative.method.value,
+        "num_speculative_tokens": speculative.num_speculative_tokens,
+        "speculative_model": None if speculative.model is None else speculative.model.name,
+    }
 
 
 class ConfigResolver:
@@ -81,7 +100,21 @@ class ConfigResolver:
         self._hub_cache: dict[tuple[str, str | None], dict[str, Any]] = {}
 
     def resolve(self, namespace: str, spec: InferenceDeploymentSpec) -> dict[str, Any]:
-        ref = spec.model.config_map_ref
+        return self._resolve(namespace, spec.model, spec)
+
+    def resolve_draft(
+        self, namespace: str, spec: InferenceDeploymentSpec
+    ) -> dict[str, Any] | None:
+        """The separate drafter's config.json (engine.speculative.model), or None."""
+        speculative = spec.engine.speculative
+        if speculative is None or speculative.model is None:
+            return None
+        return self._resolve(namespace, speculative.model, spec)
+
+    def _resolve(
+        self, namespace: str, model: ModelSpec | DraftModelSpec, spec: InferenceDeploymentSpec
+    ) -> dict[str, Any]:
+        ref = model.config_map_ref
         if ref:
             text = self.kube.read_configmap_key(namespace, ref.name, ref.key)
             if text is None:
@@ -92,7 +125,7 @@ class ConfigResolver:
                 return parse_config_text(text, f"ConfigMap {ref.name} key {ref.key}")
             except ModelConfigSourceError as exc:
                 raise ConfigInvalid(str(exc)) from None
-        key = (spec.model.name, spec.model.revision)
+        key = (model.name, model.revision)
         if key not in self._hub_cache:
             token = None
             if spec.model.token_secret_ref:
@@ -101,7 +134,7 @@ class ConfigResolver:
                 if token is None:
                     raise ConfigUnavailable(f"Secret {namespace}/{s.name} key {s.key!r} not found")
             try:
-                self._hub_cache[key] = load_hub(spec.model.name, revision=spec.model.revision,
+                self._hub_cache[key] = load_hub(model.name, revision=model.revision,
                                                 token=token)
             except ModelConfigSourceError as exc:
                 raise ConfigUnavailable(str(exc)) from None
@@ -123,10 +156,14 @@ def _short(text: str) -> str:
     return text if len(text) <= MAX_MESSAGE else text[:MAX_MESSAGE] + "..."
 
 
-def make_plan_safely(config: dict[str, Any], spec: InferenceDeploymentSpec) -> Plan:
+def make_plan_safely(
+    config: dict[str, Any],
+    spec: InferenceDeploymentSpec,
+    draft_config: dict[str, Any] | None = None,
+) -> Plan:
     """make_plan, with any exception it does not foresee turned into PlanCrashed."""
     try:
-        return make_plan(config, plan_request(spec))
+        return make_plan(config, plan_request(spec), draft_config)
     except PlanRefused:
         raise
     except Exception as exc:  # the reconciler logs its traceback once per object
@@ -192,7 +229,8 @@ class Reconciler:
             spec = InferenceDeploymentSpec.model_validate(obj.get("spec") or {})
             obs.desired_replicas = spec.replicas
             config = self.configs.resolve(owner.namespace, spec)
-            plan = make_plan_safely(config, spec)
+            draft = self.configs.resolve_draft(owner.namespace, spec)
+            plan = make_plan_safely(config, spec, draft)
         except _PLAN_FAILURES as exc:
             reason, message, outcome = plan_failure(exc)
             obs.plan_error = (reason, message)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 from spillway_engine.launcher.serve import PROTECTED_FLAGS, PROTECTED_SHORT_FLAGS, refused_flag
@@ -229,6 +229,71 @@ class KVEventsSpec(_Model):
     ] = True
 
 
+class SpeculativeMethod(StrEnum):
+    """vLLM --speculative-config methods whose drafter the planner models."""
+
+    MTP = "mtp"
+    DRAFT_MODEL = "draft_model"
+    EAGLE3 = "eagle3"
+
+
+class DraftModelSpec(_Model):
+    """A separate drafter (a draft model or an EAGLE-3 head) and where its config.json
+    comes from, as for the served model; the engine fetches its weights from the hub."""
+
+    name: Annotated[
+        str,
+        Field(
+            min_length=1,
+            max_length=2 * MODEL_ID_PART_MAX + 1,
+            pattern=MODEL_ID_PATTERN,
+            description="Hugging Face id of the drafter, e.g. Qwen/Qwen3-0.6B",
+        ),
+    ]
+    revision: Annotated[
+        str | None, Field(max_length=128, description="hub revision (branch, tag or commit)")
+    ] = None
+    config_map_ref: Annotated[
+        ConfigMapKeyRef | None,
+        Field(description="ConfigMap holding the drafter's config.json (instead of the hub)"),
+    ] = None
+
+    @field_validator("name")
+    @classmethod
+    def _hub_id(cls, name: str) -> str:
+        problem = model_id_problem(name)
+        if problem:
+            raise ValueError(problem)
+        return name
+
+
+class SpeculativeSpec(_Model):
+    """Speculative decoding (vLLM --speculative-config). Its drafter's KV-cache layers
+    join the plan's groups, so the pod is planned and started with it."""
+
+    method: Annotated[
+        SpeculativeMethod,
+        Field(description="mtp: the model's own MTP heads; draft_model or eagle3: the "
+              "drafter named in model"),
+    ]
+    num_speculative_tokens: Annotated[
+        int, Field(ge=1, le=32, description="draft tokens per step")
+    ]
+    model: Annotated[
+        DraftModelSpec | None,
+        Field(description="the drafter (required for draft_model and eagle3, refused for mtp)"),
+    ] = None
+
+    @model_validator(mode="after")
+    def _drafter_named_when_separate(self) -> SpeculativeSpec:
+        separate = self.method in (SpeculativeMethod.DRAFT_MODEL, SpeculativeMethod.EAGLE3)
+        if separate and self.model is None:
+            raise ValueError(f"speculative method {self.method.value} needs model (the drafter)")
+        if not separate and self.model is not None:
+            raise ValueError("speculative method mtp uses the model's own heads: no model")
+        return self
+
+
 class EngineSpec(_Model):
     """The vLLM engine each pod runs."""
 
@@ -262,6 +327,11 @@ class EngineSpec(_Model):
               "for clusters without GPUs)"),
     ] = None
     kv_events: KVEventsSpec = KVEventsSpec()
+    speculative: Annotated[
+        SpeculativeSpec | None,
+        Field(description="speculative decoding (vLLM --speculative-config); the plan "
+              "holds the drafter's KV-cache groups"),
+    ] = None
 
     @field_validator("extra_args")
     @classmethod
@@ -483,6 +553,27 @@ CEL_RULES: dict[str, list[dict[str, str]]] = {
         cel("!self.name.endsWith('.git')", "model.name: a model id cannot end in .git", ".name"),
     ],
     "spec.engine.extraArgs[]": [_extra_arg_rule()],
+    "spec.engine.speculative": [
+        cel(
+            "self.method == 'mtp' ? !has(self.model) : has(self.model)",
+            "engine.speculative.model is required for draft_model and eagle3 and refused "
+            "for mtp (the model's own heads)",
+            ".model",
+        ),
+    ],
+    "spec.engine.speculative.model": [
+        cel(
+            f"self.name.split('/').all(p, size(p) <= {MODEL_ID_PART_MAX})",
+            f"engine.speculative.model.name: each part of a model id is at most "
+            f"{MODEL_ID_PART_MAX} characters",
+            ".name",
+        ),
+        cel(
+            "!self.name.endsWith('.git')",
+            "engine.speculative.model.name: a model id cannot end in .git",
+            ".name",
+        ),
+    ],
     "spec.engine.env[]": [_env_rule()],
     "spec.autoscaling": [
         cel(

@@ -96,3 +96,28 @@ def test_objects_whose_presence_turns_something_on_have_no_default():
     assert engine["properties"]["emulateGPU"]["properties"]["speed"]["default"] == 1.0
     assert "emulateGPU" not in engine["default"]  # nor through the engine's own default
     assert crd.spec_schema()["properties"]["offload"]["default"]["enabled"] is True
+
+
+def test_speculative_names_a_drafter_exactly_when_it_is_separate():
+    base = {"model": {"name": "Qwen/Qwen3-8B"}}
+    drafter = {"name": "Qwen/Qwen3-0.6B"}
+    for method, model in (("draft_model", None), ("eagle3", None), ("mtp", drafter)):
+        speculative = {"method": method, "numSpeculativeTokens": 2}
+        if model is not None:
+            speculative["model"] = model
+        with pytest.raises(ValidationError, match="speculative method"):
+            InferenceDeploymentSpec.model_validate({**base, "engine": {"speculative": speculative}})
+    spec = InferenceDeploymentSpec.model_validate(
+        {**base, "engine": {"speculative": {"method": "draft_model", "numSpeculativeTokens": 4,
+                                            "model": drafter}}}
+    )
+    assert spec.engine.speculative.model.name == "Qwen/Qwen3-0.6B"
+    with pytest.raises(ValidationError):  # at least one draft token
+        InferenceDeploymentSpec.model_validate(
+            {**base, "engine": {"speculative": {"method": "mtp", "numSpeculativeTokens": 0}}}
+        )
+    # the API server applies the same rule (CEL) before the operator sees the object
+    schema = crd.spec_schema()["properties"]["engine"]["properties"]["speculative"]
+    [rule] = schema["x-kubernetes-validations"]
+    assert rule["rule"] == "self.method == 'mtp' ? !has(self.model) : has(self.model)"
+    assert "speculative" not in crd.spec_schema()["properties"]["engine"]["default"]

@@ -218,3 +218,32 @@ def test_pods_publish_kv_events_on_their_own_ip_unless_switched_off():
     dep = render.deployment(OWNER, off, plan_for(off))
     assert dep["spec"]["template"]["metadata"]["annotations"]["spillway.dev/kv-events"] == "off"
     assert engine_options(off)["kv_events"] is False
+
+
+def test_speculative_spec_reaches_the_plan_and_the_engine_command():
+    """engine.speculative -> the planner (with the drafter's config.json) -> the plan
+    ConfigMap -> the engine's --speculative-config, drafter layers in the plan's groups."""
+    from spillway_engine.launcher.serve import EngineOptions, build_command
+    from spillway_engine.planner.plan import read_plan
+
+    frontier = MODELS.parents[1] / "contract" / "frontier_configs"
+    spec = InferenceDeploymentSpec.model_validate({
+        "model": {"name": "Qwen/Qwen3-8B"},
+        "engine": {"maxModelLen": 8192, "speculative": {
+            "method": "draft_model", "numSpeculativeTokens": 4,
+            "model": {"name": "Qwen/Qwen3-0.6B"}}},
+        "offload": {"hostMemory": "16Gi"},
+    })
+    request = plan_request(spec)
+    assert (request.speculative_method, request.num_speculative_tokens,
+            request.speculative_model) == ("draft_model", 4, "Qwen/Qwen3-0.6B")
+    plan = make_plan(load_local(frontier / "qwen3-8b.json"), request,
+                     load_local(frontier / "qwen3-0.6b.json"))
+    assert plan.draft_layer_indices == list(range(36, 64))
+    shipped = read_plan(render.plan_configmap(OWNER, spec, plan)["data"]["plan.json"], "cm")
+    cmd, _ = build_command(shipped, EngineOptions(model="Qwen/Qwen3-8B"))
+    assert json.loads(cmd[cmd.index("--speculative-config") + 1]) == {
+        "method": "draft_model", "num_speculative_tokens": 4, "model": "Qwen/Qwen3-0.6B"
+    }
+    assert "--speculative-config" not in build_command(plan_for(spec_of()),
+                                                       EngineOptions(model="m"))[0]
