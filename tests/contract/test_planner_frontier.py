@@ -641,3 +641,45 @@ def test_other_sparse_families_are_refused_with_the_reason(arch: str, reason: st
             {"architectures": [arch], "num_hidden_layers": 2},
             PlanRequest(cpu_memory_bytes=POOL),
         )
+
+
+@pytest.mark.parametrize(
+    "case",
+    [c for c in DRAFTER_CASES if c.tensor_parallel_size <= 2],
+    ids=str,
+)
+def test_spillway_connector_builds_the_drafter_plans_pool(
+    case: Case, drafter_layouts: DrafterLayouts
+):
+    """Spillway's connector geometry (the function the engine runs) on vLLM's groups with
+    the drafter's layers: the chunk span, units per group and pool the plan sized."""
+    from spillway_engine.launcher import plan_check
+    from spillway_engine.vllm_pins import SPILLWAY_CONNECTOR
+
+    plan = make_plan(
+        load_frontier(case.model),
+        PlanRequest(
+            tensor_parallel_size=case.tensor_parallel_size,
+            gpu=case.gpu,
+            kv_cache_dtype=case.kv_cache_dtype,
+            max_model_len=case.max_model_len,
+            speculative_method=case.speculative_method,
+            num_speculative_tokens=case.num_speculative_tokens,
+            speculative_model=case.draft_model,
+            cpu_memory_bytes=POOL,
+        ),
+        load_frontier(case.draft_model),
+    )
+    assert plan.offloader == "spillway"
+    built = vllm_drafted(drafter_layouts, case, plan)
+    transfer = built.vllm_config.kv_transfer_config
+    saved = transfer.kv_connector, transfer.kv_connector_extra_config
+    transfer.kv_connector = SPILLWAY_CONNECTOR
+    transfer.kv_connector_extra_config = dict(plan.spillway.kv_connector_extra_config)
+    try:
+        observed = plan_check.observe(built.vllm_config, built.kv_cache_config)
+    finally:
+        transfer.kv_connector, transfer.kv_connector_extra_config = saved
+    assert observed.offload_error is None
+    assert plan_check.compare(plan, observed) == []
+    assert observed.num_units == plan.spillway.num_units > 0
