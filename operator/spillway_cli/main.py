@@ -113,7 +113,14 @@ def _add_plan(sub: Any) -> None:
         type=_speculative_config,
         metavar="JSON",
         help='vLLM --speculative-config, e.g. \'{"method": "mtp", "num_speculative_tokens": 1}\' '
-        "(the model's MTP heads add their cache layers to the groups)",
+        "(the model's MTP heads add their cache layers to the groups), or method draft_model "
+        "/ eagle3 with the drafter's hub id as model",
+    )
+    p.add_argument(
+        "--draft-config",
+        metavar="PATH",
+        help="the drafter's config.json (file or directory) for draft_model / eagle3, "
+        "instead of fetching it for the speculative config's model",
     )
     p.add_argument("--format", choices=("table", "json"), default="table")
     p.set_defaults(handler=_run_plan)
@@ -127,16 +134,18 @@ def _speculative_config(text: str) -> dict[str, Any]:
         raise argparse.ArgumentTypeError(f"not JSON: {e.msg}") from None
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError("must be a JSON object")
-    unknown = sorted(set(value) - {"method", "num_speculative_tokens"})
+    unknown = sorted(set(value) - {"method", "num_speculative_tokens", "model"})
     if unknown:
         raise argparse.ArgumentTypeError(
-            f"keys {unknown} are not modelled (method, num_speculative_tokens)"
+            f"keys {unknown} are not modelled (method, num_speculative_tokens, model)"
         )
-    if value.get("method") != "mtp":
+    if value.get("method") not in ("mtp", "draft_model", "eagle3"):
         raise argparse.ArgumentTypeError(
-            f"method {value.get('method')!r} is not modelled; only 'mtp' (the model's own "
-            "MTP heads) is, a draft model or EAGLE head is not yet"
+            f"method {value.get('method')!r} is not modelled; mtp (the model's own MTP "
+            "heads), draft_model and eagle3 (with the drafter's model) are"
         )
+    if "model" in value and not isinstance(value["model"], str):
+        raise argparse.ArgumentTypeError("model must be the drafter's id or path (a string)")
     tokens = value.get("num_speculative_tokens")
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
         raise argparse.ArgumentTypeError("num_speculative_tokens must be a positive integer")
@@ -152,10 +161,29 @@ def _load_config(args: argparse.Namespace) -> dict[str, Any]:
         raise CliError(str(e)) from None
 
 
+def _load_draft_config(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The drafter's config.json: --draft-config, else the speculative config's model."""
+    speculative = args.speculative_config or {}
+    if speculative.get("method") not in ("draft_model", "eagle3"):
+        if args.draft_config:
+            raise CliError("--draft-config is for --speculative-config method draft_model "
+                           "or eagle3")
+        return None
+    try:
+        if args.draft_config:
+            return load_local(args.draft_config)
+        if "model" in speculative:
+            return load_hub(speculative["model"], token=os.environ.get("HF_TOKEN"))
+    except ModelConfigSourceError as e:
+        raise CliError(str(e)) from None
+    return None  # the planner says it needs the drafter's config.json
+
+
 def _run_plan(args: argparse.Namespace) -> int:
     if args.cpu_memory is None and args.memory_limit is None:
         raise CliError("give --cpu-memory (the host pool) or --memory-limit")
     config = _load_config(args)
+    draft_config = _load_draft_config(args)
     request = PlanRequest(
         model_name=args.model or args.model_config,
         tensor_parallel_size=args.tensor_parallel_size,
@@ -174,9 +202,10 @@ def _run_plan(args: argparse.Namespace) -> int:
         gpu=args.gpu,
         speculative_method=(args.speculative_config or {}).get("method"),
         num_speculative_tokens=(args.speculative_config or {}).get("num_speculative_tokens", 0),
+        speculative_model=(args.speculative_config or {}).get("model") or args.draft_config,
     )
     try:
-        plan = make_plan(config, request)
+        plan = make_plan(config, request, draft_config)
     except PlanRefused as e:
         raise CliError(e.reason) from None
     if args.format == "json":

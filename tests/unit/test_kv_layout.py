@@ -410,5 +410,6 @@ def test_plan_cli_takes_a_speculative_config(capsys):
     plan = json.loads(capsys.readouterr().out)
     assert plan["speculative_method"] == "mtp"
     assert plan["draft_layer_indices"] == [40]
-    assert main([*args, "--speculative-config", '{"method": "eagle3"}']) == 2
+    ngram = '{"method": "ngram", "num_speculative_tokens": 1}'
+    assert main([*args, "--speculative-config", ngram]) == 2
     assert "not modelled" in json.loads(capsys.readouterr().out)["error"]  # --format json

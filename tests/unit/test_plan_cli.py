@@ -231,3 +231,29 @@ def test_planner_never_imports_vllm():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_plan_with_a_draft_model_from_its_config(capsys):
+    """draft_model / eagle3: the drafter's config.json from --draft-config; its layers
+    join the plan's groups and the plan records what the engine passes to vLLM."""
+    from .planner_fixtures import FRONTIER
+
+    args = ["--model-config", str(FRONTIER / "llama-3.1-8b-instruct.json"), "--cpu-memory",
+            "8Gi", "--max-model-len", "8192", "--format", "json", "-tp", "2"]
+    spec = json.dumps({"method": "draft_model", "num_speculative_tokens": 5,
+                       "model": "meta-llama/Llama-3.2-1B"})
+    code, out, _ = run(capsys, *args, "--speculative-config", spec,
+                       "--draft-config", str(MODELS / "llama-3.2-1b.json"))
+    assert code == 0
+    plan = json.loads(out)
+    assert plan["speculative_model"] == "meta-llama/Llama-3.2-1B"
+    assert plan["draft_layer_indices"] == list(range(32, 48))
+    [group] = plan["kv_groups"]
+    assert sorted(set(group["layer_page_bytes"])) == [16384, 32768]  # the 1B's and the 8B's
+    # a method the planner does not model is refused by the argument parser, by name
+    code, out, _ = run(capsys, *args, "--speculative-config",
+                       '{"method": "ngram", "num_speculative_tokens": 3}')
+    assert code == 2 and "'ngram' is not modelled" in json.loads(out)["error"]
+    # --draft-config without a separate drafter is a mistake, said so
+    code, out, _ = run(capsys, *args, "--draft-config", str(MODELS / "llama-3.2-1b.json"))
+    assert code == 2 and "--draft-config is for" in json.loads(out)["error"]
