@@ -9,7 +9,7 @@ replicas of the time-averaged in-flight requests, divided by their mean), and th
 router's own decision time (hashing the prompt, index lookup, scoring; p99, one core;
 for spillway-events without the index lookup, which the bench stands in for).
 
-    python bench/routing.py [--seed N] [--duration S] [--quick]
+    python bench/routing.py [--seed N] [--duration S] [--quick] [--autoscale-duration S]
 
 The workload scales with the replicas (rate, chat users and shared prefixes are per
 replica), so every row asks the same of each replica: a router that keeps prefixes
@@ -42,8 +42,22 @@ is the difference of the percentiles), then requests per second through the rout
 with 64 concurrent clients (``max_tokens`` 1, 2,048-token prompts, so each request
 is hashed).
 
-Not measured here: replica-minutes under the autoscaler (the replica count is fixed
-per row; bench/autoscale covers autoscaling).
+Under the autoscaler (the second table): each policy again, on a trace whose load
+rises and falls (``AUTOSCALE_PHASES``: the per-replica workload above for 2, then 6,
+then 2 replicas, for 20 %, 30 % and 50 % of ``--autoscale-duration`` virtual s, 1,800 by
+default, so the scale-down after the burst shows; ``--quick``: 600 s, too short for
+any scale-down, a smoke test), starting from
+one ready replica, with the replica count set by the operator's own decision code as
+``scaler.Autoscaler.tick`` runs it and bench/autoscale drives it (``parse_metrics`` ->
+``pod_pressure`` -> ``aggregate`` -> ``decide``, the CRD's defaults: target 1.0,
+tolerance 0.1, scale-down window 300 s, one decision per 15 s; 1..8 replicas; a new
+replica serves 120 s after it is asked for). A scale-down removes the replicas the
+operator marks (``pressure.choose_removals`` on ``hot_host_tokens``: the least hot
+host cache; starting replicas first), whatever the routing policy, and a marked replica
+takes no new requests and leaves once drained. Replica-minutes integrate the replicas
+holding a GPU (starting, ready, draining) over the run; the other columns are as above.
+A policy that keeps prefixes where they are cached needs less GPU time for the same
+work, and that is what the autoscaler turns into fewer replicas.
 """
 
 from __future__ import annotations
@@ -58,12 +72,31 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "engine"))
 sys.path.insert(0, str(ROOT / "operator"))
+sys.path.insert(0, str(ROOT))  # bench.autoscale
 
+from bench.autoscale import (  # noqa: E402
+    INTERVAL,
+    LOAD_DELAY,
+    SCALE_DOWN_WINDOW,
+    TOLERANCE,
+    DelayedCluster,
+)
 from spillway_cli.loadgen import TraceSpec, generate_trace, percentile, to_replay_items  # noqa: E402
 from spillway_engine.planner.plan import read_plan  # noqa: E402
 from spillway_engine.simulator.cluster import Replica, VirtualCluster  # noqa: E402
 from spillway_engine.simulator.core import LatencyModel, ReplayItem, _group_salt  # noqa: E402
 from spillway_engine.simulator.plan_input import gpu_blocks_for_tokens, parse_plan  # noqa: E402
+from spillway_operator.pressure import (  # noqa: E402
+    Candidate,
+    State,
+    aggregate,
+    choose_removals,
+    decide,
+    hot_host_tokens,
+    parse_metrics,
+    pod_pressure,
+)
+from spillway_operator.pressure import Policy as ScalePolicy  # noqa: E402
 from spillway_router.backends import profile_from_plan  # noqa: E402
 from spillway_router.hashing import BlockHasher, HashConfig  # noqa: E402
 from spillway_router.index import ApproxTracker, Match, PrefixIndex  # noqa: E402
@@ -244,6 +277,186 @@ def run(policy_name: str, n: int, plan, sim_plan, items: list[ReplayItem], seed:
     )
 
 
+# ----------------------------------------------------------------- under the autoscaler
+
+# (share of the run, load in replicas' worth of the per-replica workload)
+AUTOSCALE_PHASES = ((0.2, 2), (0.3, 6), (0.5, 2))
+MAX_REPLICAS = 8
+
+
+def burst_trace(duration: float, seed: int) -> list[ReplayItem]:
+    """``trace`` at 2, then 6, then 2 replicas' worth, back to back; the same seed, so
+    chat users and shared prefixes carry on across the phases."""
+    items: list[ReplayItem] = []
+    start = 0.0
+    for k, (share, n) in enumerate(AUTOSCALE_PHASES):
+        seg = share * duration
+        for it in trace(n, seg, seed):
+            items.append(replace(it, arrival=it.arrival + start, rid=f"{k}-{it.rid}"))
+        start += seg
+    return sorted(items, key=lambda it: it.arrival)
+
+
+class AutoscaledCluster(DelayedCluster):
+    """Replicas that load before they serve (bench/autoscale), routed by a policy."""
+
+    def __init__(self, policy: Policy, plan, **kw) -> None:
+        self.policy = policy
+        super().__init__(plan, **kw)
+
+    def route(self, item: ReplayItem) -> Replica:
+        return self.policy.pick(item, self.serving)
+
+
+class Scaler:
+    """The operator's autoscaler, as ``scaler.Autoscaler.tick`` runs it, with its
+    scale-down marks: the replicas it marks are the ones that go."""
+
+    def __init__(self) -> None:
+        self.policy = ScalePolicy(min_replicas=1, max_replicas=MAX_REPLICAS, target=1.0,
+                                  tolerance=TOLERANCE, scale_up_window=0.0,
+                                  scale_down_window=SCALE_DOWN_WINDOW)  # fmt: skip
+        self.tau = max(SCALE_DOWN_WINDOW, 4 * INTERVAL)  # as the operator's
+        self.samples: dict = {}
+        self.hot: dict[str, float] = {}
+        self.state = State()
+        self.actions = 0
+
+    def tick(self, now: float, cluster: AutoscaledCluster) -> None:
+        cur, pods = {}, []
+        for r in cluster.serving:
+            sample = parse_metrics(cluster.scrape_lean(r), now)
+            prev = self.samples.get(r.name)
+            pods.append(pod_pressure(prev, sample, 3 * INTERVAL + 3.0))
+            self.hot[r.name] = hot_host_tokens(self.hot.get(r.name, 0.0), prev, sample, self.tau)
+            cur[r.name] = sample
+        self.samples = cur
+        current = cluster.desired
+        d = decide(self.policy, now, current, len(cluster.serving), len(cluster.starting),
+                   aggregate(pods), self.state)  # fmt: skip
+        self.state = d.state
+        if d.replicas == current:
+            return
+        self.actions += 1
+        if d.replicas > current:
+            cluster.request(d.replicas)
+            return
+        remove = current - d.replicas
+        ready = [Candidate(r.name, True, self.hot.get(r.name, 0.0),
+                           cur[r.name].values.get("host_tokens", 0.0),
+                           created=f"{int(r.name.rsplit('-', 1)[1]):08d}")
+                 for r in cluster.serving]  # fmt: skip
+        starting = [Candidate(f"starting-{i}", False) for i in range(len(cluster.starting))]
+        marked = set(choose_removals(ready + starting, remove))
+        # unready pods go first (the ReplicaSet controller's order), then the marked ones
+        cancel = min(remove, len(cluster.starting))
+        cluster.starting = sorted(cluster.starting)[: len(cluster.starting) - cancel]
+        for r in cluster.serving:
+            if r.name in marked:
+                r.draining = True
+        cluster._reap()
+
+
+@dataclass
+class ScaledRow:
+    policy: str
+    requests: int
+    replica_minutes: float
+    gpu_share: float
+    host_share: float
+    p50: float
+    p95: float
+    max_replicas: int
+    actions: int
+
+
+def run_autoscaled(policy_name: str, plan, sim_plan, items: list[ReplayItem], seed: int,
+                   duration: float) -> ScaledRow:  # fmt: skip
+    latency = LatencyModel()
+    policy = Policy(policy_name, plan, sim_plan, latency)
+    cluster = AutoscaledCluster(
+        policy,
+        sim_plan,
+        load_delay=LOAD_DELAY,
+        replicas=1,
+        gpu_blocks=gpu_blocks_for_tokens(sim_plan, GPU_KV_TOKENS),
+        latency=latency,
+        seed=seed,
+    )
+    scaler = Scaler()
+    acc = {"t": 0.0, "rs": 0.0, "n": cluster.occupied(), "max": cluster.desired}
+
+    def account(t: float) -> None:
+        t = min(t, duration)
+        if t > acc["t"]:
+            acc["rs"] += acc["n"] * (t - acc["t"])
+            acc["t"] = t
+        acc["n"] = cluster.occupied()
+        acc["max"] = max(acc["max"], cluster.desired)
+
+    next_tick = INTERVAL
+
+    def events_until(t: float) -> None:
+        nonlocal next_tick
+        while True:
+            ready_at = cluster.next_ready()
+            nxt = min(next_tick, ready_at if ready_at is not None else float("inf"))
+            if nxt > t or nxt > duration:
+                return
+            cluster.run_until(nxt)
+            account(nxt)
+            if ready_at is not None and ready_at <= nxt:
+                cluster.promote(nxt)
+            else:
+                scaler.tick(nxt, cluster)
+                next_tick += INTERVAL
+            account(nxt)
+
+    done = []
+    for item in items:
+        events_until(item.arrival)
+        req = cluster.submit(item)
+        account(item.arrival)
+        if req is not None:
+            done.append(req)
+    events_until(duration)
+    cluster.run_until(duration)
+    account(duration)
+    cluster.drain()
+    prompt = sum(r.prompt_len for r in done) or 1
+    ttfts = [r.ttft for r in done if r.ttft is not None]
+    return ScaledRow(
+        policy_name,
+        len(items),
+        acc["rs"] / 60.0,
+        sum(r.local_hit for r in done) / prompt,
+        sum(r.external_hit for r in done) / prompt,
+        percentile(ttfts, 50) or 0.0,
+        percentile(ttfts, 95) or 0.0,
+        acc["max"],
+        scaler.actions,
+    )
+
+
+def autoscaled_table(plan, sim_plan, duration: float, seed: int) -> None:
+    items = burst_trace(duration, seed)
+    phases = ", ".join(f"{share * duration:.0f} s at {n}" for share, n in AUTOSCALE_PHASES)
+    print(f"\nunder the autoscaler (1..{MAX_REPLICAS} replicas, CRD defaults, "
+          f"{LOAD_DELAY:.0f} s load): {len(items)} requests, load in replicas' worth: "
+          f"{phases}")  # fmt: skip
+    head = (f"{'policy':<20} {'replica-min':>11} {'GPU hit':>8} {'host hit':>8} "
+            f"{'TTFT p50':>9} {'TTFT p95':>9} {'max N':>5} {'actions':>7}")  # fmt: skip
+    print(head)
+    print("-" * len(head))
+    for name in POLICIES:
+        t0 = time.perf_counter()
+        row = run_autoscaled(name, plan, sim_plan, items, seed, duration)
+        print(f"{row.policy:<20} {row.replica_minutes:>11.1f} {row.gpu_share:>8.1%} "
+              f"{row.host_share:>8.1%} {row.p50 * 1e3:>7.0f}ms {row.p95 * 1e3:>7.0f}ms "
+              f"{row.max_replicas:>5} {row.actions:>7}"
+              f"   ({time.perf_counter() - t0:.0f} s)", flush=True)  # fmt: skip
+
+
 def _free_port() -> int:
     import socket
 
@@ -350,11 +563,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration", type=float, default=300.0, help="virtual seconds")
     ap.add_argument("--quick", action="store_true", help="120 virtual s, 1 and 4 replicas")
     ap.add_argument("--overhead", action="store_true", help="the HTTP proxy's overhead")
+    ap.add_argument("--autoscale-duration", type=float, default=1800.0,
+                    help="virtual s of the run under the autoscaler (0: leave it out)")
     args = ap.parse_args(argv)
     if args.overhead:
         return overhead()
     counts = (1, 4) if args.quick else REPLICAS
     duration = 120.0 if args.quick else args.duration
+    scaled = 600.0 if args.quick else args.autoscale_duration
     plan, sim_plan = load_plan()
     host = plan.capacity_tokens
     print(f"plan {PLAN_FILE.name}: per replica GPU KV {GPU_KV_TOKENS} tokens, host tier "
@@ -374,6 +590,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{row.host_share:>8.1%} {row.p50 * 1e3:>7.0f}ms {row.p95 * 1e3:>7.0f}ms "
                   f"{row.imbalance:>6.2f} {row.decide_p99_us:>9.0f}us"
                   f"   ({time.perf_counter() - t0:.0f} s)", flush=True)  # fmt: skip
+    if scaled > 0:
+        autoscaled_table(plan, sim_plan, scaled, args.seed)
     return 0
 
 
