@@ -20,13 +20,14 @@ keeping their KV-group structure) and a Gemma-4-style config built with
 head_dim, so vLLM gives its groups different tokens per block; from
 ``tests/contract/frontier_configs``: Gemma-4-31B (12 layers), a Qwen3.5 GDN hybrid
 (8 layers) and the same with its MTP drafter (``--speculative-config method=mtp``, one
-draft token: the drafter's full-attention layer joins the full group). The attention
-backend is the planner's pick (``make_plan(...).gpu.attention_backend``), as the
-contract tests do; the planner refuses Gemma 4 on Hopper (FlashAttention 4 page sizes),
-so the Gemma-4 models use FLASH_ATTN. ``T`` is 256 tokens, or the model's own block
-where that is coarser (Qwen3-Next: 576, the GDN checkpoint grid; Qwen3.5: 1088; Jamba:
-160, two 80-token blocks). DeepSeek-V3.2 is absent: its sparse-MLA kernels have no CPU
-stand-in, so vLLM's CPU build fails before either connector starts.
+draft token: the drafter's full-attention layer joins the full group) and
+DeepSeek-V3.2 (4 layers: sparse-MLA latents and lightning-indexer keys in one
+mixed-page MLA group on 64-token blocks, FlashMLA's sparse backend class standing in
+for FlashAttention's as in the contract tests). The attention backend is the
+planner's pick (``make_plan(...).gpu.attention_backend``), as the contract tests do
+(Gemma 4 on Hopper: FLASH_ATTN, FA4 with 16-token pages). ``T`` is 256 tokens, or the
+model's own block where that is coarser (Qwen3-Next: 576, the GDN checkpoint grid;
+Qwen3.5: 1088; Jamba: 160, two 80-token blocks).
 
 Workload (identical for both connectors of an architecture; one seed):
 
@@ -196,6 +197,13 @@ ARCHS = [
         mtp_tokens=1,
     ),
     Arch("gemma-4-31b", "Gemma 4 SWA 5:1, 12 layers", _frontier("gemma-4-31b", 12), 256, 2048),
+    Arch(
+        "deepseek-v3.2",
+        "sparse MLA + indexer keys, 4 layers",
+        _frontier("deepseek-v3.2-exp", 4),
+        256,
+        2048,
+    ),
 ]
 
 
@@ -214,6 +222,14 @@ def attention_backend(config: dict[str, Any], max_model_len: int) -> tuple[str |
     except Exception as e:  # the planner has no rule for this architecture
         return FALLBACK_BACKEND, f"planner: {str(e).split(';')[0]}; using {FALLBACK_BACKEND}"
     return plan.gpu.attention_backend, "planner's pick"
+
+
+def cpu_workspace() -> None:
+    import torch
+    from vllm.v1.worker.workspace import init_workspace_manager, is_workspace_manager_initialized
+
+    if not is_workspace_manager_initialized():
+        init_workspace_manager(torch.device("cpu"))
 
 
 def min_gpu_blocks(layout: Any) -> int:
@@ -490,6 +506,8 @@ def run_arch(arch: Arch, n: int, rounds: int, fractions: list[float], seed: int)
     config = arch.config()
     max_len = p + t
     backend, backend_note = attention_backend(config, max_len)
+    if backend and backend.endswith("MLA_SPARSE"):
+        cpu_workspace()  # FlashMLA's sparse impl (the stand-in) reserves one when built
     drafter = (
         {"speculative_method": "mtp", "num_speculative_tokens": arch.mtp_tokens}
         if arch.mtp_tokens

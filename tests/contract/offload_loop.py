@@ -35,6 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import (
+    generate_scheduler_kv_cache_config,
     get_request_block_hasher,
     init_none_hash,
     resolve_kv_cache_block_sizes,
@@ -143,11 +144,15 @@ class EngineLoop:
             vc.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
         vc.scheduler_config.max_num_seqs = max_num_seqs
         vc.scheduler_config.max_num_batched_tokens = max_num_batched_tokens
-        block_size, hash_block_size = resolve_kv_cache_block_sizes(kv, vc)
-        kv.hash_block_size = hash_block_size
+        # EngineCore hands the scheduler a copy whose mixed-page groups
+        # (UniformTypeKVCacheSpecs) carry one layer's spec: no block manager takes the
+        # aggregate (DeepSeek-V3.2's latents + indexer keys, a draft model's layers).
+        scheduler_kv = generate_scheduler_kv_cache_config([kv])
+        block_size, hash_block_size = resolve_kv_cache_block_sizes(scheduler_kv, vc)
+        kv.hash_block_size = scheduler_kv.hash_block_size = hash_block_size
         self.scheduler = Scheduler(
             vc,
-            kv,
+            scheduler_kv,
             StructuredOutputManager(vc),
             block_size=block_size,
             hash_block_size=hash_block_size,

@@ -683,3 +683,51 @@ def test_spillway_connector_builds_the_drafter_plans_pool(
     assert observed.offload_error is None
     assert plan_check.compare(plan, observed) == []
     assert observed.num_units == plan.spillway.num_units > 0
+
+
+@pytest.mark.parametrize(
+    "case", [Case(DSV32, 8), Case(DSV32, 8, kv_cache_dtype="fp8"), Case(GLM5, 4)], ids=str
+)
+def test_spillway_pool_of_a_mixed_page_group_is_planned_alike_on_scheduler_and_workers(
+    case: Case, frontier_layouts: FrontierLayouts, monkeypatch: pytest.MonkeyPatch
+):
+    """EngineCore hands the scheduler (and so the connector's scheduler side) a copy of
+    the KV config whose mixed-page group carries one layer's spec (here an indexer
+    key's page); Spillway's connector must still size the pool as the workers and the
+    plan do, or the two sides would disagree on every unit."""
+    from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
+
+    from spillway_engine.offloader import geometry as geometry_module
+    from spillway_engine.offloader.geometry import build_geometry, with_extra_config
+
+    # replicated MLA ranks share one /dev/shm region on CUDA (the check is CUDA-only)
+    monkeypatch.setattr(geometry_module, "_uses_shared_region", lambda: True)
+    plan = plan_for(case)  # the backend for the harness
+    spillway = make_plan(
+        load_frontier(case.model),
+        PlanRequest(
+            tensor_parallel_size=case.tensor_parallel_size,
+            gpu=case.gpu,
+            kv_cache_dtype=case.kv_cache_dtype,
+            max_model_len=case.max_model_len,
+            cpu_memory_bytes=POOL,
+            offloader="spillway",
+        ),
+    )
+    _cpu_workspace()
+    built = vllm_for(frontier_layouts, case, plan)
+    vc = with_extra_config(built.vllm_config, dict(spillway.kv_connector_extra_config))
+    workers = build_geometry(vc, built.kv_cache_config).layout
+    scheduler_copy = generate_scheduler_kv_cache_config([built.kv_cache_config])
+    assert scheduler_copy.kv_cache_groups[0].kv_cache_spec.page_size_bytes < (
+        built.kv_cache_config.kv_cache_groups[0].kv_cache_spec.page_size_bytes
+    )
+    scheduler = build_geometry(vc, scheduler_copy).layout
+    assert (scheduler.unit_bytes, scheduler.num_units) == (workers.unit_bytes, workers.num_units)
+    assert (spillway.spillway.unit_bytes, spillway.spillway.num_units) == (
+        workers.unit_bytes,
+        workers.num_units,
+    )
+    assert [g.chunk_bytes for g in spillway.spillway.groups] == [
+        g.chunk_bytes for g in workers.groups
+    ]

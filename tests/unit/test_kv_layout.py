@@ -359,11 +359,14 @@ def test_qwen35_takes_the_ssm_dtype_from_its_config():
     assert state[0][1] == "bfloat16"
 
 
-def test_gemma4_refused_on_hopper_planned_on_ampere():
+def test_gemma4_on_hopper_runs_fa4_and_on_ampere_triton():
     shape = model_shape(load_frontier("gemma-4-31b"))
-    with pytest.raises(UnsupportedModel, match="FlashAttention 4"):
-        compute_layout(shape, get_gpu("h200"), LayoutRequest())
+    hopper = compute_layout(shape, get_gpu("h200"), LayoutRequest())
+    assert hopper.attention_backend == "FLASH_ATTN"  # FA4 forced, 16-token pages on SM90
+    with pytest.raises(UnsupportedModel, match="FA4 with fixed 64-token FP8 pages"):
+        compute_layout(shape, get_gpu("h200"), LayoutRequest(kv_cache_dtype="fp8"))
     layout = compute_layout(shape, get_gpu("a100"), LayoutRequest())
+    assert [g.groups for g in (hopper,)] == [layout.groups]  # same MultipleOf(16) rule
     assert layout.attention_backend == "TRITON_ATTN"
     full = [g for g in layout.groups if g.kind == "full_attention"]
     assert [g.tokens_per_block for g in full] == [32]  # 4 kv x 512 pages doubled to match

@@ -88,6 +88,31 @@ def spec_true_bytes_per_block(group: Any) -> int:
     return sum(unpadded_page_bytes(s) for s in _layer_specs(group.kv_cache_spec, group.layer_names))
 
 
+def _group_bytes(vllm_config: Any, kv_cache_config: Any, group: Any) -> int:
+    """``spec_true_bytes_per_block``, also on the scheduler's copy of the config.
+
+    EngineCore gives the scheduler a mixed-page group (``UniformTypeKVCacheSpecs``:
+    DeepSeek-V3.2's latents and indexer keys, a draft model's layers) as one layer's
+    spec; the other layers' pages are then read off their ``KVCacheTensor`` strides,
+    so the scheduler sizes the host pool as the workers do."""
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+    spec = group.kv_cache_spec
+    if isinstance(spec, UniformTypeKVCacheSpecs) or len(group.layer_names) < 2:
+        return spec_true_bytes_per_block(group)
+    block_outer = vllm_config.cache_config.get_resolved_kv_cache_layout().is_block_outermost
+    stride = {
+        name: t.layer_stride if block_outer else t.block_stride
+        for t in kv_cache_config.kv_cache_tensors
+        for name in t.layers
+    }
+    own = unpadded_page_bytes(spec)
+    return sum(
+        own if stride.get(name, spec.page_size_bytes) == spec.page_size_bytes else stride[name]
+        for name in group.layer_names
+    )
+
+
 def _describe(spec: Any) -> str:
     return type(spec).__name__.removesuffix("Spec")
 
@@ -146,7 +171,12 @@ def build_geometry(vllm_config: Any, kv_cache_config: Any) -> ConnectorGeometry:
             cpu_bytes,
             span,
             [
-                (gid, _describe(g.kv_cache_spec), tpb, spec_true_bytes_per_block(g))
+                (
+                    gid,
+                    _describe(g.kv_cache_spec),
+                    tpb,
+                    _group_bytes(vllm_config, kv_cache_config, g),
+                )
                 for gid, g, tpb in zip(group_ids, groups, tokens_per_block, strict=True)
             ],
             copies,
