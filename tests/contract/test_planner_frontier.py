@@ -330,6 +330,9 @@ DRAFTER_CASES = [
     _drafted(LLAMA31_8B, 2, "draft_model", 5, LLAMA32_1B, gpu="a100"),
     _drafted(LLAMA31_8B, 4, "draft_model", 3, LLAMA32_1B, kv_cache_dtype="fp8"),
     _drafted(LLAMA31_70B, 8, "draft_model", 5, LLAMA32_1B),
+    # an MoE target (4 KV heads) with a dense draft (8): pages differ once TP splits them
+    _drafted("qwen3-30b-a3b", 4, "draft_model", 3, QWEN3_06B),
+    _drafted("qwen3-30b-a3b", 2, "draft_model", 3, QWEN3_06B, kv_cache_dtype="fp8"),
 ]
 
 
@@ -453,6 +456,8 @@ def test_a_draft_model_with_other_heads_adds_a_second_page_size():
 DRAFTER_REFUSALS = [
     # the drafter's vocabulary must be the target's (no heterogeneous vocabulary)
     (_drafted(QWEN3_8B, 1, "draft_model", 4, LLAMA32_1B), "same vocabulary size"),
+    # Gemma 3's 1B has 64 fewer token rows than the 12B (262144, 262208)
+    (_drafted("gemma-3-12b-it", 1, "draft_model", 4, "gemma-3-1b-it"), "vocab_size=262144"),
     # the 70B's 64 heads split over 64 ranks, the 1B draft's 32 do not
     (
         _drafted(LLAMA31_70B, 64, "draft_model", 4, LLAMA32_1B),
