@@ -73,3 +73,18 @@ def test_simulator_runs_on_planner_output(model_file, offloader):
     assert c.store_bytes > 0
     assert 0 < core.host_used_chunks() <= core.host_slots
     assert core.kv_cache_usage() == 0.0
+
+
+def test_a_mixed_page_group_moves_its_block_not_a_page_per_layer():
+    """A draft model's layers beside the target's (one group, two page sizes): the
+    simulator moves the group's block, whose page_bytes is already the pages' sum."""
+    frontier = Path(__file__).parents[1] / "contract" / "frontier_configs"
+    config = json.loads((frontier / "llama-3.1-8b-instruct.json").read_text())["config"]
+    draft = json.loads((MODELS / "llama-3.2-1b.json").read_text())["config"]
+    plan = plan_module.make_plan(config, plan_module.PlanRequest(
+        cpu_memory_bytes=8 * 2**30, max_model_len=4096, speculative_method="draft_model",
+        num_speculative_tokens=4, speculative_model="meta-llama/Llama-3.2-1B"), draft)
+    [group] = plan.kv_groups
+    assert group.layer_page_bytes and group.bytes_per_block == group.page_bytes
+    [sim] = parse_plan(plan).groups
+    assert sim.block_bytes == group.bytes_per_block  # one worker: one copy

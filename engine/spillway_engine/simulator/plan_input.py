@@ -142,7 +142,8 @@ def parse_plan(plan: Plan) -> SimPlan:
                 tokens_per_chunk=chunk.tokens_per_chunk,
                 hashes_per_block=tpb // tph,
                 hashes_per_chunk=chunk.tokens_per_chunk // tph,
-                block_bytes=g.page_bytes * g.num_layers * section.copies,
+                # bytes_per_block: a mixed-page group's page_bytes is already its block
+                block_bytes=g.bytes_per_block * section.copies,
                 window_blocks=window_blocks,
                 window_chunks=chunk.window_chunks,
                 units=chunk.units if plan.offloader == "spillway" else 1,
