@@ -44,6 +44,7 @@ _PLURALS = {
     ("v1", "Event"): "events",
     ("v1", "Service"): "services",
     ("apps/v1", "Deployment"): "deployments",
+    ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
     (SERVICE_MONITOR_API, "ServiceMonitor"): "servicemonitors",
     (f"{GROUP}/{VERSION}", KIND): PLURAL,
 }

@@ -21,7 +21,7 @@ from pydantic import ValidationError
 from spillway_engine.planner.model_config import ModelConfigSourceError, load_hub, parse_config_text
 from spillway_engine.planner.plan import Plan, PlanRefused, PlanRequest, make_plan
 from spillway_engine.quantity import parse_bytes
-from spillway_operator import metrics, render
+from spillway_operator import metrics, render, rollout
 from spillway_operator.kube import Kube, Rejected, TemporaryError
 from spillway_operator.spec import (
     Condition,
@@ -189,7 +189,10 @@ def event_type(condition: Condition) -> str:
     bad = (condition.type == ConditionType.DEGRADED and condition.status == "True") or (
         condition.type in (ConditionType.PLAN_READY, ConditionType.AVAILABLE)
         and condition.status == "False"
-        and condition.reason not in ("DeploymentPending", "PodsNotReady"))
+        and condition.reason not in ("DeploymentPending", "PodsNotReady")) or (
+        condition.type == ConditionType.PROGRESSING and condition.status == "False"
+        and condition.reason in (rollout.INSUFFICIENT_GPU_FOR_SURGE,
+                                 rollout.INSUFFICIENT_GPU_FOR_ROLLOUT))
     return "Warning" if bad else "Normal"
 
 
@@ -246,12 +249,16 @@ class Reconciler:
                 obs.apply_error = ("ApplyRejected", _short(str(exc)))
                 outcome = "refused"
         writes += self._write_status(obj, owner, obs)
-        return Result(outcome, 5.0 if outcome == "retry" else None, writes)
+        # A surge pod waiting for a GPU: come back when it reaches its time limit
+        # (nothing else may change meanwhile).
+        requeue = 5.0 if outcome == "retry" else obs.recheck_after
+        return Result(outcome, requeue, writes)
 
     def _children(self, owner: render.Owner, spec: InferenceDeploymentSpec,
-                  plan: Plan) -> list[dict[str, Any]]:
+                  plan: Plan, strategy: dict[str, Any]) -> list[dict[str, Any]]:
         children = [render.plan_configmap(owner, spec, plan), render.service(owner),
-                    render.deployment(owner, spec, plan)]
+                    render.deployment(owner, spec, plan, strategy),
+                    render.pod_disruption_budget(owner, spec)]
         if self.kube.service_monitors_served():
             children.append(render.service_monitor(owner))
         return children
@@ -260,8 +267,16 @@ class Reconciler:
                obs: Observed) -> int:
         """Apply the children that differ; returns the writes made."""
         obs.plan_summary = plan_summary(plan, spec.gpus_per_pod, render.plan_hash(plan))
+        # The update strategy follows the live rollout (a surge pod with no GPU).
+        live = self.kube.get_deployment(owner.namespace, owner.name)
+        if live is not None:
+            obs.pods = self.kube.list_pods(owner.namespace, render.selector_string(owner))
+        decision = rollout.decide(spec, live, obs.pods, time.time())
+        obs.rollout_stuck, obs.rollout_in_place = decision.stuck, decision.in_place
+        obs.recheck_after = (None if decision.recheck_after is None
+                             else decision.recheck_after + 1.0)
         writes = 0
-        for child in self._children(owner, spec, plan):
+        for child in self._children(owner, spec, plan, decision.strategy):
             action, live = self.kube.ensure(child)
             if child["kind"] == "Deployment":
                 obs.deployment = live

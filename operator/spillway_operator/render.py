@@ -15,6 +15,7 @@ from typing import Any
 
 from spillway_engine.planner.plan import Plan
 from spillway_engine.quantity import format_bytes, parse_bytes
+from spillway_operator import disruption, rollout
 from spillway_operator.spec import (
     GROUP,
     KIND,
@@ -309,7 +310,10 @@ def _pod_spec(owner: Owner, spec: InferenceDeploymentSpec, plan: Plan) -> dict[s
         "tolerations": tolerations,
         "securityContext": {"runAsNonRoot": True, "fsGroup": 1000,
                             "seccompProfile": {"type": "RuntimeDefault"}},
-        "terminationGracePeriodSeconds": 60,
+        # Time to finish the requests in flight (spillway_operator.disruption).
+        "terminationGracePeriodSeconds": disruption.grace_period_seconds(spec,
+                                                                         plan.max_model_len),
+        "topologySpreadConstraints": disruption.topology_spread(selector_labels(owner)),
         "enableServiceLinks": False,
         "automountServiceAccountToken": False,
     }
@@ -337,7 +341,29 @@ def kv_events_annotation(spec: InferenceDeploymentSpec, plan: Plan) -> dict[str,
     return {KV_EVENTS_ANNOTATION: "on" if on else "off"}
 
 
-def deployment(owner: Owner, spec: InferenceDeploymentSpec, plan: Plan) -> dict[str, Any]:
+def pod_disruption_budget(owner: Owner, spec: InferenceDeploymentSpec) -> dict[str, Any]:
+    """At most spec.disruption.maxUnavailable engine pods evicted at once (a node
+    drain, a cluster upgrade); see disruption.budget_max_unavailable."""
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _meta(owner, owner.name),
+        "spec": {
+            "maxUnavailable": disruption.budget_max_unavailable(spec),
+            "selector": {"matchLabels": selector_labels(owner)},
+            # A pod that is not Ready serves nothing: a drain may always evict it (the
+            # default would let one crash-looping engine block every drain).
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+        },
+    }
+
+
+def deployment(owner: Owner, spec: InferenceDeploymentSpec, plan: Plan,
+               strategy: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The engine Deployment; ``strategy`` is rollout.decide's (default: the one a
+    rollout starts with)."""
+    if strategy is None:
+        strategy = rollout.decide(spec, None, [], 0.0).strategy
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -345,9 +371,8 @@ def deployment(owner: Owner, spec: InferenceDeploymentSpec, plan: Plan) -> dict[
         "spec": {
             "replicas": spec.replicas,
             "selector": {"matchLabels": selector_labels(owner)},
-            # A new pod must be Ready before an old one goes; loads take minutes.
-            "strategy": {"type": "RollingUpdate",
-                         "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            # Surge while the cluster has room, else in place (spillway_operator.rollout).
+            "strategy": strategy,
             "progressDeadlineSeconds": 3600,
             "template": {
                 "metadata": {

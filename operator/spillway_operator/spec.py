@@ -468,6 +468,61 @@ class AutoscalingSpec(_Model):
     interval_seconds: Annotated[int, Field(ge=1, le=600, description="decision interval")] = 15
 
 
+class RolloutStrategy(StrEnum):
+    """How engine pods are replaced when the pod template changes (spillway_operator.rollout)."""
+
+    AUTO = "Auto"
+    SURGE = "Surge"
+    IN_PLACE = "InPlace"
+    RECREATE = "Recreate"
+
+
+class RolloutSpec(_Model):
+    """Rollouts that finish on a cluster with no spare GPU."""
+
+    strategy: Annotated[
+        RolloutStrategy,
+        Field(description="Auto: start one extra pod first (no capacity lost) and, if it "
+              "stays Pending for lack of GPUs beyond surgeTimeoutSeconds, replace pods in "
+              "place one at a time (more than one replica) or report "
+              "InsufficientGPUForSurge (one replica: in place means a gap); Surge: only ever "
+              "an extra pod, reported when it cannot be placed; InPlace: one pod at a time "
+              "goes before its replacement starts (one replica: a gap); Recreate: all pods go, "
+              "then the new ones start (a gap)"),
+    ] = RolloutStrategy.AUTO
+    surge_timeout_seconds: Annotated[
+        int,
+        Field(ge=0, le=86400, description="how long an extra pod may stay Pending on "
+              "insufficient GPUs (time for a cluster autoscaler to add a node) before Auto "
+              "replaces in place or the rollout is reported stuck"),
+    ] = 300
+
+
+class DisruptionSpec(_Model):
+    """Voluntary disruptions (node drains, evictions) and how a pod leaves."""
+
+    max_unavailable: Annotated[
+        int,
+        Field(ge=0, le=1000, description="engine pods an eviction (a node drain) may take at "
+              "once, through a PodDisruptionBudget (more than one replica)"),
+    ] = 1
+    protect_single_replica: Annotated[
+        bool,
+        Field(description="one replica: a budget of no eviction, so a drain waits until "
+              "someone moves the pod (default: a single replica may be evicted)"),
+    ] = False
+    termination_grace_period_seconds: Annotated[
+        int | None,
+        Field(ge=1, le=86400, description="time a stopping pod has to finish its requests "
+              "(default: max model length / decodeTokensPerSecond + 30 s, 60 s to 600 s)"),
+    ] = None
+    decode_tokens_per_second: Annotated[
+        float,
+        Field(gt=0, le=100000, description="the slowest decode rate of one stream the "
+              "default grace period assumes"),
+    ] = 25.0
+
+
 class InferenceDeploymentSpec(_Model):
     model: ModelSpec
     replicas: Annotated[
@@ -478,6 +533,8 @@ class InferenceDeploymentSpec(_Model):
     resources: ResourcesSpec = ResourcesSpec()
     offload: OffloadSpec = OffloadSpec()
     autoscaling: AutoscalingSpec = AutoscalingSpec()
+    rollout: RolloutSpec = RolloutSpec()
+    disruption: DisruptionSpec = DisruptionSpec()
 
     @property
     def gpus_per_pod(self) -> int:

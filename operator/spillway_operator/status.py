@@ -61,6 +61,10 @@ class Observed:
     deployment: dict[str, Any] | None = None
     pods: list[dict[str, Any]] = field(default_factory=list)
     selector: str | None = None
+    # spillway_operator.rollout's verdict on the live rollout
+    rollout_stuck: tuple[str, str] | None = None  # (reason, message)
+    rollout_in_place: bool = False
+    recheck_after: float | None = None
 
 
 # ------------------------------------------------------------------ wire format
@@ -200,6 +204,12 @@ def _progressing(obs: Observed, r: Rollout) -> Cond:
     if r.complete and r.ready >= want:
         return Cond(ConditionType.PROGRESSING, False, "RolloutComplete",
                     "all engine pods run the current plan")
+    if obs.rollout_stuck:
+        return Cond(ConditionType.PROGRESSING, False, *obs.rollout_stuck)
+    if obs.rollout_in_place:
+        return Cond(ConditionType.PROGRESSING, True, "RollingOutInPlace",
+                    f"no GPU for an extra pod: replacing pods one at a time; "
+                    f"{r.updated}/{want} pods updated, {r.ready} ready")
     return Cond(ConditionType.PROGRESSING, True, "RollingOut",
                 f"{r.updated}/{want} pods updated, {r.ready} ready")
 

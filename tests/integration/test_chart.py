@@ -51,6 +51,9 @@ NAMESPACED_RULES = {
     *{("apps", "deployments", v) for v in ("get", "list", "watch", "patch", "create")},
     *{("", r, v) for r in ("services", "configmaps")
       for v in ("get", "list", "watch", "patch", "create")},
+    # The engine pods' budget: read and applied like the other children, never watched
+    # (the periodic resync repairs a hand edit), never deleted.
+    *{("policy", "poddisruptionbudgets", v) for v in ("get", "patch", "create")},
     *{("", "pods", v) for v in ("list", "watch")},
     ("", "pods", "patch"),  # the autoscaler's scale-down marks (deletion cost, draining)
     ("", "secrets", "get"),
@@ -492,11 +495,14 @@ def test_operator_runs_as_the_chart_service_account(helm, cluster, api, namespac
                 "scale"],
                ["create", "events", "-n", work], ["get", "secrets", "-n", work],
                ["patch", "pods", "-n", work],
+               ["patch", "poddisruptionbudgets.policy", "-n", work],
                ["watch", "customresourcedefinitions.apiextensions.k8s.io"],
                *[[v, "leases.coordination.k8s.io", "-n", release_ns]
                  for v in ("get", "create", "update")]]
     # Denied: everything else, including what a looser role would hand out.
     denied = [["delete", "deployments.apps", "-n", work],
+              ["delete", "poddisruptionbudgets.policy", "-n", work],
+              ["list", "poddisruptionbudgets.policy", "-n", work],
               ["update", "deployments.apps", "-n", work],
               ["create", "pods", "-n", work], ["delete", "pods", "-n", work],
               ["get", "pods", "-n", work], ["update", "pods", "-n", work],
@@ -607,7 +613,7 @@ def test_operator_runs_as_the_chart_service_account(helm, cluster, api, namespac
 
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
             metrics = resp.read().decode()
-        for kind in ("Deployment", "Service", "ConfigMap"):
+        for kind in ("Deployment", "Service", "ConfigMap", "PodDisruptionBudget"):
             assert (f'spillway_operator_child_writes_total{{action="created",kind="{kind}"}} 1.0'
                     in metrics), metrics
     finally:

@@ -202,14 +202,14 @@ def test_reconciler_status_is_declared_and_steady():
     obj = infdep(autoscaling={"enabled": True})
     kube = FakeKube(obj, load_local(MODELS / "gemma-3-1b-it.json"))
     first = Reconciler(kube).reconcile(obj)
-    assert first.outcome == "ok" and first.writes == 5  # 4 children and the status
+    assert first.outcome == "ok" and first.writes == 6  # 5 children and the status
     status = obj["status"]
     assert undeclared(status, STATUS_SCHEMA) == []
     assert status["plan"]["capacityTokens"] > 0 and status["readyReplicas"] == 1
     assert {c["type"] for c in status["conditions"]} >= {"Available", "ScalingActive"}
     # Steady state: the same object again makes no write at all.
     again = Reconciler(kube).reconcile(obj)
-    assert again.writes == 0 and len(kube.writes) == 5
+    assert again.writes == 0 and len(kube.writes) == 6
 
 
 def test_scaler_status_is_declared_and_steady():

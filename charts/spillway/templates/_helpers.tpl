@@ -70,6 +70,8 @@ runs the operator with this ServiceAccount's token against a real API server.
   apply creates the object, checks "create" as well (verified against kube-apiserver 1.35:
   without create the first apply is a 403 "cannot create resource"); list, watch =
   kopf's drift watches. configmaps get also reads the model's config.json ConfigMap.
+- poddisruptionbudgets get, patch, create: the engine pods' budget, applied like the
+  other children; no list or watch (the periodic resync repairs a hand edit), no delete.
 - servicemonitors get, patch, create: the engine ServiceMonitor, applied like the other
   children (only when the Prometheus operator's API is served; that discovery request is
   a non-resource URL every authenticated user may read).
@@ -98,6 +100,9 @@ Events, pods/exec, pods/log, nodes, and any write to the InferenceDeployment's s
 - apiGroups: [""]
   resources: ["services", "configmaps"]
   verbs: ["get", "list", "watch", "patch", "create"]
+- apiGroups: ["policy"]
+  resources: ["poddisruptionbudgets"]
+  verbs: ["get", "patch", "create"]
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["list", "watch", "patch"]
