@@ -265,7 +265,10 @@ def _observe_group(group: Any) -> ObservedGroup:
     spec = group.kv_cache_spec
     layers = len(group.layer_names)
     block = None
+    window = getattr(spec, "sliding_window", None)
     if isinstance(spec, UniformTypeKVCacheSpecs):
+        # one attention type: the layers share its window (the wrapper has none)
+        window = getattr(spec.first_spec, "sliding_window", None)
         pages = {s.page_size_bytes for s in spec.kv_cache_specs.values()}
         # one page per layer when they agree; otherwise the group's sum (the plan's
         # page of a mixed-page group), which is also its block
@@ -280,7 +283,7 @@ def _observe_group(group: Any) -> ObservedGroup:
         num_layers=layers,
         tokens_per_block=spec.block_size,
         page_bytes=page,
-        sliding_window=getattr(spec, "sliding_window", None),
+        sliding_window=window,
         block_bytes=block,
     )
 

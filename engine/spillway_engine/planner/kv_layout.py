@@ -380,10 +380,22 @@ def _drafter_layers(shape: ModelShape, request: LayoutRequest) -> tuple[LayerKin
             f"{'MLA' if shape.mla_latent else 'Mamba'} layers is not modelled (only "
             "attention targets)"
         )
-    if any(layer.kind != "full_attention" for layer in shape.layers + draft.layers):
+    # EngineArgs sets CacheConfig.sliding_window for an all-sliding target; a draft layer
+    # without a window of its own takes it (Attention's fallback), so it slides alike.
+    windows = {layer.sliding_window for layer in shape.layers}
+    target_window = None
+    if all(layer.kind == "sliding_window" for layer in shape.layers) and len(windows) == 1:
+        target_window = windows.pop()
+    elif any(layer.kind != "full_attention" for layer in shape.layers):
         raise UnsupportedModel(
-            f"a {method} drafter with sliding-window or chunked layers, or beside them, is "
-            "not modelled (full-attention targets and drafters only)"
+            f"a {method} drafter beside {shape.architecture}'s mix of attention kinds is "
+            "not modelled (its layers regroup the target's, vLLM #48919): full-attention "
+            "or all-sliding targets only"
+        )
+    if any(layer.kind != "full_attention" for layer in draft.layers):
+        raise UnsupportedModel(
+            f"a {method} drafter with sliding-window or chunked layers of its own is not "
+            "modelled (full-attention drafters only)"
         )
     if draft.num_attention_heads % tp:
         # ModelConfig.verify_with_parallel_config on the draft's config
@@ -400,7 +412,8 @@ def _drafter_layers(shape: ModelShape, request: LayoutRequest) -> tuple[LayerKin
         raise UnsupportedModel("a drafter with different K and V head sizes is not modelled")
     same = (draft.num_kv_heads, draft.head_size) == (shape.num_kv_heads, shape.head_size)
     layer = LayerKind(
-        "full_attention",
+        "full_attention" if target_window is None else "sliding_window",
+        target_window,
         num_kv_heads=None if same else draft.num_kv_heads,
         head_size=None if same else draft.head_size,
     )
