@@ -106,6 +106,8 @@ def _group_bytes(vllm_config: Any, kv_cache_config: Any, group: Any) -> int:
         for t in kv_cache_config.kv_cache_tensors
         for name in t.layers
     }
+    if len({stride.get(name) for name in group.layer_names}) == 1:
+        return spec_true_bytes_per_block(group)  # one page: not a mixed group
     own = unpadded_page_bytes(spec)
     return sum(
         own if stride.get(name, spec.page_size_bytes) == spec.page_size_bytes else stride[name]
