@@ -100,8 +100,10 @@ CASES: dict[str, tuple[dict[str, Any], int, str]] = {
 class Peak:
     api: int = 0
     cores: int = 0
+    dp: int = 0
     others: int = 0
-    processes: int = 0
+    processes: int = 0  # every process but separate GPU workers: the measured terms' part
+    workers: int = 0  # GPU worker processes (data parallelism's mp executor)
     shm: int = 0
     cgroup: int = 0
 
@@ -119,16 +121,22 @@ def _status(pid: int) -> dict[str, int]:
     return out
 
 
+#: vLLM's process titles (``VLLM::<name>``, set_process_title) -> the bench's role
+_TITLES = (("APIServer", "api"), ("EngineCore", "cores"), ("Worker", "workers"),
+           ("DPCoordinator", "dp"))  # fmt: skip
+
+
 def _role(pid: int, root: int) -> str:
     if pid == root:
-        return "api"
+        return "api"  # the API server, or under DP the process manager above them
     try:
         cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
         comm = Path(f"/proc/{pid}/comm").read_text().strip()
     except OSError:
         return "gone"
-    if "EngineCore" in cmd or "EngineCore" in comm:
-        return "cores"
+    for title, role in _TITLES:
+        if f"VLLM::{title}" in cmd or title in comm:
+            return role
     return "others"
 
 
@@ -151,7 +159,7 @@ def _shm_used(volume: Path) -> int:
 
 
 def _sample(server: Server, volume: Path, cgroup: Path, peak: Peak) -> None:
-    roles: dict[str, int] = {"api": 0, "cores": 0, "others": 0}
+    roles: dict[str, int] = {"api": 0, "cores": 0, "dp": 0, "others": 0, "workers": 0}
     for pid in _pids(server.proc.pid):
         s = _status(pid)
         role = _role(pid, server.proc.pid)
@@ -159,8 +167,10 @@ def _sample(server: Server, volume: Path, cgroup: Path, peak: Peak) -> None:
             roles[role] += s.get("RssAnon", 0) + s.get("RssFile", 0)
     peak.api = max(peak.api, roles["api"])
     peak.cores = max(peak.cores, roles["cores"])
+    peak.dp = max(peak.dp, roles["dp"])
     peak.others = max(peak.others, roles["others"])
-    peak.processes = max(peak.processes, sum(roles.values()))
+    peak.workers = max(peak.workers, roles["workers"])
+    peak.processes = max(peak.processes, sum(roles.values()) - roles["workers"])
     peak.shm = max(peak.shm, _shm_used(volume))
     with contextlib.suppress(OSError):
         peak.cgroup = int((cgroup / "memory.max_usage_in_bytes").read_text())
@@ -235,32 +245,46 @@ def _mib(n: int) -> str:
 
 
 def measured_terms(plan: Plan) -> int:
-    """The plan's process terms that these runs measure (no GPU worker)."""
-    dp = plan.parallelism.data_parallel_size
-    return pod_sizing.measurable_process_bytes(plan.spillway.num_units, dp) + (
-        pod_sizing.DP_PROCESSES_BYTES if dp > 1 else 0
+    """The plan's process terms that these runs measure (all but the GPU workers)."""
+    p = plan.parallelism
+    return pod_sizing.measurable_process_bytes(
+        plan.spillway.num_units, p.data_parallel_size, p.world_size
     )
+
+
+def worker_estimate(plan: Plan) -> int:
+    """The plan's GPU-worker term (CUDA context, NCCL, pinned staging: an estimate)."""
+    p = plan.parallelism
+    return p.data_parallel_size * p.world_size * pod_sizing.WORKER_PROCESS_BYTES
 
 
 def table(rows: list[tuple[str, Plan, Peak, str]]) -> str:
     head = (
         "| case | DP | chunks/engine | region planned | shm planned | shm measured "
-        "| API server | engine core(s) | core helpers | processes measured | processes planned "
-        "(measured terms) | cgroup peak | planned >= measured |"
+        "| API server(s) | engine core(s) | DP coordinator | helpers | processes measured "
+        "| processes planned (measured terms) | over | GPU workers measured (CPU side) "
+        "/ estimate | cgroup peak | planned >= measured |"
     )
-    lines = [head, "|" + "---|" * 13]
+    lines = [head, "|" + "---|" * 16]
     for name, plan, peak, note in rows:
         if note:
-            lines.append(f"| {name} | | | | | | | | | | | | not served: {note} |")
+            lines.append(f"| {name} |" + " |" * 14 + f" not served: {note} |")
             continue
         planned_proc = measured_terms(plan)
-        ok = plan.pod.shm_bytes >= peak.shm and planned_proc >= peak.processes
+        over = (planned_proc - peak.processes) / max(peak.processes, 1)
+        ok = (
+            plan.pod.shm_bytes >= peak.shm
+            and planned_proc >= peak.processes
+            and worker_estimate(plan) >= peak.workers
+        )
+        measured_workers = _mib(peak.workers) if peak.workers else "in the core"
+        workers = f"{measured_workers} / {_mib(worker_estimate(plan))}"
         lines.append(
             f"| {name} | {plan.parallelism.data_parallel_size} | {plan.spillway.num_chunks} "
             f"| {_mib(plan.pod.pool_bytes_per_pod or 0)} | {_mib(plan.pod.shm_bytes)} "
-            f"| {_mib(peak.shm)} | {_mib(peak.api)} | {_mib(peak.cores)} | {_mib(peak.others)} "
-            f"| {_mib(peak.processes)} | {_mib(planned_proc)} | {_mib(peak.cgroup)} "
-            f"| {'yes' if ok else 'NO'} |"
+            f"| {_mib(peak.shm)} | {_mib(peak.api)} | {_mib(peak.cores)} | {_mib(peak.dp)} "
+            f"| {_mib(peak.others)} | {_mib(peak.processes)} | {_mib(planned_proc)} "
+            f"| {over:+.0%} | {workers} | {_mib(peak.cgroup)} | {'yes' if ok else 'NO'} |"
         )
     return "\n".join(lines) + "\n(MiB; peaks of samples every 0.5 s during start-up and load)"
 

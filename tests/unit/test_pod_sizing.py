@@ -6,6 +6,7 @@ from spillway_engine.planner.pod_sizing import (
     API_SERVER_BYTES,
     DP_PROCESSES_BYTES,
     ENGINE_CORE_BYTES,
+    ENGINE_CORE_MP_BYTES,
     GIB,
     MANAGER_BYTES_PER_KEY,
     MIN_HEADROOM_BYTES,
@@ -24,9 +25,9 @@ def test_terms_add_up():
     pod = size_pod(64 * GIB, workers_per_engine=8, data_parallel_size=1, host_keys_per_engine=1000)
     # one broadcast ring and one response ring per worker, besides the pool
     assert pod.shm_bytes == 64 * GIB + 9 * MQ_RING_BYTES + SHM_OTHER_BYTES
-    processes = (
+    processes = (  # eight workers: each a process of its own (mp executor)
         API_SERVER_BYTES
-        + ENGINE_CORE_BYTES
+        + ENGINE_CORE_MP_BYTES
         + 1000 * MANAGER_BYTES_PER_KEY
         + 8 * WORKER_PROCESS_BYTES
     )
@@ -41,6 +42,26 @@ def test_one_worker_has_no_message_queue_rings():
     assert shm_queue_bytes(1, 1) == SHM_OTHER_BYTES
     assert shm_queue_bytes(2, 1) == 3 * MQ_RING_BYTES + SHM_OTHER_BYTES
     assert shm_queue_bytes(2, 2) == 6 * MQ_RING_BYTES + SHM_OTHER_BYTES
+    # data parallelism runs even one worker per engine in its own process (mp executor)
+    assert shm_queue_bytes(1, 2) == 4 * MQ_RING_BYTES + SHM_OTHER_BYTES
+
+
+def test_the_engine_core_term_follows_vllms_executor():
+    """One worker and one engine: vLLM's uni executor runs the worker inside the engine
+    core (the larger core term); any other shape runs workers as processes."""
+    one = size_pod(0, 1, 1)
+    assert one.process_overhead_bytes == (
+        API_SERVER_BYTES + ENGINE_CORE_BYTES + WORKER_PROCESS_BYTES
+    )
+    tp2 = size_pod(0, 2, 1)
+    assert tp2.process_overhead_bytes == (
+        API_SERVER_BYTES + ENGINE_CORE_MP_BYTES + 2 * WORKER_PROCESS_BYTES
+    )
+    dp2 = size_pod(0, 1, 2)
+    assert dp2.process_overhead_bytes == (
+        2 * (API_SERVER_BYTES + ENGINE_CORE_MP_BYTES + WORKER_PROCESS_BYTES)
+        + DP_PROCESSES_BYTES
+    )
 
 
 def test_data_parallel_multiplies_pool_and_processes():

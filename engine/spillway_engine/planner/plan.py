@@ -471,7 +471,9 @@ def _make_plan(
         needed = size_pod(chosen.region_bytes, workers, dp, chosen.host_keys).memory_limit_bytes
         if limit is None or needed <= limit:
             break
-        cpu_bytes -= -(-(needed - limit) // dp)
+        # from the region, not the budget: a budget short of a whole row above it
+        # would give back bytes the region never held and change nothing
+        cpu_bytes = min(cpu_bytes, chosen.region_bytes) - -(-(needed - limit) // dp)
         upstream, upstream_refusal, spillway = _geometries(
             layout, request, cpu_bytes, workers, max_len
         )

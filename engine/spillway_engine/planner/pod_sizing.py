@@ -10,13 +10,18 @@ Terms (all per pod, bytes; W = GPU workers per engine, DP = engines per pod):
 ``shm_bytes``      = DP x region + :func:`shm_queue_bytes`
                      region = the offload pool actually mapped (rows x chunks; the
                      overshoot guard test holds vLLM's real mapping to it);
-                     queues = vLLM's MessageQueue rings when W > 1 (one broadcast ring
-                     plus one response ring per worker, ``MQ_RING_BYTES`` each, filled
-                     as used) + ``SHM_OTHER_BYTES`` (semaphores, NCCL, torch IPC).
+                     queues = vLLM's MessageQueue rings when the workers are processes
+                     of their own (one broadcast ring plus one response ring per
+                     worker, ``MQ_RING_BYTES`` each, filled as used) +
+                     ``SHM_OTHER_BYTES`` (semaphores, NCCL, torch IPC).
 ``memory_request`` = shm_bytes + :func:`overhead_bytes`:
-                     DP x (``API_SERVER_BYTES`` + ``ENGINE_CORE_BYTES`` +
-                     host keys x ``MANAGER_BYTES_PER_KEY`` + W x ``WORKER_PROCESS_BYTES``)
-                     + ``DP_PROCESSES_BYTES`` when DP > 1.
+                     DP x (``API_SERVER_BYTES`` + engine core + host keys x
+                     ``MANAGER_BYTES_PER_KEY`` + W x ``WORKER_PROCESS_BYTES``)
+                     + ``DP_PROCESSES_BYTES`` when DP > 1. The engine core is
+                     ``ENGINE_CORE_BYTES`` when its one worker runs inside it (vLLM's
+                     ``uni`` executor: W = 1 and DP = 1), else ``ENGINE_CORE_MP_BYTES``
+                     (the ``mp`` executor: W > 1 or DP > 1, workers in their own
+                     processes, whose CPU side is part of ``WORKER_PROCESS_BYTES``).
 ``memory_limit``   = memory_request + headroom, headroom =
                      max(``MIN_HEADROOM_BYTES``, ``HEADROOM_FRACTION`` x request):
                      pinned pool pages cannot be reclaimed, so the kernel needs slack
@@ -25,12 +30,14 @@ Terms (all per pod, bytes; W = GPU workers per engine, DP = engines per pod):
 Measured (bench/pod_memory.py: vLLM 0.33.0's real processes on the emulated GPU, peak
 RssAnon + RssFile, file pages counted in every process that maps them): the API
 server, the engine core with its helper processes, the manager's bytes per key, the
-region. Estimates, not measurable without a GPU: ``WORKER_PROCESS_BYTES`` (CUDA context
-and kernels, torch CUDA libraries, NCCL buffers, pinned staging, the safetensors page
-cache while loading), the rings' fill (their size is from vLLM's ``MessageQueue``
-defaults), ``SHM_OTHER_BYTES`` and ``DP_PROCESSES_BYTES`` (vLLM's DP process manager
-and coordinator; a DP 2 emulated engine did not start within 300 s on the 2-core
-machine the figures come from).
+region, and at DP 2 the slimmer engine cores of the ``mp`` executor and vLLM's DP
+process manager and coordinator. Estimates, not measurable without a GPU:
+``WORKER_PROCESS_BYTES`` (CUDA context and kernels, torch CUDA libraries, NCCL buffers,
+pinned staging, the safetensors page cache while loading; a separate emulated worker's
+CPU side measured 1,046 MiB of it), the rings' fill (their size is from vLLM's
+``MessageQueue`` defaults) and ``SHM_OTHER_BYTES``. ``ENGINE_CORE_MP_BYTES`` is measured
+at DP 2 with one worker per engine and carried over to tensor parallelism (the same
+executor and engine core; the emulator runs one worker per engine).
 """
 
 from __future__ import annotations
@@ -51,20 +58,24 @@ SHM_OTHER_BYTES = 256 * MIB
 #: vLLM's API server process (HTTP, tokenizer, detokenizer, metrics). Measured peak
 #: 943 MiB (tiny tokenizer; a real one adds its own size), rounded up.
 API_SERVER_BYTES = 1 * GIB
-#: One engine core without its GPU worker, with the kernel-setup helper processes it
-#: starts (two Python children of about 570 MiB each). Measured peak 2,293 MiB, + 6%.
+#: One engine core running its one GPU worker in-process (vLLM's ``uni`` executor; the
+#: worker's CUDA side is ``WORKER_PROCESS_BYTES``), with the kernel-setup helper
+#: processes it starts (two Python children of about 570 MiB each). Measured peak
+#: 2,166-2,293 MiB, + 6%.
 ENGINE_CORE_BYTES = 2432 * MIB
+#: One engine core whose workers are processes of their own (``mp`` executor: tensor or
+#: pipeline parallelism, or DP > 1), with its helpers. Measured at DP 2: 1,911 MiB per
+#: engine (core 909 + helpers 1,002), + 7%.
+ENGINE_CORE_MP_BYTES = 2048 * MIB
 #: Spillway's offloading manager per stored key (one chunk of one group): 870-1,030
 #: bytes on the Python heap measured (tracemalloc, 20k-100k keys), + allocator slack.
 MANAGER_BYTES_PER_KEY = 1280
 #: One GPU worker process (CUDA context, torch, NCCL, pinned staging, load cache): an
 #: estimate, not measurable here.
 WORKER_PROCESS_BYTES = 6 * GIB
-#: DP > 1: vLLM's process manager (the launching process) and DP coordinator (estimate:
-#: one API-server-sized process each).
-DP_PROCESSES_BYTES = 2 * API_SERVER_BYTES
-#: Kept for callers that size the engine processes as one figure (API server + core).
-ENGINE_PROCESS_BYTES = API_SERVER_BYTES + ENGINE_CORE_BYTES
+#: DP > 1: vLLM's process manager (the launching process) and DP coordinator. Measured
+#: at DP 2: 924 + 847 MiB, + 8%. (Each engine's API server is ``API_SERVER_BYTES``.)
+DP_PROCESSES_BYTES = 1920 * MIB
 #: Slack above the request before the limit.
 MIN_HEADROOM_BYTES = 2 * GIB
 HEADROOM_FRACTION = Fraction(1, 20)
@@ -89,17 +100,30 @@ def headroom(request_bytes: int) -> int:
     return round_up(max(MIN_HEADROOM_BYTES, int(HEADROOM_FRACTION * request_bytes)), MIB)
 
 
+def workers_in_own_processes(workers_per_engine: int, data_parallel_size: int) -> bool:
+    """vLLM's ``mp`` executor (ParallelConfig: world size across DP above 1); with one
+    worker and no data parallelism the ``uni`` executor runs it in the engine core."""
+    return workers_per_engine * data_parallel_size > 1
+
+
 def shm_queue_bytes(workers_per_engine: int, data_parallel_size: int) -> int:
-    """/dev/shm besides the pools: every engine's rings (none with one worker: vLLM
-    runs it in the engine core, without a MessageQueue) and the rest."""
-    rings = 1 + workers_per_engine if workers_per_engine > 1 else 0
+    """/dev/shm besides the pools: every engine's rings (none under the ``uni``
+    executor, which has no MessageQueue) and the rest."""
+    mp = workers_in_own_processes(workers_per_engine, data_parallel_size)
+    rings = 1 + workers_per_engine if mp else 0
     return data_parallel_size * rings * MQ_RING_BYTES + SHM_OTHER_BYTES
 
 
-def measurable_process_bytes(host_keys_per_engine: int, data_parallel_size: int) -> int:
-    """The process terms a CPU run measures (no GPU worker): bench/pod_memory.py."""
-    engine = ENGINE_PROCESS_BYTES + host_keys_per_engine * MANAGER_BYTES_PER_KEY
-    return data_parallel_size * engine
+def measurable_process_bytes(
+    host_keys_per_engine: int, data_parallel_size: int, workers_per_engine: int = 1
+) -> int:
+    """The process terms a CPU run measures (every process but the GPU workers, so
+    vLLM's DP processes too): bench/pod_memory.py."""
+    mp = workers_in_own_processes(workers_per_engine, data_parallel_size)
+    core = ENGINE_CORE_MP_BYTES if mp else ENGINE_CORE_BYTES
+    engine = API_SERVER_BYTES + core + host_keys_per_engine * MANAGER_BYTES_PER_KEY
+    extra = DP_PROCESSES_BYTES if data_parallel_size > 1 else 0
+    return data_parallel_size * engine + extra
 
 
 def overhead_bytes(
@@ -107,8 +131,10 @@ def overhead_bytes(
 ) -> int:
     """Process memory of all engines in the pod (excludes the pool and shm queues)."""
     workers = data_parallel_size * workers_per_engine * WORKER_PROCESS_BYTES
-    extra = DP_PROCESSES_BYTES if data_parallel_size > 1 else 0
-    return measurable_process_bytes(host_keys_per_engine, data_parallel_size) + workers + extra
+    measured = measurable_process_bytes(
+        host_keys_per_engine, data_parallel_size, workers_per_engine
+    )
+    return measured + workers
 
 
 def size_pod(
