@@ -303,6 +303,8 @@ QWEN3_8B = "qwen3-8b"
 QWEN3_06B = "qwen3-0.6b"
 MISTRAL = "mistral-7b-v0.1"
 TINYLLAMA = "tinyllama-1.1b-chat"
+GPT_OSS_120B = "gpt-oss-120b"
+GPT_OSS_20B = "gpt-oss-20b"
 
 
 def _drafted(model: str, tp: int, method: str, tokens: int, draft: str, **kw: Any) -> Case:
@@ -340,6 +342,11 @@ DRAFTER_CASES = [
     _drafted(MISTRAL, 1, "draft_model", 4, TINYLLAMA, max_model_len=8192),
     _drafted(MISTRAL, 2, "draft_model", 4, TINYLLAMA, max_model_len=8192),
     _drafted(MISTRAL, 4, "draft_model", 2, TINYLLAMA, max_model_len=8192, kv_cache_dtype="fp8"),
+    # sliding (128) + full alternating: gpt-oss-20b's layers (the 120b's page and window)
+    # join the 120b's two groups, 30 layers each
+    _drafted(GPT_OSS_120B, 1, "draft_model", 3, GPT_OSS_20B),
+    _drafted(GPT_OSS_120B, 2, "draft_model", 3, GPT_OSS_20B),
+    _drafted(GPT_OSS_120B, 8, "draft_model", 3, GPT_OSS_20B),
 ]
 
 
@@ -497,17 +504,29 @@ def test_drafter_refused_by_both(case: Case, reason: str, drafter_layouts: Draft
         drafted_plan(case)
 
 
-def test_a_drafter_beside_a_mix_of_attention_kinds_is_refused_by_the_planner():
-    """Not a vLLM refusal: beside sliding and full layers a draft layer regroups the
-    target's (group sizes, padding, the hash unit: vLLM #48919); no public drafter config
-    to check that against vLLM was at hand, so the planner says it does not model it."""
-    gemma = "gemma-3-27b-it"
-    with pytest.raises(PlanRefused, match="mix of attention kinds"):
+def test_a_drafter_with_other_heads_beside_a_mix_of_attention_kinds_is_refused():
+    """Not a vLLM refusal: beside sliding and full layers, draft layers of another page
+    regroup the target's (block sizes unified, buckets split, the hash unit: vLLM
+    #48919); no released drafter of that kind was at hand to check against vLLM, so the
+    planner says it does not model it (a drafter with the target's heads it does)."""
+    other_heads = dict(load_frontier(GPT_OSS_20B), num_key_value_heads=4)
+    with pytest.raises(PlanRefused, match="#48919"):
         make_plan(
-            load_frontier(gemma),
-            PlanRequest(cpu_memory_bytes=POOL, gpu="a100", speculative_method="draft_model",
-                        num_speculative_tokens=2, speculative_model=gemma),
-            load_frontier(gemma),
+            load_frontier(GPT_OSS_120B),
+            PlanRequest(cpu_memory_bytes=POOL, speculative_method="draft_model",
+                        num_speculative_tokens=2),
+            other_heads,
+        )
+
+
+def test_a_llama_style_drafter_sliding_without_layer_types_is_refused():
+    """vLLM gives such a drafter's layers the target's cache window, not its own."""
+    with pytest.raises(PlanRefused, match="without layer_types"):
+        make_plan(
+            load_frontier(LLAMA31_8B),
+            PlanRequest(cpu_memory_bytes=POOL, speculative_method="draft_model",
+                        num_speculative_tokens=2),
+            dict(load_frontier(LLAMA32_1B), sliding_window=4096),
         )
 
 
@@ -545,7 +564,9 @@ def test_engine_plan_check_passes_a_drafter_plan(case: Case, drafter_layouts: Dr
         update={"kv_groups": [g.model_copy(update={"page_bytes": g.page_bytes + 1})
                               for g in plan.kv_groups]}
     )
-    assert [m.field for m in plan_check.compare(wrong, observed)] == ["kv_groups[0].page_bytes"]
+    assert [m.field for m in plan_check.compare(wrong, observed)] == [
+        f"kv_groups[{i}].page_bytes" for i in range(len(plan.kv_groups))
+    ]
 
 
 # --- DeepSeek sparse attention (DeepSeek-V3.2, GLM-5) and Gemma 4 on Hopper ----------

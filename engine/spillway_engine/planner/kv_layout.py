@@ -386,17 +386,9 @@ def _drafter_layers(shape: ModelShape, request: LayoutRequest) -> tuple[LayerKin
     target_window = None
     if all(layer.kind == "sliding_window" for layer in shape.layers) and len(windows) == 1:
         target_window = windows.pop()
-    elif any(layer.kind != "full_attention" for layer in shape.layers):
-        raise UnsupportedModel(
-            f"a {method} drafter beside {shape.architecture}'s mix of attention kinds is "
-            "not modelled (its layers regroup the target's, vLLM #48919): full-attention "
-            "or all-sliding targets only"
-        )
-    if any(layer.kind != "full_attention" for layer in draft.layers):
-        raise UnsupportedModel(
-            f"a {method} drafter with sliding-window or chunked layers of its own is not "
-            "modelled (full-attention drafters only)"
-        )
+    if any(layer.kind not in ("full_attention", "sliding_window") for layer in draft.layers):
+        raise UnsupportedModel(f"a {method} drafter with chunked-local layers is not modelled")
+    mixed = len({layer.kind for layer in shape.layers}) > 1
     if draft.num_attention_heads % tp:
         # ModelConfig.verify_with_parallel_config on the draft's config
         raise UnsupportedModel(
@@ -411,13 +403,29 @@ def _drafter_layers(shape: ModelShape, request: LayoutRequest) -> tuple[LayerKin
     if draft.head_size != draft.head_size_v:
         raise UnsupportedModel("a drafter with different K and V head sizes is not modelled")
     same = (draft.num_kv_heads, draft.head_size) == (shape.num_kv_heads, shape.head_size)
-    layer = LayerKind(
-        "full_attention" if target_window is None else "sliding_window",
-        target_window,
-        num_kv_heads=None if same else draft.num_kv_heads,
-        head_size=None if same else draft.head_size,
-    )
-    return (layer,) * len(draft.layers)
+    if mixed and not same:
+        # other pages beside several attention kinds regroup the target's layers (block
+        # sizes unified, buckets split, the hash unit: vLLM #48919); unchecked, so refused
+        raise UnsupportedModel(
+            f"a {method} drafter with other KV heads than {shape.architecture}'s, beside its "
+            "mix of attention kinds, is not modelled (vLLM #48919); a drafter with the "
+            "target's heads is"
+        )
+    if any(layer.kind not in ("full_attention", "sliding_window") for layer in shape.layers):
+        raise UnsupportedModel(
+            f"a {method} drafter beside {shape.architecture}'s chunked-local layers is not "
+            "modelled"
+        )
+    heads = {} if same else {"num_kv_heads": draft.num_kv_heads, "head_size": draft.head_size}
+    made: dict[int | None, LayerKind] = {}
+    out = []
+    for layer in draft.layers:
+        window = layer.sliding_window if layer.kind == "sliding_window" else target_window
+        if window not in made:
+            kind = "full_attention" if window is None else "sliding_window"
+            made[window] = LayerKind(kind, window, **heads)
+        out.append(made[window])
+    return tuple(out)
 
 
 def _layer_spec(

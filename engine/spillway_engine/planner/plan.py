@@ -20,7 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from spillway_engine import __version__
 from spillway_engine.planner.families import model_shape
-from spillway_engine.planner.families.eagle3 import eagle3_shape
+from spillway_engine.planner.families.dense import ARCHITECTURES as DENSE_ARCHITECTURES
+from spillway_engine.planner.families.eagle3 import LLAMA_EAGLE3, eagle3_shape
 from spillway_engine.planner.gpus import DEFAULT_GPU, UnknownGpu, get_gpu
 from spillway_engine.planner.kv_layout import KVLayout, LayoutRequest, compute_layout
 from spillway_engine.planner.offload_geometry import (
@@ -403,8 +404,23 @@ def _drafter(
                 "Target and draft model should have the same vocabulary size. "
                 f"Target model vocab_size={target}. Draft model vocab_size={draft}."
             )
-        return model_shape(draft_config)
-    return eagle3_shape(draft_config)
+        return _own_windows(model_shape(draft_config), draft_config)
+    return _own_windows(eagle3_shape(draft_config), draft_config)
+
+
+def _own_windows(drafter: ModelShape, draft_config: dict[str, Any]) -> ModelShape:
+    """A drafter's sliding layers must say so per layer (layer_types): a Llama-style
+    layer without one takes the target's cache window in vLLM, not its config's."""
+    text = draft_config.get("text_config")
+    declared = (text if isinstance(text, dict) else draft_config).get("layer_types")
+    sliding = any(layer.kind == "sliding_window" for layer in drafter.layers)
+    llama_style = drafter.architecture in {*DENSE_ARCHITECTURES, *LLAMA_EAGLE3}
+    if sliding and declared is None and llama_style:
+        raise UnsupportedModel(
+            f"a {drafter.architecture} drafter whose sliding_window applies to every layer "
+            "without layer_types is not modelled (vLLM gives its layers the target's window)"
+        )
+    return drafter
 
 
 def _layout(
