@@ -52,6 +52,15 @@ def topology_spread(selector: dict[str, str]) -> list[dict[str, Any]]:
     ]
 
 
+#: Seconds of the grace period left to vLLM's own stop after the preStop drain.
+STOP_SECONDS = 10
+
+
+def drain_timeout_seconds(grace: int) -> int:
+    """How long the preStop drain waits for the requests in flight."""
+    return max(1, grace - STOP_SECONDS)
+
+
 def grace_period_seconds(spec: InferenceDeploymentSpec, max_model_len: int) -> int:
     """terminationGracePeriodSeconds of the engine pods.
 

@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from spillway_engine.launcher.drain import READY_PATH
 from spillway_engine.planner.plan import Plan
 from spillway_engine.quantity import format_bytes, parse_bytes
 from spillway_operator import disruption, rollout
@@ -266,6 +267,7 @@ def _engine_args(spec: InferenceDeploymentSpec) -> list[str]:
 def _engine_container(spec: InferenceDeploymentSpec, plan: Plan,
                       mounts: list[dict[str, Any]]) -> dict[str, Any]:
     probe = {"httpGet": {"path": "/health", "port": "http"}}
+    grace = disruption.grace_period_seconds(spec, plan.max_model_len)
     return {
         "name": "engine",
         "image": spec.engine.image,
@@ -281,7 +283,15 @@ def _engine_container(spec: InferenceDeploymentSpec, plan: Plan,
         # Model downloads and loads take minutes: up to an hour to start, then
         # readiness gates traffic and liveness restarts a hung engine.
         "startupProbe": {**probe, "periodSeconds": 10, "failureThreshold": 360},
-        "readinessProbe": {**probe, "periodSeconds": 5, "failureThreshold": 3},
+        # Ready is vLLM's health until the preStop drain starts; then not ready, while
+        # liveness (a draining engine is alive) stays /health.
+        "readinessProbe": {"httpGet": {"path": READY_PATH, "port": "http"},
+                           "periodSeconds": 5, "failureThreshold": 3},
+        # Stopping: no new requests, those in flight finished, then SIGTERM
+        # (spillway_engine.launcher.drain); the rest of the grace period is vLLM's stop.
+        "lifecycle": {"preStop": {"exec": {"command": [
+            "spillway-engine", "drain", "--port", str(ENGINE_PORT),
+            "--timeout", str(disruption.drain_timeout_seconds(grace))]}}},
         "livenessProbe": {**probe, "periodSeconds": 15, "failureThreshold": 4,
                           "timeoutSeconds": 5},
         "securityContext": {

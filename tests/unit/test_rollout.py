@@ -171,3 +171,14 @@ def test_grace_period_follows_context_length_and_rate_capped():
     pod = render.deployment(OWNER, spec, plan)["spec"]["template"]["spec"]
     assert pod["terminationGracePeriodSeconds"] == disruption.grace_period_seconds(
         spec, plan.max_model_len)
+
+
+def test_a_stopping_pod_drains_before_sigterm_within_its_grace_period():
+    spec = spec_of(disruption={"terminationGracePeriodSeconds": 300})
+    pod = render.deployment(OWNER, spec, plan_for(spec))["spec"]["template"]["spec"]
+    (engine,) = pod["containers"]
+    assert pod["terminationGracePeriodSeconds"] == 300
+    assert engine["lifecycle"]["preStop"]["exec"]["command"] == [
+        "spillway-engine", "drain", "--port", "8000", "--timeout", "290"]
+    assert engine["readinessProbe"]["httpGet"]["path"] == "/spillway/ready"
+    assert engine["livenessProbe"]["httpGet"]["path"] == "/health"

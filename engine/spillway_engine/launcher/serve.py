@@ -61,7 +61,7 @@ from pathlib import Path
 from typing import Any
 
 from spillway_engine import emulator
-from spillway_engine.launcher import preflight
+from spillway_engine.launcher import drain, preflight
 from spillway_engine.launcher.plugin import (
     ENTRY_POINT_GROUP,
     ENTRY_POINT_NAME,
@@ -484,6 +484,8 @@ def build_command(
     events, events_notes = kv_events_args(plan, options, user_args, events_ip)
     cmd += events
     notes += events_notes
+    # the pod's preStop drains through it (spillway_engine.launcher.drain)
+    cmd += ["--middleware", drain.MIDDLEWARE]
     cmd += ["--host", host, "--port", str(port), *user_args]
     return cmd, notes
 
@@ -758,8 +760,8 @@ def simulate_main(argv: Sequence[str]) -> int:
     return run(list(argv))
 
 
-_SUBCOMMANDS = {"serve": serve_main, "simulate": simulate_main}
-_USAGE = f"usage: {PROG} {{serve,simulate}} ... (see {PROG} <command> --help)"
+_SUBCOMMANDS = {"serve": serve_main, "simulate": simulate_main, "drain": drain.drain_main}
+_USAGE = f"usage: {PROG} {{serve,simulate,drain}} ... (see {PROG} <command> --help)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
