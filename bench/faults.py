@@ -10,9 +10,9 @@ trial creates ``--count`` InferenceDeployments in a fresh namespace and then:
   etcd         SIGKILLs etcd at a random point and starts it again 10 s later;
   child-edit   (after the rollout converged) deletes or edits by hand one kind of child
                of 20 objects at once: each of seven changes is one row;
-  invalid      times the rollout of the valid objects alone, then with 50 invalid
-               ones created first (25 whose plan is refused, 25 whose model config
-               ConfigMap does not exist and which retry with back-off).
+  invalid      times the rollout of the valid objects alone, then beside 50 invalid
+               ones created before them (25 whose plan is refused, 25 whose model
+               config ConfigMap does not exist and which retry with back-off).
 
 Recorded per trial, where it applies:
   - failover: SIGKILL -> the standby's first write (its own request counter),
@@ -466,6 +466,11 @@ def _rollout(trial: Trial, bodies: list[dict], valid: list[str]) -> list[float]:
     return [seen[n] - created[n] for n in valid if n in seen]
 
 
+def _has_condition(obj: dict) -> bool:
+    return any(c.get("type") == "PlanReady"
+               for c in (obj.get("status") or {}).get("conditions", []))
+
+
 def invalid(b: Bench, rng: random.Random) -> None:
     rows = []
     for n in range(b.args.repeats):
@@ -476,10 +481,16 @@ def invalid(b: Bench, rng: random.Random) -> None:
                 bad = [body(f"refused{i}", host_memory="1Ki") for i in range(INVALID // 2)]
                 bad += [body(f"missing{i}", config_map=f"absent-{i}")
                         for i in range(INVALID - INVALID // 2)]
+            # The invalid ones first, until each has its condition: from then on they
+            # only retry (the missing configs) or wait for a spec change (the refused).
+            trial.create(bad)
+            while bad and not all(map(_has_condition, trial.custom.list_namespaced_custom_object(
+                    GROUP, VERSION, trial.ns, PLURAL)["items"])):
+                time.sleep(0.5)
             retries0 = sum(o.metric("spillway_operator_reconciles_total", outcome="retry")
                            for o in b.ops)
             t0 = time.monotonic()
-            lat = _rollout(trial, bad + [body(x) for x in trial.names], trial.names)
+            lat = _rollout(trial, [body(x) for x in trial.names], trial.names)
             converged = b.converge(trial, t0)
             retries = sum(o.metric("spillway_operator_reconciles_total", outcome="retry")
                           for o in b.ops) - retries0
@@ -488,16 +499,18 @@ def invalid(b: Bench, rng: random.Random) -> None:
             print(f"invalid {n + 1}: {len(bad)} invalid, p99 {pct(lat, 0.99):.1f}s, converged "
                   f"{converged:.1f}s", file=sys.stderr)
             trial.teardown()
-    print(f"\n{b.args.count} valid InferenceDeployments, alone and after {INVALID} invalid ones "
-          f"({INVALID // 2} plans refused, {INVALID - INVALID // 2} model configs missing, "
-          "retried with back-off)")
+    print(f"\n{b.args.count} valid InferenceDeployments, alone and beside {INVALID} invalid ones "
+          f"({INVALID // 2} plans refused, {INVALID - INVALID // 2} model configs missing and "
+          "retried with back-off; created first, each with its condition before the valid "
+          "ones come)")
     print(f"{'trial':>5} {'invalid':>8} {'valid done':>11} {'p50 (s)':>8} {'p99 (s)':>8} "
           f"{'converged (s)':>14} {'retries':>8}")
     for t, bad, done, p50, p99, conv, retries in rows:
         print(f"{t:>5} {bad:>8} {done:>11} {p50:>8.1f} {p99:>8.1f} {conv:>14.1f} "
               f"{retries:>8.0f}")
-    print("p50/p99: create -> Deployment of the valid objects; converged: the first create -> "
-          "all valid objects complete and current, the operators quiet")
+    print("p50/p99: create -> Deployment of the valid objects; converged: the first valid "
+          "create -> all valid objects complete and current, the operators quiet; retries: "
+          "reconciles of the missing configs meanwhile")
 
 
 def main() -> int:
