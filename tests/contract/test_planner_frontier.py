@@ -20,7 +20,13 @@ import pytest
 from spillway_engine.planner.families import SUPPORTED_ARCHITECTURES
 from spillway_engine.planner.plan import Plan, PlanRefused, PlanRequest, make_plan
 
-from .vllm_harness import Case, VllmLayout, build_layout, vllm_default_max_model_len
+from .vllm_harness import (
+    Case,
+    VllmLayout,
+    build_layout,
+    kernel_block_sizes,
+    vllm_default_max_model_len,
+)
 
 CONFIGS = Path(__file__).resolve().parent / "frontier_configs"
 GIB = 2**30
@@ -261,15 +267,6 @@ def test_gemma4_full_layers_take_their_own_heads_and_bigger_blocks():
     sliding = [g for g in plan.kv_groups if g.kind == "sliding_window"]
     assert {g.tokens_per_block for g in full} == {32}
     assert {g.tokens_per_block for g in sliding} == {16}
-
-
-@pytest.mark.parametrize("gpu", ["h100", "h200"])
-def test_gemma4_with_fp8_kv_on_hopper_is_refused(gpu: str):
-    """Not a vLLM refusal: with an FP8 cache on SM90 vLLM mixes FA3 (sliding layers) and
-    FA4 with fixed 64-token FP8 pages (head-512 full layers); the planner says so. The
-    16-bit cache on Hopper plans (``test_sparse_and_hopper_groups_match_vllm``)."""
-    with pytest.raises(PlanRefused, match="FA4 with fixed 64-token FP8 pages"):
-        plan_for(Case(GEMMA4, gpu=gpu, kv_cache_dtype="fp8"))
 
 
 @pytest.mark.parametrize("case", MTP_CASES, ids=str)
@@ -791,3 +788,105 @@ def test_spillway_pool_of_a_mixed_page_group_is_planned_alike_on_scheduler_and_w
     assert [g.chunk_bytes for g in spillway.spillway.groups] == [
         g.chunk_bytes for g in workers.groups
     ]
+
+
+# --- Gemma 4 with an FP8 KV cache on Hopper --------------------------------------------
+#
+# Gemma4Config leaves FlashAttention's version to each layer then: FA3 on the head-256
+# sliding layers, FA4 on the head-512 full layers (FA3 stops at 256), whose SM90
+# FP8-dequant kernel takes exactly 64-token pages. The model's head size is its largest
+# (ModelArchitectureConfig.from_layers), so 64 is also the preferred block. Reconstructed
+# here: the CPU reports no SM90, so the layers get FlashAttentionSm90StandIn (the
+# FLASH_ATTN class with that one SM90 rule, checked against the real class below); the
+# layers, their specs, the grouping and the worker's kernel-block choice are vLLM's.
+GEMMA4_HOPPER_FP8_CASES = [
+    Case(GEMMA4, kv_cache_dtype="fp8"),
+    Case(GEMMA4, 2, kv_cache_dtype="fp8"),
+    Case(GEMMA4, 4, gpu="h200", kv_cache_dtype="fp8"),
+    Case(GEMMA4, 8, kv_cache_dtype="fp8"),  # pages equal: full blocks stay at 64
+    Case(GEMMA4, 2, kv_cache_dtype="fp8_e4m3"),
+    Case(GEMMA4, 2, kv_cache_dtype="fp8", block_size=128),
+    Case(GEMMA4_E2B, kv_cache_dtype="fp8"),  # full page larger: sliding blocks 128
+    Case(GEMMA4_E2B, 2, gpu="h200", kv_cache_dtype="fp8"),
+]
+
+
+@pytest.mark.parametrize("case", GEMMA4_HOPPER_FP8_CASES, ids=str)
+def test_gemma4_fp8_on_hopper_matches_vllm(case: Case, frontier_layouts: FrontierLayouts):
+    plan = plan_for(case)
+    assert plan.gpu.attention_backend == "FLASH_ATTN"
+    built = vllm_for(frontier_layouts, case, plan)
+    assert planned_groups_as_vllm(plan) == built.groups
+    assert plan.block_size == built.block_size == (case.block_size or 64)
+    assert plan.model.num_cache_layers == len(built.layer_names)
+    # the worker splits each group into kernel pages: the full (head-512) groups into
+    # FA4's 64-token FP8 pages, the sliding ones not at all
+    kernels = kernel_block_sizes(built)
+    for group, kernel in zip(plan.kv_groups, kernels, strict=True):
+        expected = 64 if group.kind == "full_attention" else group.tokens_per_block
+        assert kernel == expected
+    for bpc in BLOCKS_PER_CHUNK:
+        planned = plan_for(case, blocks_per_chunk=bpc)
+        off = built.offload(
+            {"cpu_bytes_to_use": POOL, "blocks_per_chunk": planned.blocks_per_chunk}
+        )
+        assert planned.tokens_per_hash == off["tokens_per_hash"]
+        assert planned.worker_bytes_per_block == off["worker_bytes_per_block"]
+        up = planned.upstream
+        assert up is not None
+        assert (up.row_bytes, up.num_chunks) == (off["row_bytes"], off["num_chunks"])
+        assert up.gauge_tokens == off["gauge_tokens"]
+        assert [g.tokens_per_block for g in up.groups] == off["group_tokens_per_block"]
+        assert [g.window_chunks for g in up.groups] == off["window_chunks"]
+
+
+def test_sm90_stand_in_has_flash_attention_s_own_sm90_rule(monkeypatch: pytest.MonkeyPatch):
+    """FlashAttentionSm90StandIn against the real FlashAttentionBackend with the platform
+    reporting SM90 and FlashAttention's version resolved as on SM90 with FA4 shipped
+    (fa_utils: FA3, upgraded to FA4 past head 256)."""
+    import torch
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends import flash_attn
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec, get_kv_quant_mode
+
+    from spillway_engine.emulator.backends import FlashAttentionSm90StandIn
+
+    def sm90_version(*args: Any, head_size: int | None = None, **kw: Any) -> int:
+        return 4 if head_size is not None and head_size > 256 else 3
+
+    monkeypatch.setattr(flash_attn, "get_flash_attn_version", sm90_version)
+    monkeypatch.setattr(
+        type(current_platform), "is_device_capability_family", classmethod(lambda c, f: f == 90)
+    )
+    seen = set()
+    for head in (256, 512):
+        for dtype in ("auto", "fp8", "fp8_e4m3"):
+            for spec_cls in (FullAttentionSpec, SlidingWindowSpec):
+                kw = {"sliding_window": 1024} if spec_cls is SlidingWindowSpec else {}
+                spec = spec_cls(
+                    block_size=16, num_kv_heads=2, head_size=head, dtype=torch.bfloat16,
+                    kv_quant_mode=get_kv_quant_mode(dtype), **kw,
+                )
+                real = flash_attn.FlashAttentionBackend.get_supported_kernel_block_sizes(spec)
+                assert FlashAttentionSm90StandIn.get_supported_kernel_block_sizes(spec) == real
+                seen.add(str(real))
+    assert len(seen) == 2  # both rules were exercised: [64] and MultipleOf(16)
+
+
+def test_gemma4_fp8_on_hopper_with_a_block_off_64_is_refused(
+    frontier_layouts: FrontierLayouts,
+):
+    """--block-size 32: FlashAttention's class-level rule (the model's head 512, FP8) takes
+    multiples of 64 only, so vLLM's selector marks FLASH_ATTN invalid for every layer and
+    picks another backend; the planner does not model that fallback and says so."""
+    from vllm.config import set_current_vllm_config
+
+    from spillway_engine.emulator.backends import FlashAttentionSm90StandIn
+
+    built = vllm_for(frontier_layouts, Case(GEMMA4, 2, kv_cache_dtype="fp8"), plan_for(
+        Case(GEMMA4, 2, kv_cache_dtype="fp8")))
+    with set_current_vllm_config(built.vllm_config):
+        assert not FlashAttentionSm90StandIn.supports_block_size(32)
+        assert FlashAttentionSm90StandIn.supports_block_size(128)
+    with pytest.raises(PlanRefused, match="selector falls back"):
+        plan_for(Case(GEMMA4, 2, kv_cache_dtype="fp8", block_size=32))

@@ -81,7 +81,14 @@ from spillway_engine.emulator.backends import (
 )
 
 VLLM_VERSION = vllm.__version__
-__all__ = ["VLLM_VERSION", "Case", "FlashMLAStandIn", "VllmLayout", "build_layout"]
+__all__ = [
+    "VLLM_VERSION",
+    "Case",
+    "FlashMLAStandIn",
+    "VllmLayout",
+    "build_layout",
+    "kernel_block_sizes",
+]
 
 
 @dataclass(frozen=True)
@@ -371,3 +378,25 @@ def build_layout(
             }
         )
     return VllmLayout(vc, kv_cfg, names, described, vc.cache_config.block_size)
+
+
+def kernel_block_sizes(built: VllmLayout) -> list[int]:
+    """Each group's kernel block size as the GPU worker picks it when it binds the KV
+    cache (``GPUModelRunner.initialize_attn_backend``'s attention groups, then vLLM's
+    ``prepare_kernel_block_sizes``); raises where the worker would (a backend with a
+    fixed kernel page that does not divide the group's block)."""
+    from vllm.v1.worker.utils import AttentionGroup, prepare_kernel_block_sizes
+
+    layers = get_layers_from_vllm_config(built.vllm_config, AttentionLayerBase)
+    attn_groups = []
+    for gid, group in enumerate(built.kv_cache_config.kv_cache_groups):
+        by_key: dict[tuple[Any, Any], list[str]] = {}
+        for name in group.layer_names:
+            spec = group.kv_cache_spec
+            if isinstance(spec, UniformTypeKVCacheSpecs):
+                spec = spec.kv_cache_specs[name]
+            by_key.setdefault((layers[name].get_attn_backend(), spec), []).append(name)
+        attn_groups.append(
+            [AttentionGroup(backend, names, spec, gid) for (backend, spec), names in by_key.items()]
+        )
+    return prepare_kernel_block_sizes(built.kv_cache_config, attn_groups)

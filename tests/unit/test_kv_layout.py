@@ -363,8 +363,12 @@ def test_gemma4_on_hopper_runs_fa4_and_on_ampere_triton():
     shape = model_shape(load_frontier("gemma-4-31b"))
     hopper = compute_layout(shape, get_gpu("h200"), LayoutRequest())
     assert hopper.attention_backend == "FLASH_ATTN"  # FA4 forced, 16-token pages on SM90
-    with pytest.raises(UnsupportedModel, match="FA4 with fixed 64-token FP8 pages"):
-        compute_layout(shape, get_gpu("h200"), LayoutRequest(kv_cache_dtype="fp8"))
+    # FP8: FA4's fixed 64-token pages on the head-512 layers make 64 the block
+    fp8 = compute_layout(shape, get_gpu("h200"), LayoutRequest(kv_cache_dtype="fp8"))
+    assert (fp8.attention_backend, fp8.block_size) == ("FLASH_ATTN", 64)
+    assert {g.tokens_per_block for g in fp8.groups if g.kind == "full_attention"} == {128}
+    with pytest.raises(UnsupportedModel, match="selector falls back"):
+        compute_layout(shape, get_gpu("h200"), LayoutRequest(kv_cache_dtype="fp8", block_size=32))
     layout = compute_layout(shape, get_gpu("a100"), LayoutRequest())
     assert [g.groups for g in (hopper,)] == [layout.groups]  # same MultipleOf(16) rule
     assert layout.attention_backend == "TRITON_ATTN"

@@ -14,11 +14,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from vllm.config import get_current_vllm_config_or_none
 from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.utils.import_utils import resolve_obj_by_qualname
+from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
 from vllm.v1.attention.backends.mla.triton_mla import TritonMLABackend
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
-from vllm.v1.kv_cache_interface import AttentionSpec
+from vllm.v1.kv_cache_interface import AttentionSpec, KVQuantMode
 from vllm.v1.worker.utils import customize_attention_spec
 
 #: The backend vLLM 0.33 picks on a GPU the planner does not name (its default).
@@ -32,6 +34,7 @@ MLA_BACKENDS = (
 )
 #: GPUs whose FlashInfer GDN prefill kernel checkpoints every 64 tokens (SM90).
 _GDN_64_GPUS = ("h100", "h200")
+_SM90_GPUS = ("h100", "h200")
 
 
 class FlashMLAStandIn(TritonMLABackend):
@@ -53,6 +56,31 @@ class FlashMLAStandIn(TritonMLABackend):
     @staticmethod
     def get_name() -> str:
         return "FLASHMLA"
+
+
+class FlashAttentionSm90StandIn(FlashAttentionBackend):
+    """FlashAttention's kernel block rule as on SM90, on a class that imports on a CPU.
+
+    On Hopper ``get_flash_attn_version(head_size=512)`` upgrades FA3 to FA4 (FA3 stops at
+    head 256), and FA4's SM90 FP8-dequant kernel runs exactly 64-token pages
+    (``_get_sm90_fa4_fp8_kv_block_size``); the CPU's capability check turns that off.
+    Every other spec keeps the class's own rule.
+    """
+
+    @staticmethod
+    def _get_sm90_fa4_fp8_kv_block_size(kv_cache_spec: Any = None) -> int | None:
+        if kv_cache_spec is None:
+            vllm_config = get_current_vllm_config_or_none()
+            if vllm_config is None or vllm_config.model_config is None:
+                return None
+            head_size = vllm_config.model_config.get_head_size()
+            fp8 = vllm_config.cache_config.cache_dtype in ("fp8", "fp8_e4m3")
+        else:
+            if not isinstance(kv_cache_spec, AttentionSpec):
+                return None
+            head_size = kv_cache_spec.head_size
+            fp8 = kv_cache_spec.kv_quant_mode == KVQuantMode.FP8_PER_TENSOR
+        return 64 if fp8 and head_size == 512 else None
 
 
 # The planner's backend names -> the vLLM class whose kernel block rule stands in for
@@ -108,6 +136,8 @@ def give_planned_backends(
 ) -> None:
     """Tell each built layer it runs the planned GPU's kernels (block rules, grids)."""
     cls = resolve_obj_by_qualname(backend_path(attention_backend))
+    if cls is FlashAttentionBackend and gpu in _SM90_GPUS:
+        cls = FlashAttentionSm90StandIn  # FA4's 64-token FP8 pages at head 512
     for layer in layers.values():
         backend = layer.get_attn_backend()
         if backend.is_ssm():

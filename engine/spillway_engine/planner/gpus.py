@@ -12,6 +12,8 @@ Modelled (vLLM 0.33.0, CUDA, default settings):
   - attention: ``FLASH_ATTN`` (FA3), kernel blocks ``MultipleOf(16)``; multimodal
     prefix-LM models (Gemma 3 with a vision tower) get the ``TRITON_FLASH_ATTN``
     composite, also ``MultipleOf(16)`` (platforms/cuda.py ``_get_backend_priorities``).
+    With an FP8 cache, head-512 layers run FA4 with exactly 64-token pages, and a
+    model whose largest head is 512 prefers 64-token blocks (Gemma 4).
   - MLA: ``FLASH_ATTN_MLA`` ``MultipleOf(16)`` for 16-bit KV; it has no FP8 KV, so an
     FP8 KV cache falls through to ``FLASHMLA`` with fixed 64-token kernel blocks (or to
     ``TRITON_MLA`` when a forced ``--block-size`` is not a multiple of 64).
@@ -77,6 +79,12 @@ TRITON_MLA = Backend("TRITON_MLA", KernelBlocks(16))
 # MultipleOf(64) kernel blocks (v1/attention/backends/mla/*sparse*.py).
 FLASH_ATTN_MLA_SPARSE = Backend("FLASH_ATTN_MLA_SPARSE", KernelBlocks(64))
 FLASHMLA_SPARSE = Backend("FLASHMLA_SPARSE", KernelBlocks(64))
+#: FlashAttention on SM90 for a model whose largest head is 512 with an FP8 cache: FA3
+#: stops at head 256, so the head-512 layers run FA4, whose FP8-dequant kernel takes
+#: exactly 64-token pages; the model's (largest) head sets the preferred block to 64
+#: (flash_attn.py ``_get_sm90_fa4_fp8_kv_block_size``; Gemma4Config leaves FA3/FA4 to
+#: each layer then). The smaller-head layers keep FA3's MultipleOf(16).
+FLASH_ATTN_SM90_FP8_HD512 = Backend("FLASH_ATTN", KernelBlocks(64, fixed=True))
 #: FLASHMLA_SPARSE serves an fp8 KV cache as fp8_ds_mla: 512 fp8 NoPE + 16 B scales +
 #: 64 bf16 RoPE = 656 B a token (MLAAttention.get_kv_cache_spec, state_content_bytes)
 FP8_DS_MLA_BYTES_PER_TOKEN = 656

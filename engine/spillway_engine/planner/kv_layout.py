@@ -31,6 +31,7 @@ from typing import Literal
 from spillway_engine.arith import cdiv
 from spillway_engine.planner.gpus import (
     FLASH_ATTN,
+    FLASH_ATTN_SM90_FP8_HD512,
     FLASHMLA_SPARSE,
     FP8_DS_MLA_BYTES_PER_TOKEN,
     Backend,
@@ -164,14 +165,25 @@ def _backend(
         # MultipleOf(16) pages (its 128-token hd256 pages are SM100 only)...
         if kv_cache_dtype in ("auto", "bfloat16", "float16"):
             return FLASH_ATTN
-        # ...but with an FP8 cache FA3 for the sliding layers and FA4 (64-token FP8
-        # pages, head size 512) for the full ones
-        raise UnsupportedModel(
-            f"{shape.architecture} with per-layer head sizes and an FP8 KV cache on "
-            f"{gpu.name}: vLLM 0.33.0 runs FA3 on the sliding layers and FA4 with fixed "
-            "64-token FP8 pages on the head-512 full layers; that mix is not modelled "
-            "(a 16-bit KV cache on Hopper, or FP8 on Ampere/Ada, is)"
-        )
+        # ...but with an FP8 cache FA3 on the head-256 layers and FA4 (exactly 64-token
+        # FP8 pages) on the head-512 ones; the model's largest head makes 64 preferred.
+        heads = {shape.head_size} | {layer.head_size for layer in shape.layers} - {None}
+        if max(heads) != 512 or any(
+            layer.kind == "sliding_window" and layer.head_size == 512 for layer in shape.layers
+        ):
+            raise UnsupportedModel(
+                f"{shape.architecture} with head sizes {sorted(heads)} (sliding layers "
+                f"{'with' if max(heads) == 512 else 'without'} head 512) and an FP8 KV cache "
+                f"on {gpu.name}: only FA4's head-512 FP8 pages on full layers are modelled"
+            )
+        if block_size is not None and not FLASH_ATTN_SM90_FP8_HD512.blocks.accepts(block_size):
+            raise UnsupportedModel(
+                f"--block-size {block_size} with {shape.architecture}'s head-512 layers and "
+                f"an FP8 KV cache on {gpu.name}: FlashAttention takes only multiples of 64 "
+                "there (FA4's 64-token FP8 pages), so vLLM's selector falls back to another "
+                "backend, which is not modelled; use a multiple of 64 or no --block-size"
+            )
+        return FLASH_ATTN_SM90_FP8_HD512
     return gpu.attention_backend(
         mm_prefix=shape.mm_prefix, kv_cache_dtype=kv_cache_dtype, sinks=shape.sinks
     )
