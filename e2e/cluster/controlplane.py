@@ -165,6 +165,11 @@ class ClusterConfig:
     binaries: dict[str, Path] = field(default_factory=dict)
     # Set to use an existing cluster (kind, a real one) instead of starting ours.
     external_kubeconfig: Path | None = None
+    # kube-controller-manager's --node-monitor-grace-period (None: its default, 50 s).
+    # Past it, a node whose lease was not renewed is unreachable and its pods are marked
+    # not Ready; no kubelet marks them Ready again here (KWOK does not), so tests that
+    # stop the API server longer than that set it higher.
+    node_monitor_grace_seconds: int | None = None
 
     @property
     def kubeconfig(self) -> Path:
@@ -437,6 +442,8 @@ class LocalCluster:
                 # operator and tests address pods by IP instead.
                 "--controllers=*,-endpoints-controller,-endpointslice-controller,"
                 "-endpointslice-mirroring-controller",
+                *([f"--node-monitor-grace-period={self.config.node_monitor_grace_seconds}s"]
+                  if self.config.node_monitor_grace_seconds else []),
                 "--v=1",
             ],
         )

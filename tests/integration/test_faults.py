@@ -55,9 +55,13 @@ MANAGED_BY = "app.kubernetes.io/managed-by"
 def plane() -> Iterator[LocalCluster]:
     base = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
     with tempfile.TemporaryDirectory(prefix="spillway-faults-", dir=base) as workdir:
+        # The nodes' leases go unrenewed while the API server is down: without the
+        # longer grace the node controller marks every pod not Ready for good (KWOK
+        # plays no kubelet that would mark them Ready again).
         lc = LocalCluster(ClusterConfig(workdir=Path(workdir), ports=Ports.free(), nodes=2,
                                         pod_net=free_pod_net(avoid={TEST_POD_NET}),
-                                        binaries=locate_binaries()))
+                                        binaries=locate_binaries(),
+                                        node_monitor_grace_seconds=300))
         lc.start()
         try:
             lc.kubectl("apply", "--server-side", "-f", REPO_ROOT / "crds")
