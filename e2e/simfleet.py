@@ -59,6 +59,7 @@ class _Sim:
     log: Path
     termination: Path | None = None
     exit_recorded: bool = False
+    prestop: list[str] | None = None  # the engine container's preStop command
 
 
 def _engine_args(pod: Any) -> list[str]:
@@ -67,6 +68,15 @@ def _engine_args(pod: Any) -> list[str]:
         if c.name == ENGINE_CONTAINER:
             return list(c.args or [])
     return []
+
+
+def _prestop(pod: Any) -> list[str] | None:
+    """The engine container's preStop exec command, if any."""
+    for c in pod.spec.containers or []:
+        hook = c.lifecycle.pre_stop if c.name == ENGINE_CONTAINER and c.lifecycle else None
+        if hook is not None and hook._exec is not None:
+            return list(hook._exec.command or [])
+    return None
 
 
 def _downward_env(pod: Any, ip: str) -> dict[str, str]:
@@ -109,6 +119,9 @@ class SimulatorFleet:
     # tests: what the kubelet mounts instead of the ConfigMap's plan (a wrong plan)
     plan_edit: Callable[[dict[str, Any]], dict[str, Any]] | None = None
     poll_seconds: float = 0.5
+    # emulated: stop a gone pod's engine as the kubelet does, its preStop command first
+    # (run with --host the pod IP, the engine's loopback address here), then SIGTERM
+    run_prestop: bool = False
     sims: dict[str, _Sim] = field(default_factory=dict)
     paused: set[str] = field(default_factory=set)  # pods whose simulator we stopped on purpose
 
@@ -118,6 +131,7 @@ class SimulatorFleet:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._stopping: list[threading.Thread] = []
 
     @property
     def gated(self) -> bool:
@@ -224,7 +238,13 @@ class SimulatorFleet:
         with self._lock:
             for pod_name in list(self.sims):
                 if pod_name not in alive:
-                    self._kill(self.sims.pop(pod_name))
+                    sim = self.sims.pop(pod_name)
+                    if self.run_prestop and sim.prestop and self.engine == "emulated":
+                        stopping = threading.Thread(target=self._stop_pod, args=(sim,))
+                        self._stopping.append(stopping)
+                        stopping.start()
+                    else:
+                        self._kill(sim)
             for pod_name, pod in alive.items():
                 ip = pod.status.pod_ip
                 if not ip or pod_name in self.sims or pod_name in self.paused:
@@ -234,6 +254,7 @@ class SimulatorFleet:
                     continue
                 self.sims[pod_name] = self._start(pod_name, ip, plan, _engine_args(pod),
                                                   _downward_env(pod, ip))
+                self.sims[pod_name].prestop = _prestop(pod)
             for pod_name, sim in self.sims.items():
                 pod = alive.get(pod_name)
                 if pod is None:
@@ -263,6 +284,18 @@ class SimulatorFleet:
         with contextlib.suppress(OSError):
             return (self._dir / f"{pod_name}.log").read_text(errors="replace")
         return ""
+
+    def _stop_pod(self, sim: _Sim) -> None:
+        """The kubelet's stop: the preStop command to its end, then SIGTERM."""
+        entry = [str(_SERVE)] if _SERVE.exists() else [
+            sys.executable, "-m", "spillway_engine.launcher.serve"]
+        command = list(sim.prestop or [])
+        if command and command[0] == "spillway-engine":
+            command = [*entry, *command[1:]]
+        with open(sim.log.with_suffix(".prestop.log"), "wb") as out:
+            subprocess.run([*command, "--host", sim.ip], stdout=out, stderr=subprocess.STDOUT,
+                           check=False)
+        self._kill(sim)
 
     def _kill(self, sim: _Sim) -> None:
         if self.engine == "emulated":  # the engine core is a child: the whole group
@@ -299,6 +332,8 @@ class SimulatorFleet:
         self._stop.set()
         if self._thread:
             self._thread.join(10)
+        for stopping in self._stopping:
+            stopping.join(300)
         with self._lock:
             for sim in self.sims.values():
                 self._kill(sim)

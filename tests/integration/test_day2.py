@@ -6,10 +6,18 @@ cluster with no spare GPU that finish, or say why they cannot."""
 from __future__ import annotations
 
 import contextlib
+import http.client
+import json
+import sys
+import threading
+from pathlib import Path
+from urllib.parse import urlparse
 
 import pytest
 from kubernetes import client
 
+from e2e.simfleet import SimulatorFleet
+from spillway_engine.emulator.tiny import llama_config, write_model
 from spillway_operator.spec import GROUP, PLURAL, VERSION
 from tests.helpers import wait_for
 from tests.integration.test_operator import Env, infdep, model_configmap
@@ -180,3 +188,93 @@ def test_one_replica_on_a_full_cluster_reports_then_recreates(env):
     env.patch("solo", {"spec": {"rollout": {"strategy": "Recreate"}}})
     env.wait_condition("solo", "Progressing", "False", "RolloutComplete", timeout=120)
     assert images(env, "solo") == {"example.com/engine:2"}
+
+
+
+# ------------------------------------------------------------------ drains
+
+STREAM_TOKENS = 300
+
+
+def _stream(url: str, out: dict) -> None:
+    """One streaming completion against an engine; records its chunks, the finish
+    reason, the tokens generated (usage) and [DONE]."""
+    u = urlparse(url)
+    out.update(url=url, tokens=0)
+    try:
+        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=300)
+        conn.request("POST", "/v1/completions", json.dumps({
+            "model": "tiny/llama", "prompt": [5, 6, 7, 8], "max_tokens": STREAM_TOKENS,
+            "ignore_eos": True, "stream": True, "temperature": 0,
+            "stream_options": {"include_usage": True}}),
+            {"content-type": "application/json"})
+        resp = conn.getresponse()
+        out["status"] = resp.status
+        for line in resp:
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                out["done"] = True
+                break
+            chunk = json.loads(data)
+            if "choices" not in chunk:
+                out["error"] = chunk
+                break
+            if chunk.get("usage"):  # the last chunk: what the engine generated
+                out["completion_tokens"] = chunk["usage"]["completion_tokens"]
+            if chunk["choices"]:  # a chunk may carry several tokens
+                out["tokens"] += 1
+                out["finish"] = chunk["choices"][0].get("finish_reason") or out.get("finish")
+    except OSError as exc:
+        out["error"] = repr(exc)
+
+
+def test_a_scale_down_during_streams_drops_none(env, api, tmp_path):
+    """Emulated engines (vLLM's real server) on the pods' IPs; the fleet stops a removed
+    pod's engine as the kubelet does: the pod's preStop command, then SIGTERM. Streams
+    run on both pods while the scale subresource (the autoscaler's write) takes one."""
+    config = llama_config(num_layers=2)
+    model_dir = write_model(tmp_path / "llama", config)
+    env.core.create_namespaced_config_map(env.ns, client.V1ConfigMap(
+        metadata=client.V1ObjectMeta(name="llama"), data={"config.json": json.dumps(config)}))
+    env.create({"apiVersion": f"{GROUP}/{VERSION}", "kind": "InferenceDeployment",
+                "metadata": {"name": "llama"}, "spec": {
+                    "model": {"name": "tiny/llama", "configMapRef": {"name": "llama"}},
+                    "replicas": 2,
+                    # tens of tokens a second: a stream is still running at the scale-down
+                    "engine": {"maxModelLen": 1024,
+                               "emulateGPU": {"speed": 1, "modelParams": 7e10}},
+                    "offload": {"hostMemory": "16Mi"},
+                    "disruption": {"terminationGracePeriodSeconds": 240}}})
+    with SimulatorFleet(api, env.ns, "llama", engine="emulated",
+                        model_dirs={"tiny/llama": model_dir}, run_prestop=True) as fleet:
+        wait_for(lambda: len(fleet.urls()) == 2, 420, "two emulated engines serving")
+        urls = fleet.urls()
+        streams: list[dict] = [{} for _ in range(4)]
+        threads = [threading.Thread(target=_stream, args=(urls[i % 2], s))
+                   for i, s in enumerate(streams)]
+        for t in threads:
+            t.start()
+        wait_for(lambda: all(s.get("tokens") for s in streams), 120, "every stream started")
+
+        client.CustomObjectsApi(api).patch_namespaced_custom_object_scale(
+            GROUP, VERSION, env.ns, PLURAL, "llama", {"spec": {"replicas": 1}})
+        wait_for(lambda: len(engine_pods(env, "llama")) == 1, 60, "the scale-down")
+        (kept,) = engine_pods(env, "llama")
+        gone = next(u for u in urls if f"//{kept.status.pod_ip}:" not in u)
+        # The streams on the removed pod were still in flight when it went.
+        on_gone = [s for s in streams if s["url"] == gone]
+        assert on_gone and all(s.get("finish") is None for s in on_gone), streams
+        for t in threads:
+            t.join(300)
+        dropped = [s for s in streams if not (s.get("status") == 200 and s.get("done")
+                                              and s.get("finish") == "length"
+                                              and s.get("completion_tokens") == STREAM_TOKENS)]
+        assert dropped == [], dropped
+        wait_for(lambda: len(fleet.urls()) == 1, 120, "the removed pod's engine to stop")
+        (prestop,) = Path(fleet._dir).glob("*.prestop.log")
+        said = prestop.read_text()
+        assert '"drained": true' in said, said
+    print(f"\nscale-down 2 -> 1 during {len(streams)} streams ({len(on_gone)} on the removed "
+          f"pod): {len(dropped)} dropped", file=sys.stderr)

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import json
 import sys
 import time
@@ -52,7 +53,6 @@ MIDDLEWARE = "spillway_engine.launcher.drain.DrainMiddleware"
 #: Paths that are not requests to drain: probes, metrics, discovery.
 _UNCOUNTED = frozenset({"/health", "/ping", "/metrics", "/load", "/version",
                         "/kv_event_sources", READY_PATH, DRAIN_PATH})
-_LOOPBACK = frozenset({"127.0.0.1", "::1", "localhost"})
 DEFAULT_ACCEPT_SECONDS = 5.0
 
 Scope = dict[str, Any]
@@ -93,6 +93,13 @@ async def _answer(send: Send, status: int, body: dict[str, Any],
                 "headers": [(b"content-type", b"application/json"),
                             (b"content-length", str(len(data)).encode()), *headers]})
     await send({"type": "http.response.body", "body": data})
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _query(scope: Scope, key: str, default: float) -> float:
@@ -144,7 +151,7 @@ class DrainMiddleware:
             await _answer(send, 200, s.view())
             return
         client = (scope.get("client") or ("", 0))[0]
-        if client not in _LOOPBACK:  # the pod's own preStop only, never the network
+        if not _loopback(client):  # the pod's own preStop only, never the network
             await _answer(send, 403, {"error": "drain is accepted from loopback only"})
             return
         s.start(_query(scope, "accept_seconds", DEFAULT_ACCEPT_SECONDS), time.monotonic())
@@ -164,12 +171,14 @@ def drain_main(argv: Sequence[str]) -> int:
     or an unexpected answer (the kubelet records it and goes on to SIGTERM)."""
     p = argparse.ArgumentParser(prog="spillway-engine drain", description=drain_main.__doc__)
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="a loopback address the engine "
+                   "listens on (the pod's own network namespace)")
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds to wait for the requests in flight")
     p.add_argument("--accept-seconds", type=float, default=DEFAULT_ACCEPT_SECONDS,
                    help="seconds new requests are still taken while routers catch up")
     args = p.parse_args(list(argv))
-    url = (f"http://127.0.0.1:{args.port}{DRAIN_PATH}?timeout={args.timeout}"
+    url = (f"http://{args.host}:{args.port}{DRAIN_PATH}?timeout={args.timeout}"
            f"&accept_seconds={args.accept_seconds}")
     request = urllib.request.Request(url, data=b"", method="POST")
     try:
