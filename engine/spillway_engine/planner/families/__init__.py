@@ -47,15 +47,23 @@ SUPPORTED_ARCHITECTURES = tuple(sorted(_ARCHITECTURES))
 #: Architectures vLLM 0.33.0 serves whose KV layout Spillway knows it does not reproduce.
 NOT_YET_MODELLED: dict[str, str] = {
     "Glm5NextForCausalLM": (
-        "GLM-5 Next mixes KDA linear-attention states (with prefill checkpoints), NoPE "
-        "sparse MLA, a kpool-compressed indexer cache (tokens_per_state = index_kpool) "
-        "and a circular tail-buffer cache (CircularBufferSpec); none of these four "
-        "spec kinds is modelled yet"
+        "GLM-5 Next (vllm/models/glm5next) registers four cache kinds: KDA linear-attention "
+        "states (MambaSpec with prefill checkpoint blocks), NoPE sparse-MLA latents, a "
+        "kpool-compressed indexer key cache (MLAAttentionSpec, tokens_per_state = "
+        "index_kpool) and a circular tail-buffer ring (CircularBufferSpec: index_kpool x "
+        "next_power_of_2(ceil((index_kpool + draft tokens) / index_kpool)) tokens, 2 bf16 "
+        "heads, dividing the 128-multiple attention block); compressed-state and "
+        "circular-buffer specs are not modelled yet"
     ),
     "DeepseekV4ForCausalLM": (
-        "compressed sparse attention: per-layer compress ratios with compressor, "
-        "sliding-window and indexer caches on fixed 256-token kernel blocks; not "
-        "modelled yet"
+        "DeepSeek-V4's compressed sparse attention (vllm/models/deepseek_v4) registers per "
+        "layer a sliding-window latent (DeepseekV4SWACache, SlidingWindowMLASpec) and, "
+        "where compress_ratio > 1, a compressed latent (MLAAttentionSpec, tokens_per_state "
+        "= the ratio, 256-token kernel pages: 256/ratio rows a block) with its float32 "
+        "compressor state cache (SlidingWindowMLASpec on 4-token blocks at ratio 4, "
+        "8-token at 128), plus at ratio 4 a compressed indexer key cache "
+        "(tokens_per_state 4); compressed (tokens_per_state > 1) and sliding-window MLA "
+        "specs are not modelled yet"
     ),
     "Gemma4ForConditionalGeneration": (
         "the multimodal Gemma 4 (a prefix-LM with a vision tower) is not modelled; the "
