@@ -14,32 +14,37 @@ sampling every process twice a second, then prints planned vs measured peaks:
 
 * region: the tmpfs in use (every engine's pool, plus vLLM's rings) against the
   plan's ``pod.pool_bytes_per_pod`` / ``pod.shm_bytes``;
-* processes: RssAnon + RssFile of the API server, the engine core(s) and the DP
-  coordinator (peak of their sum) against the measured terms of
-  :mod:`spillway_engine.planner.pod_sizing` (API server + engine cores + per-chunk
-  manager bookkeeping); the GPU worker's CUDA context, NCCL and pinned staging are
-  not measurable here and stay estimates;
+* processes: RssAnon + RssFile of every process but the GPU workers (API server(s),
+  engine core(s), under DP vLLM's process manager and DP coordinator, and the
+  kernel-setup helpers), peak of their sum, against the measured terms of
+  :mod:`spillway_engine.planner.pod_sizing` (processes are told apart by vLLM's
+  ``VLLM::<name>`` process titles). With one worker and no DP, vLLM's ``uni`` executor
+  runs the worker inside the engine core; under DP each worker is a process of its own
+  (``mp``), whose CPU side is shown beside the plan's GPU-worker estimate (the CUDA
+  context, NCCL and pinned staging are not measurable here and stay estimates);
 * cgroup: ``memory.max_usage_in_bytes`` of the group (anon + shmem + page cache it
   faulted first; files already cached on this machine are not charged to it).
 
-Last run (2026-11-30, 2 shared cores, 64 MiB pool per engine, 12 prompts of 600 tokens;
-MiB). "Processes planned" is the measured terms of pod_sizing (API server + engine
-core + host keys x manager bytes); the GPU worker's 6 GiB estimate comes on top:
+Last run (2026-11-30, 2 cores shared with other jobs, 64 MiB pool per engine, 12
+prompts of 600 tokens; MiB):
 
-| case | DP | shm plan / meas | API | core | helpers | procs meas | procs plan | cgroup |
-|---|---|---|---|---|---|---|---|---|
-| llama (one group) | 1 | 320 / 64 | 944 | 1,044 | 1,235 | 3,223 | 3,457 (+7%) | 1,921 |
-| gemma3 (SWA + full) | 1 | 320 / 64 | 944 | 1,045 | 1,259 | 3,247 | 3,458 (+6%) | 1,941 |
-| qwen3next (GDN) | 1 | 320 / 64 | 944 | 1,049 | 1,256 | 3,248 | 3,476 (+7%) | 1,945 |
-| qwen3next (GDN) | 2 | not served in 600 s | | | | | | |
-| deepseek (MLA) | 1 | not served | | | | | | |
+| case | DP | shm plan/meas | API | cores | DP | helpers | procs | plan | workers/est. |
+|---|---|---|---|---|---|---|---|---|---|
+| llama (one group) | 1 | 320 / 64 | 943 | 1,044 | - | 1,208 | 3,194 | 3,457 +8% | core / 6,144 |
+| gemma3 (SWA + full) | 1 | 320 / 64 | 943 | 1,044 | - | 1,272 | 3,259 | 3,458 +6% | core / 6,144 |
+| qwen3next (GDN) | 1 | 320 / 64 | 942 | 1,048 | - | 1,172 | 3,162 | 3,476 +10% | core / 6,144 |
+| qwen3next | 2 | 1,348 / 128 | 2,798 | 1,818 | 847 | 2,709 | 8,172 | 8,616 +5% | 2,092 / 12,288 |
+| deepseek (MLA) | 1 | 320 / 64 | 942 | 1,046 | - | 1,197 | 3,185 | 3,456 +9% | core / 6,144 |
 
-(region planned 64 = measured 64 in every served case: the shm in use is the pool.)
+(procs: measured peak of every process but the GPU workers; plan: the measured terms;
+workers/est.: the separate GPU workers' CPU side, or "core" when the worker runs in the
+engine core, beside the plan's GPU-worker estimate.)
 
-DP 2: vLLM started its process manager, DP coordinator, two API servers and two engine
-cores (about 0.85-0.95 GiB RSS each while importing) but the emulated engines did not
-report ready within 600 s on this loaded machine. MLA: the emulated platform has no
-``num_compute_units`` (vLLM's Triton MLA backend asks for it at start-up).
+(region planned 64 per engine = measured in every case: the shm in use is the pool.
+The helpers vary by about 150 MiB per engine from run to run, so the margins move by a
+few percent; the earlier runs gave +6 to +11%.) The DP 2 engine started only once the
+emulated worker answered vLLM's ``execute_dummy_batch`` (an idle rank's step), and the
+MLA model once the emulated platform named vLLM's CPU MLA prefill class.
 """
 
 from __future__ import annotations
