@@ -20,7 +20,7 @@ Recorded per trial, where it applies:
   - converged: the fault (leader-kill: the SIGKILL; outages: the API answering again)
     -> the last write, once every object has its Deployment, Service and plan
     ConfigMap, a status for its current generation with the autoscaler's part, and
-    the operators have then been quiet for 5 s,
+    the operators have then been quiet for 20 s,
   - exits: operator processes that ended on their own (a crash loop starts here),
   - orphaned children (a managed child whose owner is gone or unnamed) and duplicate
     children (two of one kind for one owner),
@@ -64,7 +64,9 @@ LEASE_NS = "spillway-bench"
 OWNER_LABEL = f"{GROUP}/inference-deployment"
 MANAGED_BY = "app.kubernetes.io/managed-by"
 RESYNC = 10
-QUIET = 5
+# Longer than one autoscaler interval (15 s): a new object's second tick writes its
+# status again, and a shorter quiet spell counted it as a write after convergence.
+QUIET = 20
 CONVERGE_TIMEOUT = 600
 FAULTS = ("leader-kill", "apiserver", "etcd", "child-edit", "invalid")
 APISERVER_DOWN = 30
