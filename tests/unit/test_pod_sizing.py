@@ -83,7 +83,7 @@ def test_limit_too_small():
         size_pod(-1, 1, 1)
 
 
-@settings(max_examples=300)
+@settings(max_examples=300, deadline=None)  # a loaded machine is not a failure
 @given(
     limit=st.integers(32 * GIB, 4096 * GIB),
     workers=st.integers(1, 8),
