@@ -77,8 +77,14 @@ SIM_MODELS: dict[str, tuple[dict, int]] = {
 #: Host pool per model, small enough for the trace to evict. Llama and Gemma: 1 MiB,
 #: 16 chunks of 256 tokens (Gemma: 32 units, a sliding-window and a full key of one
 #: unit each per chunk). Qwen3-Next: 768 KiB, 192 units of 4 KiB; a 64-token chunk of
-#: every group takes 5 (1 per GDN state, 2 for the full layer's page).
-POOL_BYTES = {"llama": 1 * MIB, "gemma3": 1 * MIB, "qwen3_next": 3 * MIB // 4}
+#: every group takes 5 (1 per GDN state, 2 for the full layer's page). DeepSeek (MLA):
+#: 9 MiB, 16 chunks of 256 tokens of 576 KiB (two layers' latents).
+POOL_BYTES = {
+    "llama": 1 * MIB,
+    "gemma3": 1 * MIB,
+    "qwen3_next": 3 * MIB // 4,
+    "deepseek": 9 * MIB,
+}
 #: two 256-token chunks (Qwen3-Next: nine of 64); + 2 output tokens stays inside the
 #: next chunk (below 768; 640)
 PROMPT_TOKENS = 600
