@@ -89,6 +89,15 @@ FLASH_ATTN_SM90_FP8_HD512 = Backend("FLASH_ATTN", KernelBlocks(64, fixed=True))
 #: 64 bf16 RoPE = 656 B a token (MLAAttention.get_kv_cache_spec, state_content_bytes)
 FP8_DS_MLA_BYTES_PER_TOKEN = 656
 
+#: DeepSeek-V4 on SM90: FlashMLA's V4 kernels (models/deepseek_v4/sparse_mla.py
+#: ``DeepseekV4FlashMLABackend``), exactly 256-token kernel pages; its indexer's backend
+#: has the same 256 and the sliding-window cache MultipleOf(32), so 256 is the block
+FLASHMLA_SPARSE_DSV4 = Backend("FLASHMLA_SPARSE_DSV4", KernelBlocks(256, fixed=True))
+#: FlashMLA's V4 cache rows (fp8_ds_mla): 448 fp8 NoPE + 64 bf16 RoPE + 8 B of UE8M0
+#: scales = 584 B a token (``state_content_bytes``), pages rounded up to 576 B
+DSV4_FP8_DS_MLA_BYTES_PER_TOKEN = 584
+DSV4_FP8_DS_MLA_PAGE_ALIGNMENT = 576
+
 #: FlashInfer GDN prefill checkpoint grid (vllm/v1/attention/backends/gdn_attn.py).
 FLASHINFER_GDN_CHECKPOINT_ALIGNMENT = 64
 
@@ -149,6 +158,26 @@ class Gpu:
             "runs it on FLASHINFER_MLA_SPARSE_SM90 (plain fp8 latents), which is not "
             "modelled; use 'fp8' (FLASHMLA_SPARSE's fp8_ds_mla) or a 16-bit cache"
         )
+
+    def compressed_sparse_mla_backend(self, *, kv_cache_dtype: str) -> Backend:
+        """DeepSeek-V4's attention backend (models/deepseek_v4/nvidia/model.py
+        ``_select_dsv4_attn_cls``: FlashMLA's V4 kernels except on SM12x)."""
+        if self.compute_capability[0] != 9:
+            # FlashMLA's V4 kernels are SM90/SM100 only; vLLM does not ask the selector
+            # for these layers, so it fails on the GPU rather than at start-up.
+            raise UnsupportedModel(
+                f"DeepSeek-V4 on {self.name} (SM{self.compute_capability[0]}"
+                f"{self.compute_capability[1]}): vLLM 0.33.0 runs it on FlashMLA's V4 "
+                "sparse kernels (FLASHMLA_SPARSE_DSV4: supports_compute_capability is "
+                "9.x and 10.x only), which do not run here"
+            )
+        if kv_cache_dtype not in ("auto", *_FP8_KV):
+            raise UnsupportedModel(
+                f"DeepSeek-V4 with kv-cache dtype {kv_cache_dtype!r}: vLLM 0.33.0 refuses it "
+                "(DeepseekV4 fp8_ds_mla layout only supports fp8 kv-cache); FlashMLA's V4 "
+                "kernels store every cache as fp8_ds_mla, so use auto or fp8"
+            )
+        return FLASHMLA_SPARSE_DSV4
 
     @property
     def gdn_prefill_kernel(self) -> GdnKernel:

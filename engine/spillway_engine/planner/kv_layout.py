@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from spillway_engine.arith import cdiv
+from spillway_engine.arith import cdiv, round_up
 from spillway_engine.planner.gpus import (
     FLASH_ATTN,
     FLASH_ATTN_SM90_FP8_HD512,
@@ -80,6 +80,10 @@ class _Spec:
     sliding_window: int | None = None
     attention_chunk_size: int | None = None
     per_token: int = 0  # attention bytes per token (0 for Mamba)
+    #: tokens one stored state covers (compressed MLA, ``AttentionSpec.tokens_per_state``)
+    tokens_per_state: int = 1
+    #: the page before any alignment padding (0: the page itself)
+    true_page_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -97,6 +101,9 @@ class KVGroup:
     #: attention type, other heads, e.g. a draft model's layers beside the target's);
     #: ``page_bytes`` is then their sum, the group spec's page
     layer_page_bytes: tuple[int, ...] = ()
+    #: each layer's page without alignment padding, where pages are padded (DeepSeek-V4's
+    #: fp8_ds_mla pages rounded up to 576 B); what an offloader copies
+    layer_true_page_bytes: tuple[int, ...] = ()
 
     @property
     def num_layers(self) -> int:
@@ -212,6 +219,8 @@ def compute_layout(shape: ModelShape, gpu: Gpu, request: LayoutRequest) -> KVLay
         )
     kv_dtype, kv_bytes = _kv_dtype(shape, request.kv_cache_dtype)
     notes = list(shape.notes)
+    if shape.compressed_sparse_mla:
+        return _packed_layout(shape, gpu, request, notes)
     # The target's layers pick the backend and block size (update_block_size_for_backend
     # reads the model config); a drafter selects its own backend for its layers.
     backend = _backend(shape, gpu, request.kv_cache_dtype, request.block_size)
@@ -326,6 +335,173 @@ def compute_layout(shape: ModelShape, gpu: Gpu, request: LayoutRequest) -> KVLay
         notes=tuple(notes),
         draft_layers=len(shape.layers) - own_layers,
     )
+
+
+# ------------------------------------------------- compressed caches, packed blocks
+
+
+def compressed_page_bytes(
+    block_size: int, bytes_per_state: int, tokens_per_state: int = 1, alignment: int | None = None
+) -> tuple[int, int]:
+    """(page, unpadded page) of one layer of a one-head cache with its own state format.
+
+    vLLM's ``AttentionSpec``: ``block_size // tokens_per_state`` states a block (a
+    compressed MLA cache keeps one state per ``tokens_per_state`` tokens), each
+    ``bytes_per_state`` (``state_content_bytes``); MLA specs with an ``alignment``
+    round the page up to it (``_apply_alignment_padding``).
+    """
+    if tokens_per_state < 1 or block_size % tokens_per_state:
+        raise UnsupportedModel(
+            f"a {block_size}-token block does not hold whole states of {tokens_per_state} "
+            "tokens"
+        )
+    raw = block_size // tokens_per_state * bytes_per_state
+    return (round_up(raw, alignment) if alignment else raw), raw
+
+
+def _state_spec(layer: LayerKind, block: int) -> _Spec:
+    """A layer with its own state format (``bytes_per_token`` per state)."""
+    assert layer.bytes_per_token is not None
+    own = layer.block_size or block
+    page, raw = compressed_page_bytes(
+        own, layer.bytes_per_token, layer.tokens_per_state, layer.page_alignment
+    )
+    return _Spec(
+        layer.kind,
+        own,
+        page,
+        layer.sliding_window,
+        tokens_per_state=layer.tokens_per_state,
+        true_page_bytes=raw,
+    )
+
+
+def _packed_layout(
+    shape: ModelShape, gpu: Gpu, request: LayoutRequest, notes: list[str]
+) -> KVLayout:
+    """DeepSeek-V4: every cache is a one-head MLA-format spec with its own block size,
+    packed side by side in block-outermost blocks (its indexer's backend declares only
+    BLHNC/BLNHC, so vLLM overrides the offloading connector's LBHNC)."""
+    backend = gpu.compressed_sparse_mla_backend(kv_cache_dtype=request.kv_cache_dtype)
+    if request.speculative_method is not None:
+        raise UnsupportedModel(
+            f"speculative decoding with {shape.architecture} is not modelled (its MTP "
+            "layers add sliding-window latents to the packed groups)"
+        )
+    block = backend.blocks.preferred()
+    if request.block_size is not None and request.block_size != block:
+        raise UnsupportedModel(
+            f"--block-size {request.block_size} with {shape.architecture}: only "
+            f"{backend.name}'s own {block}-token pages are modelled (other multiples change "
+            "the compressed pages' block-stride alignment)"
+        )
+    made: dict[int, _Spec] = {}
+    specs = []
+    for layer in shape.layers:
+        spec = made.get(id(layer))
+        if spec is None:
+            spec = made[id(layer)] = _state_spec(layer, block)
+        specs.append(spec)
+    groups = _packed_groups(specs)
+    notes.append(
+        f"block-outermost KV layout (BLHNC): {len(groups)} groups pack their layers' pages "
+        "side by side in each block"
+    )
+    return KVLayout(
+        shape=shape,
+        gpu=gpu,
+        attention_backend=backend.name,
+        kv_cache_dtype="fp8_ds_mla",
+        kv_dtype_bytes=1,
+        block_size=block,
+        mamba_cache_mode=None,
+        mamba_page_bytes=None,
+        mamba_page_padded_bytes=None,
+        groups=groups,
+        tokens_per_hash=_tokens_per_hash(groups, None),
+        # block-outermost: a block is as wide as the widest group (block strides
+        # align to 1 at the kernels' own block size)
+        worker_bytes_per_block=max(g.bytes_per_block for g in groups),
+        kv_heads_per_rank=1,
+        # every cache is a replicated latent or state (max_tp_shards = 1)
+        tp_replicas=request.tensor_parallel_size,
+        notes=tuple(notes),
+    )
+
+
+def _approximate_gcd(values: list[int], lower_bound: int) -> int:
+    """vLLM's ``_approximate_gcd``: the divisor in [lower_bound, max] that pads least
+    (ties: the larger)."""
+    low, high = max(1, lower_bound), max(values)
+    if low > high:
+        return low
+    best = low
+    best_pad: int | None = None
+    for d in range(low, high + 1):
+        pad = sum(-x % d for x in values)
+        if best_pad is None or pad <= best_pad:
+            best, best_pad = d, pad
+    return best
+
+
+def _packed_groups(specs: list[_Spec]) -> tuple[KVGroup, ...]:
+    """``_get_packed_kv_cache_groups``: layers bucketed by uniform type (kind, block,
+    window); a bucket whose page sizes repeat one layer each is a layer pattern, split
+    into groups of the same number of repeats; every group holds each layer's page."""
+    if len({s.page_bytes for s in _distinct(specs)}) <= 1:
+        raise UnsupportedModel("packed block-outermost groups with one page size are not modelled")
+    buckets: dict[tuple[object, ...], list[int]] = {}
+    for index, s in enumerate(specs):
+        if s.kind == "mamba":
+            raise UnsupportedModel("Mamba states in packed block-outermost groups are not modelled")
+        base = "full" if s.kind in ("full_attention", "mla") else s.kind
+        key = (base, s.block_size, s.sliding_window, s.attention_chunk_size)
+        buckets.setdefault(key, []).append(index)
+    described = []
+    for layers in buckets.values():
+        by_page: dict[int, list[int]] = {}
+        for i in layers:
+            by_page.setdefault(specs[i].page_bytes, []).append(i)
+        counts = [len(v) for v in by_page.values()]
+        described.append((layers, by_page, len(set(counts)) == 1, max(counts)))
+    floor = max((most for _, pages, even, most in described if even and len(pages) > 1), default=0)
+    repeats = (
+        _approximate_gcd([most for _, _, even, most in described if even], floor)
+        if floor
+        else None
+    )
+    if repeats is None and any(specs[b[0]].kind == "sliding_window" for b, *_ in described):
+        raise UnsupportedModel(
+            "packed sliding-window state buckets without a layer pattern are not modelled"
+        )
+    groups: list[KVGroup] = []
+    for layers, by_page, even, most in described:
+        n = cdiv(most, repeats) if even and repeats is not None else 1
+        if n == 1:
+            parts = [layers]
+        else:
+            pattern = list(zip(*by_page.values(), strict=False))
+            parts = [[i for repeat in pattern[g::n] for i in repeat] for g in range(n)]
+            if sum(map(len, parts)) != len(layers):
+                raise UnsupportedModel("an uneven packed layer pattern is not modelled")
+        for members in parts:
+            first = specs[members[0]]
+            pages = tuple(specs[i].page_bytes for i in members)
+            groups.append(
+                KVGroup(
+                    first.kind,
+                    tuple(members),
+                    first.block_size,
+                    sum(pages),
+                    first.sliding_window,
+                    first.attention_chunk_size,
+                    layer_page_bytes=pages,
+                    layer_true_page_bytes=tuple(
+                        specs[i].true_page_bytes or specs[i].page_bytes for i in members
+                    ),
+                )
+            )
+    return tuple(groups)
 
 
 #: --speculative-config methods whose drafter the planner models

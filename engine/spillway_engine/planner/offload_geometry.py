@@ -405,6 +405,8 @@ def true_bytes_per_block(layout: KVLayout, group: KVGroup) -> int:
     """Bytes one block of a group really holds on one worker: Mamba pages unpadded."""
     if group.kind == "mamba" and layout.mamba_page_bytes is not None:
         return layout.mamba_page_bytes * group.num_layers
+    if group.layer_true_page_bytes:  # pages padded to an alignment (DeepSeek-V4)
+        return sum(group.layer_true_page_bytes)
     return group.bytes_per_block
 
 

@@ -47,8 +47,18 @@ class LayerKind:
     num_kv_heads: int | None = None
     head_size: int | None = None
     #: bytes per token of a cache with its own fixed format, whatever the KV dtype and
-    #: TP (the sparse-attention indexer's uint8 keys and scales, DeepSeek-V3.2)
+    #: TP (the sparse-attention indexer's uint8 keys and scales, DeepSeek-V3.2); bytes
+    #: per stored state when ``tokens_per_state`` > 1
     bytes_per_token: int | None = None
+    #: tokens one stored state covers (vLLM ``AttentionSpec.tokens_per_state``): a
+    #: compressed MLA cache keeps ``block // tokens_per_state`` states a block
+    tokens_per_state: int = 1
+    #: this cache's own fixed block size (DeepSeek-V4's sliding-window latent and
+    #: compressor states), whatever the scheduler's block; None: the scheduler's
+    block_size: int | None = None
+    #: the page is rounded up to a multiple of this many bytes (vLLM's MLA
+    #: ``alignment``: 576 for FlashMLA's fp8_ds_mla rows)
+    page_alignment: int | None = None
 
 
 @dataclass(frozen=True)
@@ -78,6 +88,10 @@ class ModelShape:
     mla_latent: int = 0
     #: sparse MLA (DeepSeek sparse attention): the latents run on sparse-MLA kernels
     sparse_mla: bool = False
+    #: DeepSeek-V4's compressed sparse attention: its own FlashMLA kernels, and an
+    #: indexer backend that declares only block-outermost KV layouts, so vLLM packs
+    #: each block's pages side by side (``_get_packed_kv_cache_groups``)
+    compressed_sparse_mla: bool = False
     mamba: MambaState | None = None
     gdn: bool = False
     sinks: bool = False
