@@ -687,7 +687,6 @@ def test_sparse_mla_with_an_unmodelled_fp8_variant_is_refused():
     ("arch", "reason"),
     [
         ("Glm5NextForCausalLM", "CircularBufferSpec"),
-        ("DeepseekV4ForCausalLM", "SlidingWindowMLASpec"),
     ],
 )
 def test_other_sparse_families_are_refused_with_the_reason(arch: str, reason: str):

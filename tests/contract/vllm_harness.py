@@ -43,6 +43,7 @@ from vllm.distributed import (
     initialize_model_parallel,
     parallel_state,
 )
+from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
     build_offloading_config,
 )
@@ -53,7 +54,7 @@ from vllm.platforms import current_platform
 from vllm.platforms.interface import Platform
 from vllm.utils.network_utils import get_open_port
 from vllm.v1.attention.backends.utils import (
-    _DEFAULT_LAYOUT_PREFERENCE,
+    get_supported_kv_cache_layouts,
     resolve_kv_cache_layout,
 )
 from vllm.v1.core.kv_cache_planning import (
@@ -361,7 +362,11 @@ def build_layout(
         specs = layer_kv_cache_specs(vc, layers)
 
     register_all_kvcache_specs(vc)
-    resolve_kv_cache_layout(vc, [[p.name for p in _DEFAULT_LAYOUT_PREFERENCE]], specs.values())
+    # The worker's rule (get_supported_kv_cache_layouts over the layers' backends): the
+    # default preference unless a backend declares layouts (DeepSeek-V4's indexer:
+    # block-outermost only, which overrides the offloading connector's LBHNC).
+    layouts = get_supported_kv_cache_layouts(get_current_attn_backends(vc))
+    resolve_kv_cache_layout(vc, [[p.name for p in layouts]], specs.values())
     groups = get_global_kv_cache_groups(vc, [specs])
     kv_cfg = get_kv_cache_configs(vc, [specs], [1 << 40], groups)[0]
     names = list(specs)

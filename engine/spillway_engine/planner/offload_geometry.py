@@ -410,6 +410,28 @@ def true_bytes_per_block(layout: KVLayout, group: KVGroup) -> int:
     return group.bytes_per_block
 
 
+def spillway_connector_refusal(layout: KVLayout) -> str | None:
+    """Why Spillway's connector refuses to start on this layout, or None.
+
+    Its scheduler sees every group on the finest group's block (``_scheduler_view``:
+    a coarser group's blocks are re-cut into virtual ones), which only works for a
+    group of one attention page: a Mamba group or one of mixed pages (DeepSeek-V4's
+    packed groups) coarser than the finest block stops the engine at start-up."""
+    if layout.mamba_cache_mode == "none":
+        return None  # spillway_geometry refuses it with its own reason
+    finest = math.gcd(*(g.tokens_per_block for g in layout.groups))
+    for index, g in enumerate(layout.groups):
+        if g.tokens_per_block != finest and (g.kind == "mamba" or g.layer_page_bytes):
+            what = "Mamba" if g.kind == "mamba" else "UniformTypeKVCacheSpecs"
+            return (
+                f"Spillway's offloader refuses this model: KV-cache group {index} ({what}: "
+                f"{g.num_layers} layers' pages) has {g.tokens_per_block}-token blocks, "
+                f"coarser than the finest group's {finest}, and Spillway can only re-cut "
+                "attention groups of one page; use the upstream offloader"
+            )
+    return None
+
+
 def spillway_geometry(layout: KVLayout, request: OffloadRequest) -> SpillwayGeometry:
     """Spillway's per-group chunking: one token span, rows sized by each group's bytes."""
     if layout.mamba_cache_mode == "none":

@@ -29,6 +29,7 @@ from spillway_engine.planner.offload_geometry import (
     OffloadRequest,
     SpillwayGeometry,
     UpstreamGeometry,
+    spillway_connector_refusal,
     spillway_geometry,
     upstream_geometry,
 )
@@ -586,6 +587,8 @@ def _geometries(
         if request.offloader == "upstream":
             raise
         refusal = str(e)
+    if request.offloader == "spillway" and (why := spillway_connector_refusal(layout)):
+        raise OffloadRefused(why)
     return upstream, refusal, spillway_geometry(layout, offload)
 
 

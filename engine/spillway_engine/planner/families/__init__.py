@@ -12,6 +12,7 @@ from typing import Any
 from spillway_engine.planner.families import (
     deepseek_mla,
     deepseek_sparse,
+    deepseek_v4,
     dense,
     gemma,
     gemma4,
@@ -34,6 +35,7 @@ _ARCHITECTURES: dict[str, ShapeRule] = {
     **llama4.ARCHITECTURES,
     **deepseek_mla.ARCHITECTURES,
     **deepseek_sparse.ARCHITECTURES,
+    **deepseek_v4.ARCHITECTURES,
     **qwen3_next.ARCHITECTURES,
     **jamba.ARCHITECTURES,
     **nemotron_h.ARCHITECTURES,
@@ -54,16 +56,6 @@ NOT_YET_MODELLED: dict[str, str] = {
         "next_power_of_2(ceil((index_kpool + draft tokens) / index_kpool)) tokens, 2 bf16 "
         "heads, dividing the 128-multiple attention block); compressed-state and "
         "circular-buffer specs are not modelled yet"
-    ),
-    "DeepseekV4ForCausalLM": (
-        "DeepSeek-V4's compressed sparse attention (vllm/models/deepseek_v4) registers per "
-        "layer a sliding-window latent (DeepseekV4SWACache, SlidingWindowMLASpec) and, "
-        "where compress_ratio > 1, a compressed latent (MLAAttentionSpec, tokens_per_state "
-        "= the ratio, 256-token kernel pages: 256/ratio rows a block) with its float32 "
-        "compressor state cache (SlidingWindowMLASpec on 4-token blocks at ratio 4, "
-        "8-token at 128), plus at ratio 4 a compressed indexer key cache "
-        "(tokens_per_state 4); compressed (tokens_per_state > 1) and sliding-window MLA "
-        "specs are not modelled yet"
     ),
     "Gemma4ForConditionalGeneration": (
         "the multimodal Gemma 4 (a prefix-LM with a vision tower) is not modelled; the "
