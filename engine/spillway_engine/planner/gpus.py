@@ -138,7 +138,7 @@ class Gpu:
             return FLASHMLA
         return TRITON_MLA
 
-    def sparse_mla_backend(self, *, kv_cache_dtype: str) -> Backend:
+    def sparse_mla_backend(self, *, kv_cache_dtype: str, head_size: int = 576) -> Backend:
         """The sparse-MLA backend (platforms/cuda.py ``_get_backend_priorities``)."""
         if self.compute_capability[0] != 9:
             # Every sparse-MLA backend in the SM8x list needs SM90 (or SM100): the
@@ -151,6 +151,15 @@ class Gpu:
             )
         if kv_cache_dtype in ("auto", "bfloat16", "float16"):
             return FLASH_ATTN_MLA_SPARSE
+        if kv_cache_dtype == "fp8" and head_size == 512:
+            # a NoPE 512 latent (GLM-5 Next): FlashMLA's sparse kernel takes it only as
+            # bf16 or fp8_ds_mla, so plain fp8 falls through
+            raise UnsupportedModel(
+                f"a 512-wide NoPE sparse-MLA latent with an fp8 KV cache on {self.name}: "
+                "vLLM 0.33.0 passes FLASHMLA_SPARSE by (FLASHMLA_SPARSE supports head_size "
+                "512 only with bf16 or fp8_ds_mla kv-cache on SM90 (NoPE)) for "
+                "FLASHINFER_MLA_SPARSE_SM90, which is not modelled; use a 16-bit cache"
+            )
         if kv_cache_dtype == "fp8":
             return FLASHMLA_SPARSE  # FlashAttention's sparse MLA has 16-bit KV only
         raise UnsupportedModel(

@@ -84,6 +84,11 @@ class _Spec:
     tokens_per_state: int = 1
     #: the page before any alignment padding (0: the page itself)
     true_page_bytes: int = 0
+    #: bytes the stride between blocks must be a multiple of in a block-outermost
+    #: layout (``KVCacheSpec.get_block_stride_alignment``)
+    stride_alignment: int = 1
+    #: False for a per-request ring (``CircularBufferSpec``): no prefix caching, no offload
+    prefix_cacheable: bool = True
 
 
 @dataclass(frozen=True)
@@ -104,6 +109,8 @@ class KVGroup:
     #: each layer's page without alignment padding, where pages are padded (DeepSeek-V4's
     #: fp8_ds_mla pages rounded up to 576 B); what an offloader copies
     layer_true_page_bytes: tuple[int, ...] = ()
+    #: False for a circular-buffer ring: vLLM neither hashes nor offloads it
+    prefix_cacheable: bool = True
 
     @property
     def num_layers(self) -> int:
@@ -136,6 +143,8 @@ class KVLayout:
     notes: tuple[str, ...] = field(default=())
     #: cache layers the drafter adds (the last ones of ``shape.layers``)
     draft_layers: int = 0
+    #: block-outermost (BLHNC) KV layout: groups pack their layers' pages in each block
+    block_outer: bool = False
 
     @property
     def replicated_mla(self) -> bool:
@@ -162,7 +171,7 @@ def _backend(
     if not any(layer.kind != "mamba" for layer in shape.layers):
         return None
     if shape.sparse_mla:
-        return gpu.sparse_mla_backend(kv_cache_dtype=kv_cache_dtype)
+        return gpu.sparse_mla_backend(kv_cache_dtype=kv_cache_dtype, head_size=shape.head_size)
     if shape.mla_latent:
         return gpu.mla_backend(kv_cache_dtype=kv_cache_dtype, block_size=block_size)
     if any(layer.head_size not in (None, shape.head_size) for layer in shape.layers):
@@ -225,6 +234,12 @@ def compute_layout(shape: ModelShape, gpu: Gpu, request: LayoutRequest) -> KVLay
     # reads the model config); a drafter selects its own backend for its layers.
     backend = _backend(shape, gpu, request.kv_cache_dtype, request.block_size)
     own_layers = len(shape.layers)
+    if request.speculative_method and any(x.kind == "circular_buffer" for x in shape.layers):
+        raise UnsupportedModel(
+            f"speculative decoding with {shape.architecture} is not modelled (its MTP layers "
+            "add indexer keys, a tail ring and a latent each, and the ring grows with the "
+            "draft tokens)"
+        )
     shape, num_spec = _with_drafter(shape, request, notes)
 
     # Per-token attention page on one rank (AttentionSpec with block_size 1).
@@ -279,8 +294,19 @@ def compute_layout(shape: ModelShape, gpu: Gpu, request: LayoutRequest) -> KVLay
             align = max(align, 128)  # MLA decode kernels need 128-aligned block counts
         if mamba_mode == "align" and shape.gdn and gpu.gdn_checkpoint_alignment:
             align = math.lcm(align, gpu.gdn_checkpoint_alignment)
+        checkpoint = shape.mamba.checkpoint_alignment
+        checkpoint = checkpoint and checkpoint(gpu.compute_capability[0], shape.dtype)
+        if mamba_mode == "align" and checkpoint:
+            # get_mamba_prefill_checkpoint_alignment: checkpoints land on block edges
+            align = math.lcm(align, checkpoint)
+            notes.append(
+                f"{shape.mamba.family} prefill checkpoints every {checkpoint} tokens (one "
+                "more state block per request)"
+            )
         attn_block = align * cdiv(mamba_page, align * per_token)
-        attn_block = backend.blocks.base * cdiv(attn_block, backend.blocks.base)
+        # a multiple of every attention backend's smallest kernel block
+        base = math.lcm(backend.blocks.base, shape.block_alignment)
+        attn_block = base * cdiv(attn_block, base)
         if block < attn_block:
             block = attn_block
             notes.append(
@@ -298,6 +324,11 @@ def compute_layout(shape: ModelShape, gpu: Gpu, request: LayoutRequest) -> KVLay
                 raise ValueError("max_model_len is needed without prefix caching")
             mamba_block = request.max_model_len
 
+    elif shape.block_alignment > 1:
+        raise UnsupportedModel(
+            f"{shape.architecture} without linear-attention layers is not modelled"
+        )
+
     specs: list[_Spec] = []
     # One _Spec per LayerKind object (the family rules share one per kind of layer):
     # grouping then buckets by identity instead of hashing each layer's dataclass.
@@ -306,14 +337,30 @@ def compute_layout(shape: ModelShape, gpu: Gpu, request: LayoutRequest) -> KVLay
         spec = made.get(id(layer))
         if spec is None:
             spec = made[id(layer)] = _layer_spec(
-                layer, shape, block, mamba_block, mamba_page, mamba_padded, layer_per_token
+                layer, shape, block, mamba_block, mamba_page, mamba_padded, layer_per_token,
+                num_spec,
             )
         specs.append(spec)
 
-    groups = _group(specs, notes)
+    # A circular-buffer ring's backend (the kpool tail's) takes only BLHNC, which
+    # vLLM then uses instead of the offloading connector's LBHNC.
+    block_outer = any(s.kind == "circular_buffer" for s in made.values())
+    if block_outer:
+        groups = _packed_groups(specs)
+        notes.append(
+            f"block-outermost KV layout (BLHNC): {len(groups)} groups pack their layers' "
+            "pages side by side in each block"
+        )
+        # _get_kv_cache_bytes_per_block: the widest group, to every stride alignment
+        stride = math.lcm(*(s.stride_alignment for s in made.values()))
+        worker_bytes = round_up(max(g.bytes_per_block for g in groups), stride)
+    else:
+        if any(s.tokens_per_state > 1 for s in made.values()):
+            raise UnsupportedModel("compressed caches on a layer-outer KV layout are not modelled")
+        groups = _group(specs, notes)
+        # Padding layers own no memory: a block costs the largest real group.
+        worker_bytes = max(g.bytes_per_block for g in groups)
     tokens_per_hash = _tokens_per_hash(groups, mamba_mode)
-    # Padding layers own no memory: a block costs the largest real group.
-    worker_bytes = max(g.bytes_per_block for g in groups)
     # MLA latents are identical on every TP rank (max_tp_shards = 1); Mamba states are
     # split over TP, so a hybrid's ranks do not hold identical caches (the gcd is 1).
     tp_replicas = tp if shape.mla_latent and shape.mamba is None else 1
@@ -334,6 +381,7 @@ def compute_layout(shape: ModelShape, gpu: Gpu, request: LayoutRequest) -> KVLay
         tp_replicas=tp_replicas,
         notes=tuple(notes),
         draft_layers=len(shape.layers) - own_layers,
+        block_outer=block_outer,
     )
 
 
@@ -452,8 +500,6 @@ def _packed_groups(specs: list[_Spec]) -> tuple[KVGroup, ...]:
         raise UnsupportedModel("packed block-outermost groups with one page size are not modelled")
     buckets: dict[tuple[object, ...], list[int]] = {}
     for index, s in enumerate(specs):
-        if s.kind == "mamba":
-            raise UnsupportedModel("Mamba states in packed block-outermost groups are not modelled")
         base = "full" if s.kind in ("full_attention", "mla") else s.kind
         key = (base, s.block_size, s.sliding_window, s.attention_chunk_size)
         buckets.setdefault(key, []).append(index)
@@ -474,9 +520,25 @@ def _packed_groups(specs: list[_Spec]) -> tuple[KVGroup, ...]:
         raise UnsupportedModel(
             "packed sliding-window state buckets without a layer pattern are not modelled"
         )
+    def split(even: bool, most: int) -> int:
+        return cdiv(most, repeats) if even and repeats is not None else 1
+
+    # Mamba and ring buckets ("state buckets") may split down to one layer a group, so
+    # the block is as wide as the widest other group; they then split to fit it.
+    def state(layers: list[int]) -> bool:
+        return specs[layers[0]].kind in ("mamba", "circular_buffer")
+
+    anchor = max(
+        sum(cdiv(len(v), len(layers) if state(layers) else split(even, most)) * page
+            for page, v in by_page.items())
+        for layers, by_page, even, most in described
+    )
     groups: list[KVGroup] = []
     for layers, by_page, even, most in described:
-        n = cdiv(most, repeats) if even and repeats is not None else 1
+        n = split(even, most)
+        if state(layers):
+            fit = max(anchor // specs[layers[0]].page_bytes, 1)
+            n = max(n, cdiv(len(layers), fit))
         if n == 1:
             parts = [layers]
         else:
@@ -499,6 +561,7 @@ def _packed_groups(specs: list[_Spec]) -> tuple[KVGroup, ...]:
                     layer_true_page_bytes=tuple(
                         specs[i].true_page_bytes or specs[i].page_bytes for i in members
                     ),
+                    prefix_cacheable=first.prefix_cacheable,
                 )
             )
     return tuple(groups)
@@ -624,6 +687,7 @@ def _layer_spec(
     mamba_page: int | None,
     mamba_padded: int | None,
     layer_per_token: Callable[[LayerKind], int],
+    num_spec: int = 0,
 ) -> _Spec:
     """One layer's spec on one rank (``get_kv_cache_spec``)."""
     if layer.kind == "mamba":
@@ -631,7 +695,16 @@ def _layer_spec(
         return _Spec("mamba", mamba_block, mamba_padded or mamba_page)
     if layer.kind == "sliding_window" and shape.mla_latent:
         raise UnsupportedModel("sliding-window MLA is not modelled")
+    if layer.kind == "circular_buffer":
+        return _ring_spec(layer, block, num_spec)
+    if layer.tokens_per_state > 1:
+        return _kernel_strided(_state_spec(layer, block), layer)
     layer_token = layer_per_token(layer)
+    if shape.sparse_mla and layer.kind == "mla" and layer.bytes_per_token is None:
+        # FlashAttention's / FlashMLA's 16-bit sparse kernels read flat rows
+        # (align_blocks_to_rows); FlashMLA's fp8_ds_mla pages are not modelled here
+        return _Spec(layer.kind, block, block * layer_token, per_token=layer_token,
+                     stride_alignment=layer_token)
     return _Spec(
         layer.kind,
         block,
@@ -640,6 +713,36 @@ def _layer_spec(
         layer.attention_chunk_size,
         layer_token,
     )
+
+
+def _ring_spec(layer: LayerKind, block: int, num_spec: int) -> _Spec:
+    """``Glm5NextTailCache``: one ring of raw keys per request (``CircularBufferSpec``),
+    a pool plus the draft tokens rounded to a power of two of pools; never hashed."""
+    unit, per_token = layer.ring_unit, layer.bytes_per_token
+    assert unit is not None and per_token is not None
+    ring = unit * (1 << (cdiv(unit + num_spec, unit) - 1).bit_length())
+    if block % ring:
+        raise UnsupportedModel(
+            f"block size {block} is not a multiple of the {ring}-token tail ring; vLLM "
+            f"asserts (Glm5NextTailCache: cache_config.block_size ({block}) must be a "
+            f"multiple of the tail ring ({ring}))"
+        )
+    return _Spec("circular_buffer", ring, ring * per_token, prefix_cacheable=False)
+
+
+def _kernel_strided(spec: _Spec, layer: LayerKind) -> _Spec:
+    """``get_block_stride_alignment`` of a ``MultipleOf(kernel_block_tokens)`` spec: a
+    block split into kernel pages keeps whole pages apart (one page if it is one)."""
+    if layer.kernel_block_tokens is None:
+        return spec
+    kernel = math.gcd(layer.kernel_block_tokens, spec.block_size)
+    if kernel == spec.block_size:
+        return spec
+    assert layer.bytes_per_token is not None
+    page, _ = compressed_page_bytes(
+        kernel, layer.bytes_per_token, layer.tokens_per_state, layer.page_alignment
+    )
+    return replace(spec, stride_alignment=page)
 
 
 def _distinct(specs: list[_Spec]) -> list[_Spec]:
@@ -765,4 +868,5 @@ def _tokens_per_hash(groups: tuple[KVGroup, ...], mamba_mode: str | None) -> int
         return sizes[0]
     if mamba_mode == "none":
         return math.lcm(*sizes)  # Mamba outside align mode: hash at the scheduler block
-    return math.gcd(*sizes)
+    # a circular-buffer ring is never hashed
+    return math.gcd(*([g.tokens_per_block for g in groups if g.prefix_cacheable] or sizes))

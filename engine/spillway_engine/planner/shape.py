@@ -12,7 +12,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-Kind = Literal["full_attention", "sliding_window", "chunked_local", "mla", "mamba"]
+Kind = Literal[
+    "full_attention", "sliding_window", "chunked_local", "mla", "mamba", "circular_buffer"
+]
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1, "fp8_e4m3": 1}
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3")
@@ -59,6 +61,12 @@ class LayerKind:
     #: the page is rounded up to a multiple of this many bytes (vLLM's MLA
     #: ``alignment``: 576 for FlashMLA's fp8_ds_mla rows)
     page_alignment: int | None = None
+    #: the fixed kernel page (tokens) its backend splits blocks into: vLLM sets
+    #: ``block_stride_alignment = MultipleOf(it)`` (GLM-5 Next's kpool indexer)
+    kernel_block_tokens: int | None = None
+    #: a ``circular_buffer`` layer's ring grows in steps of this many tokens, enough
+    #: for one pool plus the draft tokens, rounded to a power of two of steps
+    ring_unit: int | None = None
 
 
 @dataclass(frozen=True)
@@ -68,6 +76,10 @@ class MambaState:
 
     family: str
     states: Callable[[int, str, int], list[tuple[int, str]]]
+
+    #: the prefill checkpoint alignment (tokens) of the kernel the layers run, from
+    #: (compute capability major, model dtype); None: no prefill checkpoints
+    checkpoint_alignment: Callable[[int, str], int | None] | None = None
 
     def page_bytes(self, tp: int, dtype: str, num_spec: int = 0) -> int:
         return sum(n * DTYPE_BYTES[dt] for n, dt in self.states(tp, dtype, num_spec))
@@ -92,6 +104,9 @@ class ModelShape:
     #: indexer backend that declares only block-outermost KV layouts, so vLLM packs
     #: each block's pages side by side (``_get_packed_kv_cache_groups``)
     compressed_sparse_mla: bool = False
+    #: the smallest kernel block (tokens) of a backend besides the attention one that
+    #: hybrid block alignment rounds to (GLM-5 Next's indexer: 32 pooled entries)
+    block_alignment: int = 1
     mamba: MambaState | None = None
     gdn: bool = False
     sinks: bool = False
