@@ -40,6 +40,7 @@ CASES = [
     ("step-3.5-flash", 8),
     ("gemma-4-31b", 2),
     ("gemma-4-e2b", 1),
+    ("deepseek-v4-flash", 8),
 ]
 #: cases planned on another GPU or with a drafter: name -> PlanRequest fields
 EXTRA = {
@@ -47,6 +48,8 @@ EXTRA = {
     "granite-4.0-h-small": {"max_model_len": 2048},
     "gemma-4-31b": {"gpu": "a100"},  # Hopper refused by name (FlashAttention 4)
     "gemma-4-e2b": {"gpu": "a100"},
+    # Spillway's connector refuses DeepSeek-V4's packed groups; vLLM's offloader plans
+    "deepseek-v4-flash": {"offloader": "upstream"},
 }
 SPECULATIVE = [("qwen3.5-35b-a3b", 2, 3), ("deepseek-v3", 8, 1)]
 #: a separate drafter: (target, TP, method, draft tokens, drafter's config)
