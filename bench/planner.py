@@ -40,6 +40,7 @@ CASES = [
     ("step-3.5-flash", 8),
     ("gemma-4-31b", 2),
     ("gemma-4-e2b", 1),
+    ("glm-5.3-flash", 4),
     ("deepseek-v4-flash", 8),
 ]
 #: cases planned on another GPU or with a drafter: name -> PlanRequest fields

@@ -684,27 +684,6 @@ def test_sparse_mla_with_an_unmodelled_fp8_variant_is_refused():
 
 
 @pytest.mark.parametrize(
-    ("arch", "reason"),
-    [
-        ("Glm5NextForCausalLM", "CircularBufferSpec"),
-    ],
-)
-def test_other_sparse_families_are_refused_with_the_reason(arch: str, reason: str):
-    """Not vLLM refusals: vLLM serves both; their cache kinds are not modelled, and the
-    planner names them (spec classes vLLM 0.33.0 has)."""
-    from vllm.model_executor.models.registry import _TEXT_GENERATION_MODELS
-    from vllm.v1 import kv_cache_interface
-
-    assert arch in _TEXT_GENERATION_MODELS
-    assert hasattr(kv_cache_interface, reason)
-    with pytest.raises(PlanRefused, match=reason):
-        make_plan(
-            {"architectures": [arch], "num_hidden_layers": 2},
-            PlanRequest(cpu_memory_bytes=POOL),
-        )
-
-
-@pytest.mark.parametrize(
     "case",
     [c for c in DRAFTER_CASES if c.tensor_parallel_size <= 2],
     ids=str,

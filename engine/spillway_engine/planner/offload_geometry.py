@@ -149,6 +149,12 @@ def replicated_layout(layout: KVLayout, world_size: int, single_node: bool) -> b
     return layout.shape.mla_latent > 0 and tp > 1 and layout.tp_replicas == tp and single_node
 
 
+def offloaded_groups(layout: KVLayout) -> list[tuple[int, KVGroup]]:
+    """(group id, group) of the groups vLLM offloads: the prefix-cacheable ones
+    (``KVCacheConfig.prefix_cacheable_group_ids``; a circular-buffer ring is not)."""
+    return [(i, g) for i, g in enumerate(layout.groups) if g.prefix_cacheable]
+
+
 def default_blocks_per_chunk(layout: KVLayout) -> int:
     """A bpc vLLM accepts for any group mix: ~256-token chunks, 1 for Mamba hybrids.
 
@@ -206,7 +212,8 @@ def _check_pool(cpu_bytes: int, row: int, what: str) -> None:
 def upstream_geometry(layout: KVLayout, request: OffloadRequest) -> UpstreamGeometry:
     """vLLM 0.33.0's ``CPUOffloadingSpec`` sizing, with its start-up checks."""
     tph = layout.tokens_per_hash
-    for index, g in enumerate(layout.groups):
+    offloaded = offloaded_groups(layout)
+    for index, g in offloaded:
         if g.tokens_per_block % tph:
             raise OffloadRefused(
                 f"KV-cache group {index} ({g.kind}) has {g.tokens_per_block} tokens per "
@@ -230,7 +237,7 @@ def upstream_geometry(layout: KVLayout, request: OffloadRequest) -> UpstreamGeom
             row_bytes=row,
             window_chunks=_window_chunks(g, g.tokens_per_block * bpc),
         )
-        for i, g in enumerate(layout.groups)
+        for i, g in offloaded
     )
     # Every prefix token costs 1/tpc_g rows in each group (dense retention): over the
     # common multiple L of the spans, sum(L / tpc_g) rows per L tokens (exact integers).
@@ -393,7 +400,7 @@ def spillway_chunk_tokens(
 ) -> int:
     """:func:`chunk_span` for a planned layout."""
     return chunk_span(
-        [g.tokens_per_block for g in layout.groups],
+        [g.tokens_per_block for _, g in offloaded_groups(layout)],
         layout.tokens_per_hash,
         has_mamba=any(g.kind == "mamba" for g in layout.groups),
         blocks_per_chunk=blocks_per_chunk,
@@ -419,8 +426,9 @@ def spillway_connector_refusal(layout: KVLayout) -> str | None:
     packed groups) coarser than the finest block stops the engine at start-up."""
     if layout.mamba_cache_mode == "none":
         return None  # spillway_geometry refuses it with its own reason
-    finest = math.gcd(*(g.tokens_per_block for g in layout.groups))
-    for index, g in enumerate(layout.groups):
+    offloaded = offloaded_groups(layout)  # the connector's groups (no ring)
+    finest = math.gcd(*(g.tokens_per_block for _, g in offloaded))
+    for index, g in offloaded:
         if g.tokens_per_block != finest and (g.kind == "mamba" or g.layer_page_bytes):
             what = "Mamba" if g.kind == "mamba" else "UniformTypeKVCacheSpecs"
             return (
@@ -447,7 +455,7 @@ def spillway_geometry(layout: KVLayout, request: OffloadRequest) -> SpillwayGeom
         span,
         [
             (i, g.kind, g.tokens_per_block, true_bytes_per_block(layout, g))
-            for i, g in enumerate(layout.groups)
+            for i, g in offloaded_groups(layout)
         ],
         host_copies(request.world_size, replicated),
     )
@@ -463,8 +471,12 @@ def spillway_geometry(layout: KVLayout, request: OffloadRequest) -> SpillwayGeom
             window_chunks=_window_chunks(g, span),
             units=k,
         )
-        for i, (g, bpc, nbytes, k) in enumerate(
-            zip(layout.groups, pool.blocks_per_chunk, pool.chunk_bytes, pool.units, strict=True)
+        for (i, g), bpc, nbytes, k in zip(
+            offloaded_groups(layout),
+            pool.blocks_per_chunk,
+            pool.chunk_bytes,
+            pool.units,
+            strict=True,
         )
     )
     num_units, num_chunks = pool.num_units, pool.num_chunks

@@ -138,9 +138,9 @@ class Parallelism(_Model):
 
 
 class KVGroupInfo(_Model):
-    kind: Literal["full_attention", "sliding_window", "chunked_local", "mla", "mamba"] = Field(
-        description="Cache type of the group's layers."
-    )
+    kind: Literal[
+        "full_attention", "sliding_window", "chunked_local", "mla", "mamba", "circular_buffer"
+    ] = Field(description="Cache type of the group's layers.")
     num_layers: int = Field(description="Real layers in the group (padding excluded).")
     layer_indices: list[int] = Field(description="Indices among the cache-holding layers.")
     tokens_per_block: int = Field(description="Tokens per GPU block of this group.")
@@ -153,6 +153,9 @@ class KVGroupInfo(_Model):
         default_factory=list,
         description="Each layer's page when they differ (one attention type, other heads: "
         "a draft model's layers); page_bytes and bytes_per_block are then their sum.",
+    )
+    prefix_cacheable: bool = Field(
+        True, description="False for a per-request ring (circular buffer): never offloaded."
     )
 
 
@@ -678,6 +681,7 @@ def _kv_groups(layout: KVLayout) -> list[dict[str, Any]]:
             attention_chunk_size=g.attention_chunk_size,
             padded_layers=g.padded_layers,
             layer_page_bytes=list(g.layer_page_bytes),
+            prefix_cacheable=g.prefix_cacheable,
         )
         for g in layout.groups
     ]

@@ -16,6 +16,7 @@ from spillway_engine.planner.families import (
     dense,
     gemma,
     gemma4,
+    glm5next,
     gpt_oss,
     granite_hybrid,
     jamba,
@@ -31,6 +32,7 @@ _ARCHITECTURES: dict[str, ShapeRule] = {
     **dense.ARCHITECTURES,
     **gemma.ARCHITECTURES,
     **gemma4.ARCHITECTURES,
+    **glm5next.ARCHITECTURES,
     **gpt_oss.ARCHITECTURES,
     **llama4.ARCHITECTURES,
     **deepseek_mla.ARCHITECTURES,
@@ -48,15 +50,6 @@ SUPPORTED_ARCHITECTURES = tuple(sorted(_ARCHITECTURES))
 
 #: Architectures vLLM 0.33.0 serves whose KV layout Spillway knows it does not reproduce.
 NOT_YET_MODELLED: dict[str, str] = {
-    "Glm5NextForCausalLM": (
-        "GLM-5 Next (vllm/models/glm5next) registers four cache kinds: KDA linear-attention "
-        "states (MambaSpec with prefill checkpoint blocks), NoPE sparse-MLA latents, a "
-        "kpool-compressed indexer key cache (MLAAttentionSpec, tokens_per_state = "
-        "index_kpool) and a circular tail-buffer ring (CircularBufferSpec: index_kpool x "
-        "next_power_of_2(ceil((index_kpool + draft tokens) / index_kpool)) tokens, 2 bf16 "
-        "heads, dividing the 128-multiple attention block); compressed-state and "
-        "circular-buffer specs are not modelled yet"
-    ),
     "Gemma4ForConditionalGeneration": (
         "the multimodal Gemma 4 (a prefix-LM with a vision tower) is not modelled; the "
         "text-only Gemma4ForCausalLM is (on Ampere/Ada GPUs)"

@@ -1,0 +1,217 @@
+"""GLM-5 Next (``Glm5NextForCausalLM``) against vLLM 0.33.0's own planning code.
+
+vLLM builds it on Hopper with sparse-MLA and FlashKDA kernels the CPU cannot import.
+Reconstructed as for DeepSeek-V3.2 (``test_planner_frontier.py``): vLLM's own
+``Glm5NextForCausalLM`` class is built on the meta device (its KDA layers, kpool indexer
+caches, tail rings and MLA latents are the CUDA module's), FLASHMLA_SPARSE stands in for
+FLASH_ATTN_MLA_SPARSE on the latents (both MultipleOf(64), both align 16-bit blocks to
+rows), the layers keep their own indexer and ring backends, the KV layout is resolved
+from those backends as the worker does (the kpool tail's backend declares only BLHNC),
+and vLLM groups, packs and sizes the blocks and the offloader. The fixture is built from
+transformers' ``Glm5NextTextConfig`` defaults (no released config.json was reachable;
+``frontier_configs/README.md``).
+
+Not reproduced on the CPU: FlashKDA's prefill checkpoints (``kda_prefill_backend``
+resolves to Triton here). On Hopper they add one state block per request and lcm the
+block alignment with 16 tokens, which every aligned block (a multiple of 512) already is;
+``test_flashkda_checkpoints_leave_the_block_alone`` reads both numbers from vLLM.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from spillway_engine.planner.plan import PlanRefused, PlanRequest, make_plan
+
+from .test_planner_frontier import (
+    BLOCKS_PER_CHUNK,
+    POOL,
+    FrontierLayouts,
+    _cpu_workspace,
+    load_frontier,
+    plan_for,
+    planned_groups_as_vllm,
+    vllm_for,
+)
+from .vllm_harness import Case, build_layout
+
+GLM5NEXT = "glm-5.3-flash"
+
+
+@pytest.fixture(scope="module")
+def layouts() -> FrontierLayouts:
+    """vLLM's layouts, built once per case for this module."""
+    return FrontierLayouts()
+
+CASES = [
+    Case(GLM5NEXT),
+    Case(GLM5NEXT, 2),
+    Case(GLM5NEXT, 4),
+    Case(GLM5NEXT, 8),
+    Case(GLM5NEXT, 8, gpu="h200"),
+    Case(GLM5NEXT, 2, block_size=1024),  # forced block: aligned to 3 x 1024 tokens
+    Case(GLM5NEXT, 4, max_model_len=32768),
+]
+
+
+def test_glm5next_is_planned_not_refused_by_name():
+    from vllm.model_executor.models.registry import _TEXT_GENERATION_MODELS
+
+    from spillway_engine.planner.families import NOT_YET_MODELLED, SUPPORTED_ARCHITECTURES
+
+    assert "Glm5NextForCausalLM" in _TEXT_GENERATION_MODELS
+    assert "Glm5NextForCausalLM" in SUPPORTED_ARCHITECTURES
+    assert "Glm5NextForCausalLM" not in NOT_YET_MODELLED
+
+
+def _as_vllm(plan: Any) -> list[dict[str, Any]]:
+    """The plan's groups as the harness names vLLM's (a ring group by its spec class)."""
+    groups = planned_groups_as_vllm(plan)
+    for described in groups:
+        if described["kind"] == "uniform:circular_buffer":
+            described["kind"] = "uniform:CircularBufferSpec"
+    return groups
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_glm5next_groups_and_offload_match_vllm(case: Case, layouts: FrontierLayouts):
+    plan = plan_for(case)
+    _cpu_workspace()
+    built = vllm_for(layouts, case, plan)
+    assert built.vllm_config.cache_config.kv_cache_layout == "BLHNC"
+    assert _as_vllm(plan) == built.groups
+    assert plan.block_size == built.block_size
+    assert plan.model.num_cache_layers == len(built.layer_names)
+    for bpc in BLOCKS_PER_CHUNK:
+        planned = plan_for(case, blocks_per_chunk=bpc)
+        off = built.offload(
+            {"cpu_bytes_to_use": POOL, "blocks_per_chunk": planned.blocks_per_chunk}
+        )
+        assert planned.tokens_per_hash == off["tokens_per_hash"]
+        assert planned.worker_bytes_per_block == off["worker_bytes_per_block"]
+        up = planned.upstream
+        assert up is not None
+        assert up.replicated_layout == off["replicated_layout"]
+        assert (up.row_bytes, up.num_chunks) == (off["row_bytes"], off["num_chunks"])
+        assert up.gauge_tokens == off["gauge_tokens"]
+        # the ring group is not offloaded: only the prefix-cacheable groups have chunks
+        assert [g.tokens_per_block for g in up.groups] == off["group_tokens_per_block"]
+        assert [g.window_chunks for g in up.groups] == off["window_chunks"]
+
+
+def test_glm5next_layout_is_kda_groups_mla_with_pooled_keys_and_an_unhashed_ring():
+    """TP 1: 34 KDA states pad to the 4,608-token MLA page (1,024 B a token); each of
+    the 11 MLA layers packs a 288-state indexer page (132 B a state) beside its latent,
+    and its 16-token tail ring (2 x 128 bf16) sits in a group that is never hashed."""
+    plan = plan_for(Case(GLM5NEXT))
+    assert plan.gpu.attention_backend == "FLASH_ATTN_MLA_SPARSE"
+    assert plan.block_size == 4608 and plan.mamba_cache_mode == "align"
+    *kda, mla, ring = plan.kv_groups
+    assert [g.kind for g in kda] == ["mamba"] * 4
+    assert sum(g.num_layers for g in kda) == 34
+    assert mla.kind == "mla" and mla.layer_page_bytes == [4608 // 16 * 132, 4608 * 1024] * 11
+    assert (ring.kind, ring.tokens_per_block, ring.num_layers) == ("circular_buffer", 16, 11)
+    assert ring.page_bytes == 11 * 16 * 2 * 128 * 2 and not ring.prefix_cacheable
+    assert plan.tokens_per_hash == 4608  # the ring's 16 tokens do not set the hash unit
+    assert [g.group_index for g in plan.upstream.groups] == [0, 1, 2, 3, 4]
+    assert [g.group_index for g in plan.spillway.groups] == [0, 1, 2, 3, 4]
+
+
+def test_spillway_pool_is_planned_as_its_connector_builds_it(
+    layouts: FrontierLayouts, monkeypatch: pytest.MonkeyPatch
+):
+    """Spillway's connector sizes its pool from vLLM's offloaded groups (the ring is not
+    one); the plan's units and chunk bytes are the connector's."""
+    from spillway_engine.offloader import geometry as geometry_module
+    from spillway_engine.offloader.geometry import build_geometry, with_extra_config
+
+    monkeypatch.setattr(geometry_module, "_uses_shared_region", lambda: True)
+    case = Case(GLM5NEXT, 4)
+    plan = plan_for(case)
+    spillway = make_plan(
+        load_frontier(GLM5NEXT),
+        PlanRequest(
+            tensor_parallel_size=4, gpu="h100", max_model_len=case.max_model_len,
+            cpu_memory_bytes=POOL, offloader="spillway",
+        ),
+    )
+    _cpu_workspace()
+    built = vllm_for(layouts, case, plan)
+    vc = with_extra_config(built.vllm_config, dict(spillway.kv_connector_extra_config))
+    workers = build_geometry(vc, built.kv_cache_config).layout
+    assert (spillway.spillway.unit_bytes, spillway.spillway.num_units) == (
+        workers.unit_bytes,
+        workers.num_units,
+    )
+    assert [g.group_index for g in spillway.spillway.groups] == [
+        g.group_id for g in workers.groups
+    ]
+    # the plan counts every rank's bytes, the connector one worker's
+    assert spillway.spillway.copies == workers.copies == 4
+    assert [g.chunk_bytes for g in spillway.spillway.groups] == [
+        g.chunk_bytes * workers.copies for g in workers.groups
+    ]
+
+
+def test_flashkda_checkpoints_leave_the_block_alone():
+    """Where FlashKDA runs (Hopper, bf16, head 128, bounded gate) vLLM's KDA spec asks
+    for prefill checkpoints every 16 tokens; the hybrid alignment lcms that into the
+    block, which is already a multiple of 512 (the indexer's 32 pooled entries)."""
+    from vllm.model_executor.layers.mamba.kda_checkpoint import kda_prefill_checkpoint_alignment
+    from vllm.utils.deep_gemm import get_paged_mqa_page_sizes
+
+    assert kda_prefill_checkpoint_alignment("flashkda") == 16
+    assert kda_prefill_checkpoint_alignment("triton") is None
+    assert min(get_paged_mqa_page_sizes()) * 16 == 512
+    plan = plan_for(Case(GLM5NEXT, 2))
+    assert any("prefill checkpoints every 16 tokens" in n for n in plan.notes)
+    assert plan.block_size % 512 == 0
+
+
+def test_fp8_latents_are_refused_where_vllm_falls_to_an_unmodelled_backend():
+    """A NoPE 512 latent with plain fp8 on SM90: FlashAttention's sparse MLA takes
+    16-bit caches only and FlashMLA's sparse kernel names its own reason, so vLLM's
+    selector moves on to FLASHINFER_MLA_SPARSE_SM90, which the planner does not model."""
+    import torch
+    from vllm.platforms.interface import DeviceCapability
+    from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseBackend
+
+    reason = FlashMLASparseBackend.supports_combination(
+        head_size=512, dtype=torch.bfloat16, kv_cache_dtype="fp8", block_size=None,
+        use_mla=True, has_sink=False, use_sparse=True, use_mm_prefix=False,
+        device_capability=DeviceCapability(9, 0),
+    )
+    assert reason and "supports head_size 512 only with bf16 or fp8_ds_mla" in reason
+    with pytest.raises(PlanRefused, match="FLASHINFER_MLA_SPARSE_SM90") as refused:
+        plan_for(Case(GLM5NEXT, 2, kv_cache_dtype="fp8"))
+    assert "head_size 512 only with bf16 or fp8_ds_mla" in str(refused.value)
+
+
+@pytest.mark.parametrize("gpu", ["a100", "l40s"])
+def test_off_hopper_is_refused_as_vllm_refuses(gpu: str):
+    """Sparse MLA needs SM90 here: no backend in vLLM's SM8x list takes it."""
+    from vllm.platforms.interface import DeviceCapability
+    from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseBackend
+
+    assert not FlashMLASparseBackend.supports_compute_capability(DeviceCapability(8, 0))
+    with pytest.raises(PlanRefused, match="No valid attention backend found"):
+        plan_for(Case(GLM5NEXT, 2, gpu=gpu))
+
+
+def test_a_checkpoint_dropping_the_tail_is_refused_by_both():
+    config = dict(load_frontier(GLM5NEXT), index_kpool_always_select_tail=False)
+    reason = "requires index_kpool_always_select_tail=True"
+    with pytest.raises(NotImplementedError, match=reason):
+        build_layout(config, Case(GLM5NEXT, 8), "FLASH_ATTN_MLA_SPARSE")
+    with pytest.raises(PlanRefused, match=reason):
+        make_plan(config, PlanRequest(tensor_parallel_size=8, cpu_memory_bytes=POOL))
+
+
+def test_speculative_decoding_is_refused_as_not_modelled():
+    """Not a vLLM refusal: the MTP layers add an indexer, a ring and a latent each and the
+    ring grows with the draft tokens (index_kpool x next_power_of_2 of pools); the
+    planner says it does not model them."""
+    with pytest.raises(PlanRefused, match="speculative decoding with Glm5NextForCausalLM"):
+        plan_for(Case(GLM5NEXT, 2, speculative_method="mtp", num_speculative_tokens=1))
