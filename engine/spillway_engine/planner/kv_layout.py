@@ -455,6 +455,13 @@ def _packed_layout(
         f"block-outermost KV layout (BLHNC): {len(groups)} groups pack their layers' pages "
         "side by side in each block"
     )
+    if len({g.tokens_per_block for g in groups}) > 1:
+        # offload_geometry.spillway_connector_refusal: the plan refuses offloader=spillway
+        notes.append(
+            "Spillway's connector cannot re-cut packed groups (UniformTypeKVCacheSpecs) "
+            "coarser than the finest block (it refuses to start): only vLLM's offloader "
+            "runs this model"
+        )
     return KVLayout(
         shape=shape,
         gpu=gpu,
