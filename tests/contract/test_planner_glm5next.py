@@ -101,6 +101,30 @@ def test_glm5next_groups_and_offload_match_vllm(case: Case, layouts: FrontierLay
         assert [g.window_chunks for g in up.groups] == off["window_chunks"]
 
 
+def test_engine_plan_check_passes_the_packed_plan(layouts: FrontierLayouts):
+    """The engine's start-up check reads vLLM's packed groups (one-page KDA groups, the
+    mixed MLA group, the ring) as the plan has them, and catches a wrong page."""
+    from spillway_engine.launcher import plan_check
+
+    case = Case(GLM5NEXT, 2)
+    plan = plan_for(case)
+    _cpu_workspace()
+    built = vllm_for(layouts, case, plan)
+    built.offload({"cpu_bytes_to_use": POOL, "blocks_per_chunk": plan.blocks_per_chunk})
+    observed = plan_check.observe(built.vllm_config, built.kv_cache_config)
+    assert [g.kind for g in observed.groups] == (
+        ["uniform(mamba)"] * 4 + ["uniform(mla)", "uniform(circular_buffer)"]
+    )
+    assert plan_check.compare(plan, observed) == []
+    wrong = plan.model_copy(
+        update={"kv_groups": [g.model_copy(update={"page_bytes": g.page_bytes + 1})
+                              for g in plan.kv_groups]}
+    )
+    assert [m.field for m in plan_check.compare(wrong, observed)] == [
+        f"kv_groups[{i}].page_bytes" for i in range(len(plan.kv_groups))
+    ]
+
+
 def test_glm5next_layout_is_kda_groups_mla_with_pooled_keys_and_an_unhashed_ring():
     """TP 1: 34 KDA states pad to the 4,608-token MLA page (1,024 B a token); each of
     the 11 MLA layers packs a 288-state indexer page (132 B a state) beside its latent,

@@ -137,6 +137,10 @@ def _group_fields(group: KVGroupInfo | ObservedGroup) -> dict[str, Any]:
     fields = {name: getattr(group, name) for name in GROUP_FIELDS}
     if isinstance(group, KVGroupInfo) and group.layer_page_bytes:
         fields["kind"] = f"uniform({group.kind})"  # as _kind names vLLM's mixed-page spec
+        pages = group.layer_page_bytes
+        if len(set(pages)) == 1 and group.page_bytes == pages[0] * len(pages):
+            # a packed (block-outermost) group of one page size: vLLM's page is one layer's
+            fields["page_bytes"] = pages[0]
     return fields
 
 
@@ -237,6 +241,7 @@ def _kind(spec: Any) -> str:
     """The plan's name for a vLLM KV cache spec (class checks, subclasses first)."""
     from vllm.v1.kv_cache_interface import (
         ChunkedLocalAttentionSpec,
+        CircularBufferSpec,
         FullAttentionSpec,
         MambaSpec,
         MLAAttentionSpec,
@@ -248,6 +253,7 @@ def _kind(spec: Any) -> str:
         inner = {_kind(s) for s in spec.kv_cache_specs.values()}
         return f"uniform({','.join(sorted(inner))})"
     for cls, name in (
+        (CircularBufferSpec, "circular_buffer"),
         (MambaSpec, "mamba"),
         (MLAAttentionSpec, "mla"),
         (SlidingWindowSpec, "sliding_window"),
