@@ -233,9 +233,24 @@ def test_a_checkpoint_dropping_the_tail_is_refused_by_both():
         make_plan(config, PlanRequest(tensor_parallel_size=8, cpu_memory_bytes=POOL))
 
 
-def test_speculative_decoding_is_refused_as_not_modelled():
-    """Not a vLLM refusal: the MTP layers add an indexer, a ring and a latent each and the
-    ring grows with the draft tokens (index_kpool x next_power_of_2 of pools); the
-    planner says it does not model them."""
+def test_mtp_on_the_text_model_is_refused_by_both():
+    """vLLM's SpeculativeConfig turns only a ``glm5_next`` config into its MTP drafter
+    (Glm5NextMTPModel); the text model's ``glm5_next_text`` stops it."""
+    case = Case(GLM5NEXT, 2, speculative_method="mtp", num_speculative_tokens=1)
+    reason = "Unsupported speculative method: 'mtp'"
+    with pytest.raises(NotImplementedError, match=reason):
+        build_layout(load_frontier(GLM5NEXT), case, "FLASH_ATTN_MLA_SPARSE")
+    with pytest.raises(PlanRefused, match=reason):
+        plan_for(case)
+
+
+def test_other_speculative_decoding_is_refused_as_not_modelled():
+    """Not a vLLM refusal: a drafter beside the packed groups (and GLM-5 Next's own MTP
+    layers under model_type glm5_next: an indexer, a ring and a latent each, the ring
+    growing with the draft tokens) is not modelled, and the planner says so."""
     with pytest.raises(PlanRefused, match="speculative decoding with Glm5NextForCausalLM"):
-        plan_for(Case(GLM5NEXT, 2, speculative_method="mtp", num_speculative_tokens=1))
+        plan_for(Case(GLM5NEXT, 2, speculative_method="draft_model", num_speculative_tokens=2))
+    config = dict(load_frontier(GLM5NEXT), model_type="glm5_next")
+    with pytest.raises(PlanRefused, match="speculative decoding with Glm5NextForCausalLM"):
+        make_plan(config, PlanRequest(tensor_parallel_size=2, cpu_memory_bytes=POOL,
+                                      speculative_method="mtp", num_speculative_tokens=1))

@@ -234,6 +234,12 @@ def compute_layout(shape: ModelShape, gpu: Gpu, request: LayoutRequest) -> KVLay
     # reads the model config); a drafter selects its own backend for its layers.
     backend = _backend(shape, gpu, request.kv_cache_dtype, request.block_size)
     own_layers = len(shape.layers)
+    if request.speculative_method == "mtp" and shape.model_type == "glm5_next_text":
+        # SpeculativeConfig maps only model_type glm5_next to its MTP drafter
+        raise UnsupportedModel(
+            f"--speculative-config method=mtp with {shape.architecture} of model_type "
+            "glm5_next_text: vLLM 0.33.0 refuses it (Unsupported speculative method: 'mtp')"
+        )
     if request.speculative_method and any(x.kind == "circular_buffer" for x in shape.layers):
         raise UnsupportedModel(
             f"speculative decoding with {shape.architecture} is not modelled (its MTP layers "
