@@ -12,9 +12,10 @@ transformers' ``Glm5NextTextConfig`` defaults (no released config.json was reach
 ``frontier_configs/README.md``).
 
 Not reproduced on the CPU: FlashKDA's prefill checkpoints (``kda_prefill_backend``
-resolves to Triton here). On Hopper they add one state block per request and lcm the
-block alignment with 16 tokens, which every aligned block (a multiple of 512) already is;
-``test_flashkda_checkpoints_leave_the_block_alone`` reads both numbers from vLLM.
+resolves to Triton here). On Hopper the KDA spec then carries one prefill checkpoint block
+per request (every 16 tokens); the layer declares no ``get_prefill_checkpoint_alignment``,
+so the platform's block alignment, the pages and the groups are as on the CPU;
+``test_flashkda_checkpoints_leave_the_block_alone`` checks that on vLLM's classes.
 """
 
 from __future__ import annotations
@@ -181,13 +182,20 @@ def test_spillway_pool_is_planned_as_its_connector_builds_it(
 
 def test_flashkda_checkpoints_leave_the_block_alone():
     """Where FlashKDA runs (Hopper, bf16, head 128, bounded gate) vLLM's KDA spec asks
-    for prefill checkpoints every 16 tokens; the hybrid alignment lcms that into the
-    block, which is already a multiple of 512 (the indexer's 32 pooled entries)."""
+    for prefill checkpoints every 16 tokens, but the layer keeps MambaBase's
+    get_prefill_checkpoint_alignment (None), so _align_hybrid_block_size does not align
+    the block to them; the block stays a multiple of 512 (the indexer's 32 entries)."""
+    from vllm.model_executor.layers.mamba.abstract import MambaBase
     from vllm.model_executor.layers.mamba.kda_checkpoint import kda_prefill_checkpoint_alignment
+    from vllm.models.glm5next.common.kda import Glm5NextLinearAttention
     from vllm.utils.deep_gemm import get_paged_mqa_page_sizes
 
     assert kda_prefill_checkpoint_alignment("flashkda") == 16
     assert kda_prefill_checkpoint_alignment("triton") is None
+    assert (
+        Glm5NextLinearAttention.get_prefill_checkpoint_alignment
+        is MambaBase.get_prefill_checkpoint_alignment
+    )
     assert min(get_paged_mqa_page_sizes()) * 16 == 512
     plan = plan_for(Case(GLM5NEXT, 2))
     assert any("prefill checkpoints every 16 tokens" in n for n in plan.notes)

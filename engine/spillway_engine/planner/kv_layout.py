@@ -303,8 +303,8 @@ def compute_layout(shape: ModelShape, gpu: Gpu, request: LayoutRequest) -> KVLay
         checkpoint = shape.mamba.checkpoint_alignment
         checkpoint = checkpoint and checkpoint(gpu.compute_capability[0], shape.dtype)
         if mamba_mode == "align" and checkpoint:
-            # get_mamba_prefill_checkpoint_alignment: checkpoints land on block edges
-            align = math.lcm(align, checkpoint)
+            # only the spec carries it (num_prefill_checkpoint_blocks): the layer declares
+            # no get_prefill_checkpoint_alignment, so the block is not aligned to it
             notes.append(
                 f"{shape.mamba.family} prefill checkpoints every {checkpoint} tokens (one "
                 "more state block per request)"

@@ -78,7 +78,8 @@ class MambaState:
     states: Callable[[int, str, int], list[tuple[int, str]]]
 
     #: the prefill checkpoint alignment (tokens) of the kernel the layers run, from
-    #: (compute capability major, model dtype); None: no prefill checkpoints
+    #: (compute capability major, model dtype), carried by the spec only (one more
+    #: state block per request; GLM-5 Next's KDA); None: no prefill checkpoints
     checkpoint_alignment: Callable[[int, str], int | None] | None = None
 
     def page_bytes(self, tp: int, dtype: str, num_spec: int = 0) -> int:
