@@ -262,3 +262,18 @@ def test_other_speculative_decoding_is_refused_as_not_modelled():
     with pytest.raises(PlanRefused, match="speculative decoding with Glm5NextForCausalLM"):
         make_plan(config, PlanRequest(tensor_parallel_size=2, cpu_memory_bytes=POOL,
                                       speculative_method="mtp", num_speculative_tokens=1))
+
+
+def test_without_prefix_caching_both_offloaders_refuse_the_hash_unit(layouts: FrontierLayouts):
+    """Without prefix caching the KDA states keep max_model_len-token blocks: the hash
+    unit is the lcm of every block (the ring's 16 tokens too, 40,960 at TP 2), which the
+    KDA blocks do not divide, and vLLM's offloader asserts at start-up."""
+    case = Case(GLM5NEXT, 2, enable_prefix_caching=False)
+    _cpu_workspace()
+    built = layouts.get(case, "FLASH_ATTN_MLA_SPARSE")
+    assert not isinstance(built, Exception)
+    assert [g["tokens_per_block"] for g in built.groups] == [8192] * 4 + [2560, 16]
+    with pytest.raises(AssertionError, match="not divisible by tokens_per_hash=40960"):
+        built.offload({"cpu_bytes_to_use": POOL, "blocks_per_chunk": 1})
+    with pytest.raises(PlanRefused, match="8192 tokens per block, not a multiple of the 40960"):
+        plan_for(case)
