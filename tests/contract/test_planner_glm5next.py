@@ -54,6 +54,12 @@ CASES = [
     Case(GLM5NEXT, 8, gpu="h200"),
     Case(GLM5NEXT, 2, block_size=1024),  # forced block: aligned to 3 x 1024 tokens
     Case(GLM5NEXT, 4, max_model_len=32768),
+    # fp8 latents on FlashInfer's SM90 sparse MLA: 512 B rows, so larger blocks
+    Case(GLM5NEXT, 1, kv_cache_dtype="fp8"),
+    Case(GLM5NEXT, 2, kv_cache_dtype="fp8"),
+    Case(GLM5NEXT, 4, kv_cache_dtype="fp8"),
+    Case(GLM5NEXT, 8, kv_cache_dtype="fp8"),
+    Case(GLM5NEXT, 4, kv_cache_dtype="fp8_e4m3", gpu="h200"),
 ]
 
 
@@ -202,23 +208,48 @@ def test_flashkda_checkpoints_leave_the_block_alone():
     assert plan.block_size % 512 == 0
 
 
-def test_fp8_latents_are_refused_where_vllm_falls_to_an_unmodelled_backend():
-    """A NoPE 512 latent with plain fp8 on SM90: FlashAttention's sparse MLA takes
-    16-bit caches only and FlashMLA's sparse kernel names its own reason, so vLLM's
-    selector moves on to FLASHINFER_MLA_SPARSE_SM90, which the planner does not model."""
+def test_fp8_latents_run_on_flashinfer_sm90_as_vllm_selects():
+    """A NoPE 512 latent with plain fp8 on SM90: vLLM puts FLASHINFER_MLA_SPARSE_SM90
+    first among the sparse backends at head 512, and the two behind it refuse the dtype
+    (FlashAttention's sparse MLA is 16-bit only, FlashMLA's names its own reason), so
+    the fp8 latents are FlashInfer's plain 512 B rows whichever backend is asked first.
+    The plan names that backend, and its TP 1 block is 8,704 tokens (4,608 with bf16)."""
+    import importlib.util
+    from pathlib import Path
+
     import torch
     from vllm.platforms.interface import DeviceCapability
+    from vllm.v1.attention.backends.mla.flashattn_mla_sparse import FlashAttnMLASparseBackend
+    from vllm.v1.attention.backends.mla.flashinfer_mla_sparse_sm90 import (
+        FlashInferMLASparseSM90Backend,
+    )
     from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseBackend
 
-    reason = FlashMLASparseBackend.supports_combination(
-        head_size=512, dtype=torch.bfloat16, kv_cache_dtype="fp8", block_size=None,
-        use_mla=True, has_sink=False, use_sparse=True, use_mm_prefix=False,
-        device_capability=DeviceCapability(9, 0),
-    )
-    assert reason and "supports head_size 512 only with bf16 or fp8_ds_mla" in reason
-    with pytest.raises(PlanRefused, match="FLASHINFER_MLA_SPARSE_SM90") as refused:
-        plan_for(Case(GLM5NEXT, 2, kv_cache_dtype="fp8"))
-    assert "head_size 512 only with bf16 or fp8_ds_mla" in str(refused.value)
+    # platforms/cuda.py needs libcuda to import: its SM90 order is read as text
+    spec = importlib.util.find_spec("vllm.platforms")
+    assert spec is not None and spec.origin is not None
+    cuda = (Path(spec.origin).parent / "cuda.py").read_text()
+    assert " ".join(cuda.split()).count(
+        "flashinfer_sparse = AttentionBackendEnum.FLASHINFER_MLA_SPARSE_SM90 "
+        "if head_size == 512: sparse_tail.insert(0, flashinfer_sparse)"
+    ) == 1
+    sm90 = DeviceCapability(9, 0)
+    assert FlashInferMLASparseSM90Backend.supports_compute_capability(sm90)
+    assert {"fp8", "fp8_e4m3"} <= set(FlashInferMLASparseSM90Backend.supported_kv_cache_dtypes)
+    for dtype in ("fp8", "fp8_e4m3"):
+        assert dtype not in FlashAttnMLASparseBackend.supported_kv_cache_dtypes
+        reason = FlashMLASparseBackend.supports_combination(
+            head_size=512, dtype=torch.bfloat16, kv_cache_dtype=dtype, block_size=None,
+            use_mla=True, has_sink=False, use_sparse=True, use_mm_prefix=False,
+            device_capability=sm90,
+        )
+        assert reason and "supports head_size 512 only with bf16 or fp8_ds_mla" in reason
+    plan = plan_for(Case(GLM5NEXT, 1, kv_cache_dtype="fp8"))
+    assert plan.gpu.attention_backend == "FLASHINFER_MLA_SPARSE_SM90"
+    assert plan.block_size == 8704
+    *_, mla, _ring = plan.kv_groups
+    assert mla.layer_page_bytes == [8704 // 16 * 132, 8704 * 512] * 11
+    assert any("FlashInfer's kernels" in n for n in plan.notes)
 
 
 @pytest.mark.parametrize("gpu", ["a100", "l40s"])

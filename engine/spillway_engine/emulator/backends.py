@@ -31,6 +31,7 @@ MLA_BACKENDS = (
     "FLASHMLA",
     "FLASH_ATTN_MLA_SPARSE",
     "FLASHMLA_SPARSE",
+    "FLASHINFER_MLA_SPARSE_SM90",
 )
 #: GPUs whose FlashInfer GDN prefill kernel checkpoints every 64 tokens (SM90).
 _GDN_64_GPUS = ("h100", "h200")
@@ -101,6 +102,8 @@ BACKEND_PATHS: Mapping[str, str] = {
     # CUDA); both run MultipleOf(64) blocks and align 16-bit blocks to whole rows.
     "FLASHMLA_SPARSE": AttentionBackendEnum.FLASHMLA_SPARSE.get_path(),
     "FLASH_ATTN_MLA_SPARSE": AttentionBackendEnum.FLASHMLA_SPARSE.get_path(),
+    # FlashInfer's SM90 sparse MLA imports on a CPU: its own class (plain fp8 rows)
+    "FLASHINFER_MLA_SPARSE_SM90": AttentionBackendEnum.FLASHINFER_MLA_SPARSE_SM90.get_path(),
 }
 
 

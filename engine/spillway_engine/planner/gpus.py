@@ -79,6 +79,11 @@ TRITON_MLA = Backend("TRITON_MLA", KernelBlocks(16))
 # MultipleOf(64) kernel blocks (v1/attention/backends/mla/*sparse*.py).
 FLASH_ATTN_MLA_SPARSE = Backend("FLASH_ATTN_MLA_SPARSE", KernelBlocks(64))
 FLASHMLA_SPARSE = Backend("FLASHMLA_SPARSE", KernelBlocks(64))
+#: FlashInfer's SM90 sparse MLA (flashinfer_mla_sparse_sm90.py): plain fp8/fp8_e4m3
+#: latents (one byte an element, a per-tensor scale) or 16-bit ones, flat rows
+#: (align_blocks_to_rows), MultipleOf(64); first of the sparse list at head 512 when
+#: FlashInfer's kernels are usable (has_flashinfer_sm90_nope_mla)
+FLASHINFER_MLA_SPARSE_SM90 = Backend("FLASHINFER_MLA_SPARSE_SM90", KernelBlocks(64))
 #: FlashAttention on SM90 for a model whose largest head is 512 with an FP8 cache: FA3
 #: stops at head 256, so the head-512 layers run FA4, whose FP8-dequant kernel takes
 #: exactly 64-token pages; the model's (largest) head sets the preferred block to 64
@@ -151,15 +156,12 @@ class Gpu:
             )
         if kv_cache_dtype in ("auto", "bfloat16", "float16"):
             return FLASH_ATTN_MLA_SPARSE
-        if kv_cache_dtype == "fp8" and head_size == 512:
-            # a NoPE 512 latent (GLM-5 Next): FlashMLA's sparse kernel takes it only as
-            # bf16 or fp8_ds_mla, so plain fp8 falls through
-            raise UnsupportedModel(
-                f"a 512-wide NoPE sparse-MLA latent with an fp8 KV cache on {self.name}: "
-                "vLLM 0.33.0 passes FLASHMLA_SPARSE by (FLASHMLA_SPARSE supports head_size "
-                "512 only with bf16 or fp8_ds_mla kv-cache on SM90 (NoPE)) for "
-                "FLASHINFER_MLA_SPARSE_SM90, which is not modelled; use a 16-bit cache"
-            )
+        if kv_cache_dtype in ("fp8", "fp8_e4m3") and head_size == 512:
+            # a NoPE 512 latent (GLM-5 Next): FlashAttention's sparse MLA is 16-bit only
+            # and FlashMLA's takes it only as bf16 or fp8_ds_mla (FLASHMLA_SPARSE
+            # supports head_size 512 only with bf16 or fp8_ds_mla kv-cache on SM90), so
+            # FlashInfer's SM90 kernel serves plain fp8 rows (512 B a token)
+            return FLASHINFER_MLA_SPARSE_SM90
         if kv_cache_dtype == "fp8":
             return FLASHMLA_SPARSE  # FlashAttention's sparse MLA has 16-bit KV only
         raise UnsupportedModel(

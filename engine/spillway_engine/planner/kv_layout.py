@@ -32,6 +32,7 @@ from spillway_engine.arith import cdiv, round_up
 from spillway_engine.planner.gpus import (
     FLASH_ATTN,
     FLASH_ATTN_SM90_FP8_HD512,
+    FLASHINFER_MLA_SPARSE_SM90,
     FLASHMLA_SPARSE,
     FP8_DS_MLA_BYTES_PER_TOKEN,
     Backend,
@@ -240,11 +241,13 @@ def compute_layout(shape: ModelShape, gpu: Gpu, request: LayoutRequest) -> KVLay
             f"--speculative-config method=mtp with {shape.architecture} of model_type "
             "glm5_next_text: vLLM 0.33.0 refuses it (Unsupported speculative method: 'mtp')"
         )
-    if request.speculative_method and any(x.kind == "circular_buffer" for x in shape.layers):
+    if request.speculative_method not in (None, "mtp") and any(
+        x.kind == "circular_buffer" for x in shape.layers
+    ):
         raise UnsupportedModel(
-            f"speculative decoding with {shape.architecture} is not modelled (its MTP layers "
-            "add indexer keys, a tail ring and a latent each, and the ring grows with the "
-            "draft tokens)"
+            f"speculative decoding with {shape.architecture} and a separate drafter is not "
+            "modelled (its layers beside the packed ring and KDA groups); its own MTP "
+            "layers (method=mtp) are"
         )
     shape, num_spec = _with_drafter(shape, request, notes)
 
@@ -260,6 +263,11 @@ def compute_layout(shape: ModelShape, gpu: Gpu, request: LayoutRequest) -> KVLay
     per_token = kv_heads * (shape.head_size + shape.head_size_v) * kv_bytes
     if backend is FLASHMLA_SPARSE and kv_dtype in ("fp8", "fp8_e4m3"):
         per_token = FP8_DS_MLA_BYTES_PER_TOKEN  # FlashMLA's sparse fp8_ds_mla format
+    if backend is FLASHINFER_MLA_SPARSE_SM90:
+        notes.append(
+            "FLASHINFER_MLA_SPARSE_SM90 serves the fp8 latents: vLLM needs FlashInfer's "
+            "kernels (flashinfer-cubin, or nvcc and ninja) for it, else it finds no backend"
+        )
 
     def layer_per_token(layer: LayerKind) -> int:
         """Attention bytes per token of a layer with its own heads (else the model's)."""
