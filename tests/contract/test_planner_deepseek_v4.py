@@ -237,14 +237,121 @@ def test_off_hopper_is_refused_for_want_of_the_kernels(gpu: str):
         plan_for(Case(FLASH, 8, gpu=gpu))
 
 
-def test_unmodelled_block_size_and_speculation_are_refused():
-    """vLLM takes any multiple of 256 and MTP drafting; neither is modelled (a larger
-    block changes the compressed pages' block-stride alignment; MTP layers add
-    sliding-window latents), so the planner says so rather than guess."""
+def test_unmodelled_block_size_and_separate_drafters_are_refused():
+    """vLLM takes any multiple of 256 and separate drafters; neither is modelled (a larger
+    block changes the compressed pages' block-stride alignment; a drafter's layers sit
+    beside the packed groups), so the planner says so rather than guess."""
     with pytest.raises(PlanRefused, match="--block-size 512"):
         plan_for(Case(FLASH, 8, block_size=512))
-    with pytest.raises(PlanRefused, match="speculative decoding"):
-        plan_for(Case(FLASH, 8), speculative_method="mtp", num_speculative_tokens=1)
+    with pytest.raises(PlanRefused, match="and a separate drafter is not modelled"):
+        plan_for(Case(FLASH, 8), speculative_method="draft_model", num_speculative_tokens=1)
+
+
+#: --speculative-config method=mtp: vLLM's DeepSeekV4MTP (DeepSeekV4MTPModel)
+MTP_CASES = [
+    Case(FLASH, 1, speculative_method="mtp", num_speculative_tokens=1),
+    Case(FLASH, 2, speculative_method="mtp", num_speculative_tokens=2),
+    Case(FLASH, 4, speculative_method="mtp", num_speculative_tokens=3),
+    Case(FLASH, 8, speculative_method="mtp", num_speculative_tokens=1),
+    Case(FLASH, 8, gpu="h200", kv_cache_dtype="fp8", speculative_method="mtp",
+         num_speculative_tokens=3),
+]
+
+
+@pytest.fixture
+def cuda_mtp(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's CUDA MTP drafter on a CPU. ``vllm.models.deepseek_v4`` exports
+    ``cpu/mtp.py``'s stub there (it raises); the CUDA ``DeepSeekV4MTP`` imports on a CPU
+    and builds each MTP layer's ``mtp_block`` as a ``DeepseekV4DecoderLayer``: here the
+    CPU model's, whose attention and caches are the target's (checked above), as the
+    target itself is built."""
+    import vllm.models.deepseek_v4 as dsv4
+    import vllm.models.deepseek_v4.nvidia.mtp as cuda
+    from vllm.models.deepseek_v4.cpu.model import DeepseekV4DecoderLayer
+
+    def decoder_layer(vllm_config: Any, prefix: str, topk_indices_buffer: Any = None,
+                      aux_stream_list: Any = None) -> Any:
+        return DeepseekV4DecoderLayer(vllm_config, prefix, topk_indices_buffer)
+
+    monkeypatch.setattr(cuda, "DeepseekV4DecoderLayer", decoder_layer)
+    monkeypatch.setattr(dsv4, "DeepSeekV4MTP", cuda.DeepSeekV4MTP)
+
+
+def _mtp_plan(case: Case, **kw: Any) -> Plan:
+    return plan_for(case, speculative_method=case.speculative_method,
+                    num_speculative_tokens=case.num_speculative_tokens, **kw)
+
+
+@pytest.mark.parametrize("case", MTP_CASES, ids=str)
+def test_deepseek_v4_mtp_groups_and_offload_match_vllm(case: Case, cuda_mtp: None):
+    """The MTP layer (layer 43 of 43) is past num_hidden_layers, so vLLM gives it
+    compress ratio 1: one more sliding-window latent, whatever the draft tokens; it
+    evens the sliding-window groups to 22 + 22."""
+    plan = _mtp_plan(case)
+    vllm = built(case)
+    spec = vllm.vllm_config.speculative_config
+    assert spec.method == "mtp"
+    assert spec.draft_model_config.architectures == ["DeepSeekV4MTPModel"]
+    assert planned_groups_as_vllm(plan) == vllm.groups
+    assert [{g.sliding_window} for g in plan.kv_groups] == vllm_windows(vllm)
+    assert plan.block_size == vllm.block_size == 256
+    assert plan.model.num_cache_layers == len(vllm.layer_names) == 168
+    assert [vllm.layer_names[i] for i in plan.draft_layer_indices] == [
+        "model.layers.43.attn.swa_cache"
+    ]
+    assert [g.num_layers for g in plan.kv_groups][:2] == [22, 22]
+    for bpc in BLOCKS_PER_CHUNK:
+        planned = _mtp_plan(case, blocks_per_chunk=bpc)
+        off = vllm.offload({"cpu_bytes_to_use": POOL, "blocks_per_chunk": planned.blocks_per_chunk})
+        assert planned.tokens_per_hash == off["tokens_per_hash"] == 4
+        assert planned.worker_bytes_per_block == off["worker_bytes_per_block"]
+        up = planned.upstream
+        assert up is not None
+        assert (up.row_bytes, up.num_chunks) == (off["row_bytes"], off["num_chunks"])
+        assert up.gauge_tokens == off["gauge_tokens"]
+        assert [g.tokens_per_block for g in up.groups] == off["group_tokens_per_block"]
+        assert [g.window_chunks for g in up.groups] == off["window_chunks"]
+
+
+def test_the_mtp_stand_in_is_vllm_s_cuda_drafter():
+    """Why the fixture above is needed and what it keeps: the CPU export refuses MTP, the
+    CUDA drafter's layer is a DeepseekV4DecoderLayer at layers.{num_hidden_layers + i},
+    and the shared attention gives such a layer compress ratio 1."""
+    import inspect
+
+    import vllm.models.deepseek_v4 as dsv4
+    from vllm.models.deepseek_v4 import attention
+    from vllm.models.deepseek_v4.nvidia import mtp as cuda
+
+    with pytest.raises(NotImplementedError, match="not implemented on CPU"):
+        dsv4.DeepSeekV4MTP(vllm_config=None)
+    layer = " ".join(inspect.getsource(cuda.DeepSeekV4MultiTokenPredictorLayer).split())
+    assert "self.mtp_block = DeepseekV4DecoderLayer( vllm_config, prefix," in layer
+    predictor = " ".join(inspect.getsource(cuda.DeepSeekV4MultiTokenPredictor).split())
+    assert "self.mtp_start_layer_idx = config.num_hidden_layers" in predictor
+    source = " ".join(inspect.getsource(attention).split())
+    assert ("if layer_id < config.num_hidden_layers: layer_type = config.layer_types["
+            "layer_id] self.compress_ratio = max(1, config.compress_rates.get(layer_type, "
+            "0)) else: self.compress_ratio = 1") in source
+
+
+def test_mtp_on_deepseek_v41_is_refused_by_both():
+    """vLLM's SpeculativeConfig refuses classic MTP on a deepseek_v41 target (its
+    checkpoints ship DSpark stages); the planner refuses it with the same reason. The
+    V4 fixture does not parse as transformers' DeepseekV41Config, so vLLM's check is
+    read from its source rather than run."""
+    import inspect
+
+    from vllm.config.speculative import SpeculativeConfig
+
+    reason = "DeepSeek V4.1 has no classic-MTP draft"
+    source = " ".join(inspect.getsource(SpeculativeConfig).split())
+    assert '== "deepseek_v41" ): raise ValueError( "DeepSeek V4.1 has no classic-MTP' in source
+    config = dict(load_frontier(FLASH), model_type="deepseek_v41")
+    with pytest.raises(PlanRefused, match=reason):
+        make_plan(config, PlanRequest(tensor_parallel_size=8, cpu_memory_bytes=POOL,
+                                      offloader="upstream", speculative_method="mtp",
+                                      num_speculative_tokens=1))
 
 
 def test_default_max_model_len_matches_vllm():

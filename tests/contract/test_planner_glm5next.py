@@ -283,16 +283,97 @@ def test_mtp_on_the_text_model_is_refused_by_both():
         plan_for(case)
 
 
-def test_other_speculative_decoding_is_refused_as_not_modelled():
-    """Not a vLLM refusal: a drafter beside the packed groups (and GLM-5 Next's own MTP
-    layers under model_type glm5_next: an indexer, a ring and a latent each, the ring
-    growing with the draft tokens) is not modelled, and the planner says so."""
-    with pytest.raises(PlanRefused, match="speculative decoding with Glm5NextForCausalLM"):
+def test_a_separate_drafter_is_refused_as_not_modelled():
+    """Not a vLLM refusal: a draft model or EAGLE-3 head beside the packed KDA and ring
+    groups is not modelled, and the planner says so (GLM-5 Next's own MTP layers are)."""
+    with pytest.raises(PlanRefused, match="with Glm5NextForCausalLM and a separate drafter"):
         plan_for(Case(GLM5NEXT, 2, speculative_method="draft_model", num_speculative_tokens=2))
-    config = dict(load_frontier(GLM5NEXT), model_type="glm5_next")
-    with pytest.raises(PlanRefused, match="speculative decoding with Glm5NextForCausalLM"):
-        make_plan(config, PlanRequest(tensor_parallel_size=2, cpu_memory_bytes=POOL,
-                                      speculative_method="mtp", num_speculative_tokens=1))
+
+
+#: GLM-5 Next's MTP drafter needs model_type glm5_next (SpeculativeConfig turns it into
+#: glm5_next_mtp / Glm5NextMTPModel); the fixture's fields are otherwise unchanged
+MTP_CASES = [
+    Case(GLM5NEXT, 1, speculative_method="mtp", num_speculative_tokens=1),
+    Case(GLM5NEXT, 2, speculative_method="mtp", num_speculative_tokens=2),
+    Case(GLM5NEXT, 4, speculative_method="mtp", num_speculative_tokens=3),
+    Case(GLM5NEXT, 8, speculative_method="mtp", num_speculative_tokens=1),
+    Case(GLM5NEXT, 8, gpu="h200", speculative_method="mtp", num_speculative_tokens=3),
+    Case(GLM5NEXT, 2, kv_cache_dtype="fp8", speculative_method="mtp", num_speculative_tokens=2),
+]
+_mtp_built: dict[Case, Any] = {}
+
+
+def _mtp_config() -> dict[str, Any]:
+    return dict(load_frontier(GLM5NEXT), model_type="glm5_next")
+
+
+def _mtp_plan(case: Case, **kw: Any) -> Any:
+    return make_plan(
+        _mtp_config(),
+        PlanRequest(
+            tensor_parallel_size=case.tensor_parallel_size, gpu=case.gpu,
+            kv_cache_dtype=case.kv_cache_dtype, max_model_len=case.max_model_len,
+            speculative_method=case.speculative_method,
+            num_speculative_tokens=case.num_speculative_tokens,
+            cpu_memory_bytes=POOL, offloader="upstream", **kw,
+        ),
+    )
+
+
+@pytest.mark.parametrize("case", MTP_CASES, ids=str)
+def test_glm5next_mtp_groups_and_offload_match_vllm(case: Case):
+    """vLLM's own Glm5NextMTPModel joins the forward context after the target: each MTP
+    layer adds its indexer keys, tail ring and latent (layer 45 of 45); the ring grows to
+    two pools (32 tokens) for 1-3 draft tokens and the KDA convolution states keep one
+    more row per draft token, so the hybrid block and the packed split move with them."""
+    plan = _mtp_plan(case)
+    if case not in _mtp_built:
+        _cpu_workspace()
+        _mtp_built[case] = build_layout(_mtp_config(), case, plan.gpu.attention_backend)
+    built = _mtp_built[case]
+    assert built.vllm_config.speculative_config.method == "mtp"
+    assert built.vllm_config.speculative_config.draft_model_config.architectures == [
+        "Glm5NextMTPModel"
+    ]
+    assert _as_vllm(plan) == built.groups
+    assert plan.block_size == built.block_size
+    assert plan.model.num_cache_layers == len(built.layer_names)
+    drafted = [built.layer_names[i] for i in plan.draft_layer_indices]
+    assert drafted == [
+        "model.layers.45.self_attn.indexer.k_cache",
+        "model.layers.45.self_attn.indexer.tail_cache",
+        "model.layers.45.self_attn.attn",
+    ]
+    assert plan.kv_groups[-1].tokens_per_block == 32  # the ring: 16 + draft tokens, 2 pools
+    for bpc in BLOCKS_PER_CHUNK:
+        planned = _mtp_plan(case, blocks_per_chunk=bpc)
+        off = built.offload(
+            {"cpu_bytes_to_use": POOL, "blocks_per_chunk": planned.blocks_per_chunk}
+        )
+        assert planned.tokens_per_hash == off["tokens_per_hash"]
+        assert planned.worker_bytes_per_block == off["worker_bytes_per_block"]
+        up = planned.upstream
+        assert up is not None
+        assert (up.row_bytes, up.num_chunks) == (off["row_bytes"], off["num_chunks"])
+        assert up.gauge_tokens == off["gauge_tokens"]
+        assert [g.tokens_per_block for g in up.groups] == off["group_tokens_per_block"]
+        assert [g.window_chunks for g in up.groups] == off["window_chunks"]
+
+
+def test_mtp_regroups_the_packed_blocks():
+    """TP 2 (2,560-token blocks either way): without a drafter 34 KDA states pack in 4
+    groups (9/9/8/8) beside 11 MLA layers; the MTP layer's 12th latent raises the anchor
+    group, so vLLM packs them 12/11/11, and the ring holds two 16-token pools (the draft
+    tokens need more than one), 12 rings of 32 tokens."""
+    plain = plan_for(Case(GLM5NEXT, 2))
+    mtp = _mtp_plan(MTP_CASES[1])
+    assert plain.block_size == mtp.block_size == 2560
+    assert [g.num_layers for g in plain.kv_groups] == [9, 9, 8, 8, 22, 11]
+    assert [g.num_layers for g in mtp.kv_groups] == [12, 11, 11, 24, 12]
+    ring = mtp.kv_groups[-1]
+    assert (ring.tokens_per_block, ring.page_bytes) == (32, 12 * 32 * 2 * 128 * 2)
+    assert mtp.worker_bytes_per_block > plain.worker_bytes_per_block
+    assert any("MTP drafter: 3 cache layer(s)" in n for n in mtp.notes)
 
 
 def test_without_prefix_caching_both_offloaders_refuse_the_hash_unit(layouts: FrontierLayouts):

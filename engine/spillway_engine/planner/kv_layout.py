@@ -445,11 +445,23 @@ def _packed_layout(
     packed side by side in block-outermost blocks (its indexer's backend declares only
     BLHNC/BLNHC, so vLLM overrides the offloading connector's LBHNC)."""
     backend = gpu.compressed_sparse_mla_backend(kv_cache_dtype=request.kv_cache_dtype)
-    if request.speculative_method is not None:
+    method = request.speculative_method
+    if method not in (None, "mtp"):
         raise UnsupportedModel(
-            f"speculative decoding with {shape.architecture} is not modelled (its MTP "
-            "layers add sliding-window latents to the packed groups)"
+            f"speculative decoding with {shape.architecture} and a separate drafter is not "
+            "modelled (its layers beside the packed groups); its own MTP layers "
+            "(method=mtp) are"
         )
+    if method == "mtp" and shape.model_type == "deepseek_v41":
+        raise UnsupportedModel(
+            f"--speculative-config method=mtp with {shape.architecture} of model_type "
+            "deepseek_v41: vLLM 0.33.0 refuses it (DeepSeek V4.1 has no classic-MTP draft; "
+            "use speculative method 'dspark')"
+        )
+    own_layers = len(shape.layers)
+    # DeepSeekV4MTP: each MTP layer is a decoder layer past num_hidden_layers, so its
+    # compress ratio is 1: one sliding-window latent, whatever the draft tokens
+    shape, _ = _with_drafter(shape, request, notes)
     block = backend.blocks.preferred()
     if request.block_size is not None and request.block_size != block:
         raise UnsupportedModel(
@@ -495,6 +507,7 @@ def _packed_layout(
         # every cache is a replicated latent or state (max_tp_shards = 1)
         tp_replicas=request.tensor_parallel_size,
         notes=tuple(notes),
+        draft_layers=len(shape.layers) - own_layers,
     )
 
 

@@ -16,7 +16,8 @@ vLLM 0.33.0 (``vllm/models/deepseek_v4``: ``attention.py``, ``compressor.py``,
 
 On Hopper every latent is FlashMLA's fp8_ds_mla row (584 B a token, whatever
 ``--kv-cache-dtype`` says among auto/fp8) and every page rounds up to 576 B. MTP
-layers are sliding-window-only (ratio 1); they are only built with speculative decoding.
+layers (``DeepSeekV4MTP``, only built with ``--speculative-config method=mtp``) are
+sliding-window-only: a layer past ``num_hidden_layers`` has compress ratio 1.
 """
 
 from __future__ import annotations
@@ -113,6 +114,9 @@ def _deepseek_v4(config: dict[str, Any], arch: str) -> ModelShape:
         if r > 1:
             layers += [latents[r], states[r]]
     counts = {r: ratios.count(r) for r in (4, 128)}
+    # MTP layers sit past num_hidden_layers: vLLM gives them compress ratio 1 (a
+    # sliding-window latent only), whatever their compress_ratios entry says
+    mtp = cfg.int("num_nextn_predict_layers", 0, minimum=0)
     return ModelShape(
         architecture=arch,
         model_type=str(cfg.get("model_type", "")),
@@ -125,6 +129,7 @@ def _deepseek_v4(config: dict[str, Any], arch: str) -> ModelShape:
         mla_latent=head,
         sparse_mla=True,
         compressed_sparse_mla=True,
+        mtp_layers=(swa,) * mtp,
         derived_max_model_len=derived_max_len(cfg),
         notes=(
             f"DeepSeek-V4: {n} sliding-window latents (window {window}), "

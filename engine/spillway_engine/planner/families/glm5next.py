@@ -91,6 +91,9 @@ def _glm5next(config: dict[str, Any], arch: str) -> ModelShape:
     layers: list[LayerKind] = []
     for kind in layer_types:
         layers.extend((kda,) if kind == "linear_attention" else (indexer, tail, mla))
+    # Glm5NextMTPModel (model_type glm5_next only): each MTP layer is an MLA decoder
+    # layer (is_mtp_layer) with its own indexer keys, tail ring and latent
+    mtp = cfg.int("num_nextn_predict_layers", 0, minimum=0)
     heads, head_dim = cfg.int("linear_num_heads"), cfg.int("linear_head_dim")
     kernel = cfg.int("linear_conv_kernel_dim")
     bounded = cfg.get("linear_lower_bound") is not None
@@ -126,6 +129,7 @@ def _glm5next(config: dict[str, Any], arch: str) -> ModelShape:
         sparse_mla=True,
         block_alignment=kpool * min(_MQA_PAGES),
         mamba=MambaState("kda", states, checkpoint),
+        mtp_layers=(indexer, tail, mla) * mtp,
         derived_max_model_len=derived_max_len(cfg),
         notes=(
             f"kpool indexer: one {indexer.bytes_per_token}-byte key per {kpool} tokens beside "
