@@ -386,3 +386,16 @@ def test_spillway_s_offloader_is_refused_where_its_connector_refuses(
     extra = {"cpu_bytes_to_use": POOL, "spillway_chunk_tokens": 256}
     with pytest.raises(SpillwayConfigError, match=reason):
         build_geometry(with_extra_config(vllm.vllm_config, extra), vllm.kv_cache_config)
+
+
+def test_engine_plan_check_passes_an_mtp_plan(cuda_mtp: None):
+    """The engine's start-up check reads vLLM's packed groups with the MTP layer's latent
+    as the plan has them, and catches a plan made without the drafter."""
+    from spillway_engine.launcher import plan_check
+
+    case = MTP_CASES[3]
+    plan, vllm = _mtp_plan(case), built(case)
+    vllm.offload({"cpu_bytes_to_use": POOL, "blocks_per_chunk": plan.blocks_per_chunk})
+    observed = plan_check.observe(vllm.vllm_config, vllm.kv_cache_config)
+    assert plan_check.compare(plan, observed) == []
+    assert plan_check.compare(plan_for(Case(FLASH, 8)), observed) != []

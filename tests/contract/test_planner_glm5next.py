@@ -389,3 +389,20 @@ def test_without_prefix_caching_both_offloaders_refuse_the_hash_unit(layouts: Fr
         built.offload({"cpu_bytes_to_use": POOL, "blocks_per_chunk": 1})
     with pytest.raises(PlanRefused, match="8192 tokens per block, not a multiple of the 40960"):
         plan_for(case)
+
+
+def test_engine_plan_check_passes_an_mtp_plan():
+    """The engine's start-up check reads vLLM's groups with the MTP layers (3 KDA groups,
+    the 24-page MLA group, 32-token rings) as the plan has them."""
+    from spillway_engine.launcher import plan_check
+
+    case = MTP_CASES[1]
+    plan = _mtp_plan(case)
+    _cpu_workspace()
+    built = _mtp_built.get(case) or build_layout(_mtp_config(), case, plan.gpu.attention_backend)
+    built.offload({"cpu_bytes_to_use": POOL, "blocks_per_chunk": plan.blocks_per_chunk})
+    observed = plan_check.observe(built.vllm_config, built.kv_cache_config)
+    assert [g.kind for g in observed.groups] == (
+        ["uniform(mamba)"] * 3 + ["uniform(mla)", "uniform(circular_buffer)"]
+    )
+    assert plan_check.compare(plan, observed) == []
