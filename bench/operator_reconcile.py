@@ -1,28 +1,36 @@
-"""Operator benchmark on the local control plane.
+"""Operator benchmark on the local control plane, with the floor beside it.
 
-Measures, for 1 and for N InferenceDeployments created at once:
-  - reconcile latency: create -> the engine Deployment exists (seen by a watch),
-  - where that time goes: reconciles run per object, API requests per object by verb,
-    mean wall time of one reconcile, and the bound they imply
-    (reconciles x mean time / workers: the time the worker pool alone needs),
-  - API writes per no-op reconcile (the operator's own request counter),
-  - operator memory (RSS).
+For each count (default 1, 200 and 1000) of InferenceDeployments created at once
+(16 client threads), on one API server:
+  - floor: the same children (plan ConfigMap, Service, Deployment, PDB, rendered by the
+    operator's own code) created directly by 16 client threads: what the API server
+    and etcd alone need;
+  - the operator (and, with --baseline-src, an older checkout's operator beside it):
+    create -> Deployment exists (seen by a watch) p50/p99, time until every object's
+    status reports its generation, API requests per object by verb, operator CPU
+    seconds and RSS;
+  - API writes per no-op reconcile (every object poked once more, after it is quiet).
 
-Usage: python -m bench.operator_reconcile [--count 200] [--kubeconfig PATH]
+Each operator watches only its batch's namespace (``-n``), so batches do not mix.
+Usage: python -m bench.operator_reconcile [--counts 1,200,1000] [--kubeconfig PATH]
+       [--baseline-src DIR]   (DIR: a checkout, e.g. from `git archive`)
 Without --kubeconfig it starts its own control plane (binaries from tools/build.sh).
-Prints a table; asserts nothing.
+Prints tables; asserts nothing.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 from kubernetes import client, config, watch
@@ -34,11 +42,21 @@ from e2e.cluster.controlplane import (
     Ports,
     locate_binaries,
 )
-from e2e.operator_process import start_operator
+from e2e.operator_process import OperatorProcess, start_operator
 from spillway_engine.planner.model_config import load_local
-from spillway_operator.spec import GROUP, PLURAL, VERSION
+from spillway_engine.planner.plan import make_plan
+from spillway_operator import render
+from spillway_operator.kube import Kube, resource_path
+from spillway_operator.reconciler import plan_request
+from spillway_operator.spec import GROUP, PLURAL, VERSION, InferenceDeploymentSpec
 
 CONFIG = REPO_ROOT / "tests" / "fixtures" / "models" / "llama-3.2-1b.json"
+THREADS = 16
+SPEC = {
+    "model": {"name": "meta-llama/Llama-3.2-1B", "configMapRef": {"name": "model"}},
+    "replicas": 0,
+    "offload": {"hostMemory": "8Gi"},
+}
 
 
 def rss_mib(pid: int) -> float:
@@ -48,45 +66,9 @@ def rss_mib(pid: int) -> float:
     return float("nan")
 
 
-def body(name: str) -> dict:
-    return {
-        "apiVersion": f"{GROUP}/{VERSION}",
-        "kind": "InferenceDeployment",
-        "metadata": {"name": name},
-        "spec": {
-            "model": {"name": "meta-llama/Llama-3.2-1B", "configMapRef": {"name": "model"}},
-            "replicas": 0,
-            "offload": {"hostMemory": "8Gi"},
-        },
-    }
-
-
-def run_batch(api: client.ApiClient, ns: str, count: int) -> list[float]:
-    """Create ``count`` objects; return create->Deployment latencies in seconds."""
-    apps, custom = client.AppsV1Api(api), client.CustomObjectsApi(api)
-    created: dict[str, float] = {}
-    seen: dict[str, float] = {}
-    done = threading.Event()
-
-    def watcher():
-        w = watch.Watch()
-        for ev in w.stream(apps.list_namespaced_deployment, ns, timeout_seconds=600):
-            name = ev["object"].metadata.name
-            if ev["type"] == "ADDED" and name not in seen:
-                seen[name] = time.monotonic()
-                if len(seen) >= count:
-                    w.stop()
-        done.set()
-
-    t = threading.Thread(target=watcher, daemon=True)
-    t.start()
-    time.sleep(0.5)
-    for i in range(count):
-        name = f"bench-{i}"
-        created[name] = time.monotonic()
-        custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, body(name))
-    done.wait(600)
-    return [seen[n] - created[n] for n in created if n in seen]
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def pct(values: list[float], q: float) -> float:
@@ -94,127 +76,242 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
+def api_client(kubeconfig: Path) -> client.ApiClient:
+    cfg = client.Configuration()
+    config.load_kube_config(config_file=str(kubeconfig), client_configuration=cfg)
+    cfg.connection_pool_maxsize = 2 * THREADS
+    return client.ApiClient(cfg)
+
+
+def make_namespace(api: client.ApiClient, prefix: str) -> str:
+    core = client.CoreV1Api(api)
+    ns = f"{prefix}-{time.monotonic_ns() % 10**9}"
+    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=ns)))
+    core.create_namespaced_config_map(ns, client.V1ConfigMap(
+        metadata=client.V1ObjectMeta(name="model"),
+        data={"config.json": json.dumps(load_local(CONFIG))}))
+    return ns
+
+
+@dataclass
+class Row:
+    who: str
+    count: int
+    deployed: int
+    p50: float
+    p99: float
+    converged: float | None = None
+    per_object: dict[str, float] | None = None
+    reconciles: float | None = None
+    cpu: float | None = None
+    rss: float | None = None
+    noop_reconciles: float | None = None
+    noop_writes: float | None = None
+
+
+def floor(api: client.ApiClient, count: int) -> Row:
+    """The children of ``count`` objects created directly by 16 threads."""
+    ns = make_namespace(api, "floor")
+    spec = InferenceDeploymentSpec.model_validate(SPEC)
+    plan = make_plan(load_local(CONFIG), plan_request(spec))
+    kube = Kube(api)
+
+    def children(i: int) -> list[dict]:
+        owner = render.Owner(f"bench-{i}", ns, "0")
+        out = [render.plan_configmap(owner, spec, plan), render.service(owner),
+               render.deployment(owner, spec, plan), render.pod_disruption_budget(owner, spec)]
+        for child in out:  # no owner: the garbage collector would remove them
+            child["metadata"].pop("ownerReferences", None)
+        return out
+
+    bodies = [children(i) for i in range(count)]
+    done: list[float] = []
+    start = time.monotonic()
+
+    def create(objs: list[dict]) -> None:
+        for obj in objs:
+            path = resource_path(obj["apiVersion"], obj["kind"], ns)
+            kube.request("post", path, body=obj)
+            if obj["kind"] == "Deployment":
+                done.append(time.monotonic() - start)
+
+    with ThreadPoolExecutor(THREADS) as pool:
+        list(pool.map(create, bodies))
+    total = time.monotonic() - start
+    return Row("floor", count, len(done), statistics.median(done), pct(done, 0.99), total)
+
+
+class Watcher:
+    """Deployments' ADDED and InferenceDeployments' observedGeneration in one namespace."""
+
+    def __init__(self, api: client.ApiClient, ns: str, count: int):
+        self.seen: dict[str, float] = {}
+        self.converged: dict[str, float] = {}
+        self.count = count
+        apps, custom = client.AppsV1Api(api), client.CustomObjectsApi(api)
+        self._threads = [
+            threading.Thread(target=self._deployments, args=(apps, ns), daemon=True),
+            threading.Thread(target=self._statuses, args=(custom, ns), daemon=True)]
+        for t in self._threads:
+            t.start()
+        time.sleep(0.5)
+
+    def _deployments(self, apps: client.AppsV1Api, ns: str) -> None:
+        w = watch.Watch()
+        for ev in w.stream(apps.list_namespaced_deployment, ns, timeout_seconds=900):
+            name = ev["object"].metadata.name
+            if ev["type"] == "ADDED" and name not in self.seen:
+                self.seen[name] = time.monotonic()
+                if len(self.seen) >= self.count:
+                    w.stop()
+
+    def _statuses(self, custom: client.CustomObjectsApi, ns: str) -> None:
+        w = watch.Watch()
+        for ev in w.stream(custom.list_namespaced_custom_object, GROUP, VERSION, ns, PLURAL,
+                           timeout_seconds=900):
+            obj = ev["object"]
+            name = obj["metadata"]["name"]
+            observed = (obj.get("status") or {}).get("observedGeneration")
+            if observed == obj["metadata"].get("generation") and name not in self.converged:
+                self.converged[name] = time.monotonic()
+                if len(self.converged) >= self.count:
+                    w.stop()
+
+    def wait(self, timeout: float) -> None:
+        for t in self._threads:
+            t.join(timeout)
+
+
+def counters(op: OperatorProcess) -> dict[str, float]:
+    snap = {v: op.metric("spillway_operator_api_requests_total", verb=v)
+            for v in ("get", "patch", "post")}
+    snap["reconciles"] = op.metric("spillway_operator_reconciles_total")
+    return snap
+
+
+def wait_quiet(op: OperatorProcess, settle: float = 3.0, timeout: float = 300) -> dict:
+    """The counters once they stopped moving for ``settle`` seconds."""
+    prev, deadline = None, time.monotonic() + timeout
+    while (cur := counters(op)) != prev and time.monotonic() < deadline:
+        prev = cur
+        time.sleep(settle)
+    return cur
+
+
+def operator_run(api: client.ApiClient, kubeconfig: Path, who: str, count: int,
+                 workdir: Path, env: dict[str, str]) -> Row:
+    ns = make_namespace(api, who)
+    op = start_operator(kubeconfig, workdir / f"operator-{who}-{count}.log", env=env,
+                        scope=["-n", ns])
+    custom = client.CustomObjectsApi(api)
+    try:
+        time.sleep(2)  # its watches are up
+        before, cpu0 = counters(op), cpu_seconds(op.proc.pid)
+        watcher = Watcher(api, ns, count)
+        created: dict[str, float] = {}
+        start = time.monotonic()
+
+        def create(i: int) -> None:
+            name = f"bench-{i}"
+            created[name] = time.monotonic()
+            custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, {
+                "apiVersion": f"{GROUP}/{VERSION}", "kind": "InferenceDeployment",
+                "metadata": {"name": name}, "spec": SPEC})
+
+        with ThreadPoolExecutor(THREADS) as pool:
+            list(pool.map(create, range(count)))
+        watcher.wait(900)
+        after = wait_quiet(op)
+        cpu, rss = cpu_seconds(op.proc.pid) - cpu0, rss_mib(op.proc.pid)
+        lat = [watcher.seen[n] - created[n] for n in created if n in watcher.seen]
+        converged = (max(watcher.converged.values()) - start
+                     if len(watcher.converged) == count else None)
+        per_object = {k: (after[k] - before[k]) / count for k in ("get", "patch", "post")}
+        # No-op reconciles: poke every object; nothing about them changed.
+        writes0 = after["patch"] + after["post"]
+        with ThreadPoolExecutor(THREADS) as pool:
+            list(pool.map(lambda i: custom.patch_namespaced_custom_object(
+                GROUP, VERSION, ns, PLURAL, f"bench-{i}",
+                {"metadata": {"annotations": {"poke": "1"}}}), range(count)))
+        deadline = time.monotonic() + 300
+        while counters(op)["reconciles"] < after["reconciles"] + count and \
+                time.monotonic() < deadline:
+            time.sleep(1)
+        quiet = wait_quiet(op)
+        return Row(who, count, len(lat), statistics.median(lat), pct(lat, 0.99), converged,
+                   per_object, (after["reconciles"] - before["reconciles"]) / count, cpu, rss,
+                   quiet["reconciles"] - after["reconciles"],
+                   quiet["patch"] + quiet["post"] - writes0)
+    finally:
+        op.stop()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--count", type=int, default=200)
+    ap.add_argument("--counts", default="1,200,1000")
     ap.add_argument("--kubeconfig", type=Path)
-    ap.add_argument("--workers", type=int, default=4, help="SPILLWAY_WORKERS of the operator")
+    ap.add_argument("--workers", default="",
+                    help="SPILLWAY_WORKERS of the operator, comma-separated for one row "
+                         "each (default: its own)")
+    ap.add_argument("--baseline-src", type=Path,
+                    help="a checkout whose operator runs beside this one's (PYTHONPATH)")
     args = ap.parse_args()
+    counts = [int(c) for c in args.counts.split(",")]
 
-    cluster = None
     tmp = tempfile.TemporaryDirectory(prefix="spillway-bench-")
+    workdir = Path(tmp.name)
+    cluster = None
     if args.kubeconfig:
         kubeconfig = args.kubeconfig
     else:
-        cluster = LocalCluster(
-            ClusterConfig(
-                workdir=Path(tmp.name),
-                ports=Ports.free(),
-                nodes=2,
-                pod_net="127.4",
-                binaries=locate_binaries(),
-            )
-        )
+        cluster = LocalCluster(ClusterConfig(workdir=workdir, ports=Ports.free(), nodes=2,
+                                             pod_net="127.4", binaries=locate_binaries()))
         print(f"control plane ready in {cluster.start():.1f}s", file=sys.stderr)
         kubeconfig = cluster.config.kubeconfig
     kubectl = [str(locate_binaries()["kubectl"]), f"--kubeconfig={kubeconfig}"]
-    subprocess.run(
-        [*kubectl, "apply", "--server-side", "-f", REPO_ROOT / "crds"],
-        check=True,
-        capture_output=True,
-    )
-    subprocess.run(
-        [*kubectl, "wait", "--for=condition=Established", "crd/inferencedeployments.spillway.dev"],
-        check=True,
-        capture_output=True,
-    )
-    api = config.new_client_from_config(config_file=str(kubeconfig))
-    core = client.CoreV1Api(api)
-
-    op = start_operator(Path(kubeconfig), Path(tmp.name) / "operator.log",
-                        env={"SPILLWAY_WORKERS": str(args.workers)})
-    rows = []
-    profile = []
-
-    def snapshot() -> dict[str, float]:
-        snap = {v: op.metric("spillway_operator_api_requests_total", verb=v)
-                for v in ("get", "patch", "post")}
-        snap["reconciles"] = op.metric("spillway_operator_reconciles_total")
-        snap["seconds"] = op.metric("spillway_operator_reconcile_duration_seconds_sum")
-        snap["timed"] = op.metric("spillway_operator_reconcile_duration_seconds_count")
-        return snap
+    subprocess.run([*kubectl, "apply", "--server-side", "-f", REPO_ROOT / "crds"],
+                   check=True, capture_output=True)
+    subprocess.run([*kubectl, "wait", "--for=condition=Established",
+                    "crd/inferencedeployments.spillway.dev"], check=True, capture_output=True)
+    api = api_client(Path(kubeconfig))
+    workers = [w for w in args.workers.split(",") if w]
+    variants = ([(f"spillway-{w}w", {"SPILLWAY_WORKERS": w}) for w in workers]
+                or [("spillway", {})])
+    if args.baseline_src:
+        src = args.baseline_src.resolve()
+        variants.insert(0, ("baseline", {**variants[-1][1], "PYTHONPATH":
+                                         f"{src / 'operator'}:{src / 'engine'}:{src}"}))
+    rows: list[Row] = []
     try:
-        rss_idle = rss_mib(op.proc.pid)
-        for count in (1, args.count):
-            ns = f"bench-{count}-{int(time.time())}"
-            core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=ns)))
-            core.create_namespaced_config_map(
-                ns,
-                client.V1ConfigMap(
-                    metadata=client.V1ObjectMeta(name="model"),
-                    data={"config.json": json.dumps(load_local(CONFIG))},
-                ),
-            )
-            before = snapshot()
-            lat = run_batch(api, ns, count)
-            time.sleep(2)  # the status writes that follow the Deployments
-            after = snapshot()
-            profile.append((count, {k: after[k] - before[k] for k in after}))
-            rss = rss_mib(op.proc.pid)
-            rows.append((count, len(lat), statistics.median(lat), pct(lat, 0.99), rss))
-
-        # No-op reconciles: wait until quiet, then poke every object of the last batch.
-        def counters():
-            return (
-                op.metric("spillway_operator_api_requests_total", verb="patch")
-                + op.metric("spillway_operator_api_requests_total", verb="post"),
-                op.metric("spillway_operator_reconciles_total"),
-            )
-
-        prev = None
-        while prev != (cur := counters()):
-            prev = cur
-            time.sleep(3)
-        writes0, rec0 = prev
-        custom = client.CustomObjectsApi(api)
-        for i in range(args.count):
-            custom.patch_namespaced_custom_object(
-                GROUP,
-                VERSION,
-                ns,
-                PLURAL,
-                f"bench-{i}",
-                {"metadata": {"annotations": {"poke": "1"}}},
-            )
-        deadline = time.monotonic() + 120
-        while counters()[1] < rec0 + args.count and time.monotonic() < deadline:
-            time.sleep(1)
-        writes1, rec1 = counters()
+        for count in counts:
+            rows.append(floor(api, count))
+            print(f"floor {count}: p99 {rows[-1].p99:.2f} s", file=sys.stderr)
+            for who, variant_env in variants:
+                rows.append(operator_run(api, Path(kubeconfig), who, count, workdir,
+                                         variant_env))
+                print(f"{who} {count}: p99 {rows[-1].p99:.2f} s", file=sys.stderr)
     finally:
-        op.stop()
         if cluster:
             cluster.stop()
 
-    print(
-        f"{'objects':>8} {'deployed':>9} {'p50 (s)':>9} {'p99 (s)':>9} {'operator RSS (MiB)':>19}"
-    )
-    for count, n, p50, p99, rss in rows:
-        print(f"{count:>8} {n:>9} {p50:>9.3f} {p99:>9.3f} {rss:>19.0f}")
-    print(f"operator RSS at start: {rss_idle:.0f} MiB")
-    print(f"\nwhere the time goes ({args.workers} workers; counted from the batch's creation "
-          f"until 2 s after its last Deployment):")
-    print(f"{'objects':>8} {'reconciles/obj':>15} {'GET/obj':>8} {'PATCH/obj':>10} "
-          f"{'POST/obj':>9} {'mean reconcile (s)':>19} {'pool-bound (s)':>15}")
-    for count, d in profile:
-        mean = d["seconds"] / max(d["timed"], 1)
-        print(f"{count:>8} {d['reconciles'] / count:>15.2f} {d['get'] / count:>8.1f} "
-              f"{d['patch'] / count:>10.1f} {d['post'] / count:>9.1f} {mean:>19.3f} "
-              f"{d['timed'] * mean / args.workers:>15.1f}")
-    noop = rec1 - rec0
-    print(
-        f"no-op reconciles: {noop:.0f}, API writes during them: {writes1 - writes0:.0f} "
-        f"({(writes1 - writes0) / max(noop, 1):.3f} per reconcile)"
-    )
+    print(f"{'who':>12} {'objects':>8} {'deployed':>9} {'p50 (s)':>8} {'p99 (s)':>8} "
+          f"{'p99/floor':>10} {'converged (s)':>14} {'GET/obj':>8} {'PATCH/obj':>10} "
+          f"{'POST/obj':>9} {'reconciles/obj':>15} {'CPU (s)':>8} {'RSS (MiB)':>10} "
+          f"{'no-op writes':>13}")
+    floors = {r.count: r.p99 for r in rows if r.who == "floor"}
+    for r in rows:
+        conv = "-" if r.converged is None else f"{r.converged:.2f}"
+        po = r.per_object or {}
+        ratio = "-" if r.who == "floor" else f"{r.p99 / floors[r.count]:.1f}x"
+        noop = "-" if r.noop_writes is None else f"{r.noop_writes:.0f}/{r.noop_reconciles:.0f}"
+        print(f"{r.who:>12} {r.count:>8} {r.deployed:>9} {r.p50:>8.2f} {r.p99:>8.2f} "
+              f"{ratio:>10} {conv:>14} {po.get('get', 0):>8.1f} {po.get('patch', 0):>10.1f} "
+              f"{po.get('post', 0):>9.1f} "
+              f"{'-' if r.reconciles is None else f'{r.reconciles:.2f}':>15} "
+              f"{'-' if r.cpu is None else f'{r.cpu:.1f}':>8} "
+              f"{'-' if r.rss is None else f'{r.rss:.0f}':>10} {noop:>13}")
+    print("floor: converged = time until its last child was created; no-op writes: "
+          "writes / reconciles after poking every object once")
     return 0
 
 

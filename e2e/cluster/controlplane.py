@@ -33,7 +33,7 @@ STAGES_FILE = Path(__file__).with_name("kwok-stages.yaml")
 
 # Service network: never routed on this machine (no kube-proxy); only the apiserver
 # needs one to allocate ClusterIPs. Pod IPs are loopback, see ClusterConfig.pod_net.
-SERVICE_CIDR = "10.0.0.0/24"
+SERVICE_CIDR = "10.0.0.0/16"  # room for the 1000-object benches (two Services each)
 
 COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
 

@@ -10,6 +10,7 @@ we do not watch.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +40,15 @@ class Backoff:
         self.failures.pop(key, None)
 
 
+def only_status_changed(old: dict[str, Any], new: dict[str, Any]) -> bool:
+    """Whether ``new`` differs from ``old`` in its status alone (the operator's and the
+    autoscaler's own writes): nothing to reconcile. The spec is covered by the
+    generation, which the API server bumps on every spec change."""
+    a, b = old.get("metadata") or {}, new.get("metadata") or {}
+    return all(a.get(k) == b.get(k) for k in
+               ("generation", "labels", "annotations", "deletionTimestamp", "uid"))
+
+
 class Controller:
     def __init__(self, reconciler: Reconciler, workers: int = 4, resync_seconds: float = 300,
                  backoff: Backoff | None = None, autoscaler: Autoscaler | None = None):
@@ -48,7 +58,11 @@ class Controller:
         self.resync_seconds = resync_seconds
         self.backoff = backoff or Backoff()
         self.objects: dict[Key, dict[str, Any]] = {}  # latest body from the watch
-        self._queue: asyncio.Queue[Key] = asyncio.Queue()
+        # (0: its spec is not reconciled yet, 1: anything else; arrival order; key):
+        # new and changed objects go before status follow-ups and drift checks, so a
+        # burst of them is not held up by their own children's events.
+        self._queue: asyncio.PriorityQueue[tuple[int, int, Key]] = asyncio.PriorityQueue()
+        self._arrivals = itertools.count()
         self._queued: set[Key] = set()
         self._active: set[Key] = set()
         self._dirty: set[Key] = set()  # changed while being reconciled
@@ -73,10 +87,12 @@ class Controller:
             if self.autoscaler:
                 self.autoscaler.observe(key, None)
             return
+        previous = self.objects.get(key)
         self.objects[key] = body
         if self.autoscaler:
             self.autoscaler.observe(key, body)
-        self.enqueue(key)
+        if previous is None or not only_status_changed(previous, body):
+            self.enqueue(key)
 
     def enqueue(self, key: Key, delay: float = 0.0) -> None:
         if delay > 0:
@@ -87,8 +103,13 @@ class Controller:
             self._dirty.add(key)
         elif key not in self._queued:
             self._queued.add(key)
-            self._queue.put_nowait(key)
+            self._queue.put_nowait((self._urgency(key), next(self._arrivals), key))
         metrics.QUEUE_DEPTH.set(len(self._queued))
+
+    def _urgency(self, key: Key) -> int:
+        body = self.objects.get(key) or {}
+        observed = (body.get("status") or {}).get("observedGeneration")
+        return 0 if observed != (body.get("metadata") or {}).get("generation") else 1
 
     def _retry(self, key: Key) -> None:
         self._retries.pop(key, None)
@@ -102,7 +123,7 @@ class Controller:
 
     async def _work(self) -> None:
         while True:
-            key = await self._queue.get()
+            _, _, key = await self._queue.get()
             self._queued.discard(key)
             body = self.objects.get(key)
             if body is None:

@@ -1,8 +1,10 @@
 """kopf wiring: thin handlers that feed the controller's queue.
 
-Watched: InferenceDeployments, and the Deployments, Pods, Services and ConfigMaps
-Spillway manages (by label or owner reference), whose changes re-reconcile their
-owner so drift is repaired and status follows the pods.
+Watched: InferenceDeployments, and the Deployments, Pods, Services, ConfigMaps and
+PodDisruptionBudgets Spillway manages (by label or owner reference), whose changes
+re-reconcile their owner so drift is repaired and status follows the pods; each
+body is kept in the watch cache first, so the reconcile reads none of them again.
+The model ConfigMaps specs name are watched too: a changed config.json re-plans.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import kopf
 from kubernetes import client, config
 
 from spillway_operator import metrics
+from spillway_operator.cache import WatchCache
 from spillway_operator.controller import Controller
 from spillway_operator.kube import Kube
 from spillway_operator.leader import Election, LeaderElector, LeaseClient
@@ -72,7 +75,7 @@ def make_controller(kube: Kube, env: Mapping[str, str]) -> Controller:
     return Controller(
         Reconciler(kube),
         autoscaler=Autoscaler(kube),
-        workers=int(env.get("SPILLWAY_WORKERS", "4")),
+        workers=int(env.get("SPILLWAY_WORKERS", "8")),
         resync_seconds=float(env.get("SPILLWAY_RESYNC_SECONDS", "300")),
     )
 
@@ -111,9 +114,10 @@ async def startup(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
     configure(settings, os.environ)
     log = logging.getLogger("spillway")
     election: Election | None = getattr(memo, "election", None)
-    kube = Kube(_api_client())
+    cache = WatchCache(OWNER_LABEL)
+    kube = Kube(_api_client(), cache=cache)
     controller = make_controller(kube, os.environ)
-    _state["controller"] = controller
+    _state["controller"], _state["cache"] = controller, cache
     if election is None:
         metrics.LEADER.set(1)  # the only replica: it always writes
         controller.start()
@@ -150,6 +154,9 @@ async def on_inference_deployment(body: kopf.Body, type: str | None, **_: Any) -
     controller: Controller | None = _state.get("controller")
     if controller is not None:
         controller.observe(dict(body), type)
+    cache: WatchCache | None = _state.get("cache")
+    if cache is not None and type == "DELETED":
+        cache.forget_reader((body["metadata"]["namespace"], body["metadata"]["name"]))
 
 
 def _owner_changed(namespace: str | None, labels: kopf.Labels,
@@ -160,24 +167,56 @@ def _owner_changed(namespace: str | None, labels: kopf.Labels,
         controller.enqueue(key)
 
 
-@kopf.on.event("apps", "v1", "deployments", when=is_child)
-async def on_deployment(namespace: str | None, labels: kopf.Labels, meta: kopf.Meta,
-                       **_: Any) -> None:
+def _child_changed(body: kopf.Body, type: str | None, namespace: str | None,
+                   labels: kopf.Labels, meta: kopf.Meta) -> None:
+    """Keep the body, then queue its owner (in that order: the reconcile must see it)."""
+    cache: WatchCache | None = _state.get("cache")
+    if cache is not None:
+        cache.observe(dict(body), type)
     _owner_changed(namespace, labels, meta)
 
 
+@kopf.on.event("apps", "v1", "deployments", when=is_child)
+async def on_deployment(body: kopf.Body, type: str | None, namespace: str | None,
+                        labels: kopf.Labels, meta: kopf.Meta, **_: Any) -> None:
+    _child_changed(body, type, namespace, labels, meta)
+
+
 @kopf.on.event("", "v1", "pods", labels=MANAGED)
-async def on_pod(namespace: str | None, labels: kopf.Labels, **_: Any) -> None:
+async def on_pod(body: kopf.Body, type: str | None, namespace: str | None,
+                 labels: kopf.Labels, **_: Any) -> None:
+    cache: WatchCache | None = _state.get("cache")
+    if cache is not None:
+        cache.observe_pod(dict(body), type)
     _owner_changed(namespace, labels)
 
 
 @kopf.on.event("", "v1", "services", when=is_child)
-async def on_service(namespace: str | None, labels: kopf.Labels, meta: kopf.Meta,
-                    **_: Any) -> None:
-    _owner_changed(namespace, labels, meta)
+async def on_service(body: kopf.Body, type: str | None, namespace: str | None,
+                     labels: kopf.Labels, meta: kopf.Meta, **_: Any) -> None:
+    _child_changed(body, type, namespace, labels, meta)
 
 
-@kopf.on.event("", "v1", "configmaps", when=is_child)
-async def on_configmap(namespace: str | None, labels: kopf.Labels, meta: kopf.Meta,
-                      **_: Any) -> None:
-    _owner_changed(namespace, labels, meta)
+@kopf.on.event("policy", "v1", "poddisruptionbudgets", when=is_child)
+async def on_pod_disruption_budget(body: kopf.Body, type: str | None, namespace: str | None,
+                                   labels: kopf.Labels, meta: kopf.Meta, **_: Any) -> None:
+    _child_changed(body, type, namespace, labels, meta)
+
+
+@kopf.on.event("", "v1", "configmaps")
+async def on_configmap(body: kopf.Body, type: str | None, namespace: str | None,
+                       labels: kopf.Labels, meta: kopf.Meta, **_: Any) -> None:
+    """A plan ConfigMap (a child), or a model ConfigMap a spec names (its readers
+    re-plan); any other ConfigMap is ignored."""
+    if is_child(labels, meta):
+        _child_changed(body, type, namespace, labels, meta)
+        return
+    cache: WatchCache | None = _state.get("cache")
+    controller: Controller | None = _state.get("controller")
+    readers = cache.readers(namespace or "", meta.get("name", "")) if cache else set()
+    if not readers or cache is None:
+        return
+    cache.observe(dict(body), type)
+    for key in readers:
+        if controller is not None and key in controller.objects:
+            controller.enqueue(key)

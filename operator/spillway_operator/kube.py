@@ -1,9 +1,10 @@
 """The operator's only door to the API server.
 
 Server-side apply with field manager ``spillway``, but only when the live object
-differs from what we would apply: a steady-state reconcile makes no writes. Every
-request is counted by verb (``spillway_operator_api_requests_total``) so tests and
-benchmarks can prove it.
+differs from what we would apply: a steady-state reconcile makes no writes. The live
+object comes from the watches' cache (``cache.WatchCache``) when they have delivered
+it, so a steady-state reconcile makes no reads either. Every request is counted by
+verb (``spillway_operator_api_requests_total``) so tests and benchmarks can prove it.
 """
 
 from __future__ import annotations
@@ -11,18 +12,19 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import queue
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 import urllib3
-import yaml
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from spillway_engine.quantity import QuantityError, parse_bytes
 from spillway_operator import metrics
+from spillway_operator.cache import Key, WatchCache, ref_of
 from spillway_operator.render import FIELD_MANAGER
 from spillway_operator.spec import GROUP, KIND, PLURAL, VERSION
 from spillway_operator.status import now_rfc3339
@@ -34,6 +36,21 @@ _QUANTITY_KEYS = {"sizeLimit"}
 # is replaced when we apply, so it is a difference, not a field to ignore. The
 # Service's selector (a hand-added key selects no pod); the Deployment's is immutable.
 _ATOMIC_MAPS = {("spec", "selector")}
+# Lists that server-side apply merges item by item (listType=map) and the key of each
+# item: an item another manager added stays after our apply, so it is no difference
+# (else every reconcile would apply again, for ever). Other lists are atomic: ours
+# replace them whole, so any difference counts.
+_LIST_KEYS = {"containers": ("name",), "initContainers": ("name",), "env": ("name",),
+              "volumes": ("name",), "volumeMounts": ("mountPath",),
+              "imagePullSecrets": ("name",),
+              "topologySpreadConstraints": ("topologyKey", "whenUnsatisfiable"),
+              "ports": ("containerPort", "port", "protocol")}
+
+
+def _item_key(item: Any, keys: tuple[str, ...]) -> tuple | None:
+    if not isinstance(item, dict):
+        return None
+    return tuple(str(item.get(k, "TCP" if k == "protocol" else None)) for k in keys)
 
 SERVICE_MONITOR_API = "monitoring.coreos.com/v1"
 # The REST resource (plural) of each (apiVersion, kind) the operator touches.
@@ -118,15 +135,23 @@ def _cpu(v: Any) -> float | None:
 def contains(live: Any, desired: Any, path: tuple[str, ...] = ()) -> bool:
     """True when every field of ``desired`` is present in ``live`` with the same value.
 
-    Fields the server defaults or other managers add are ignored; lists must match
-    item by item (order and length), as we send them.
+    Fields the server defaults or other managers add are ignored; merged lists
+    (``_LIST_KEYS``) must hold each of our items by key; atomic lists must match item
+    by item (order and length), as we send them.
     """
     if isinstance(desired, dict):
         if not isinstance(live, dict) or (path in _ATOMIC_MAPS and live.keys() != desired.keys()):
             return False
         return all(k in live and contains(live[k], v, (*path, k)) for k, v in desired.items())
     if isinstance(desired, list):
-        if not isinstance(live, list) or len(live) != len(desired):
+        if not isinstance(live, list):
+            return False
+        keys = _LIST_KEYS.get(path[-1]) if path else None
+        if keys and all(isinstance(d, dict) for d in desired):
+            by_key = {_item_key(lv, keys): lv for lv in live}
+            return all(_item_key(dv, keys) in by_key and
+                       contains(by_key[_item_key(dv, keys)], dv, path) for dv in desired)
+        if len(live) != len(desired):
             return False
         return all(contains(lv, dv, path) for lv, dv in zip(live, desired, strict=True))
     if live == desired:
@@ -140,11 +165,15 @@ def contains(live: Any, desired: Any, path: tuple[str, ...] = ()) -> bool:
 class Kube:
     """Thin, counted wrapper around the official client (thread-safe for our use)."""
 
-    def __init__(self, api: client.ApiClient, may_write: Callable[[], bool] | None = None):
+    def __init__(self, api: client.ApiClient, may_write: Callable[[], bool] | None = None,
+                 cache: WatchCache | None = None):
         self.api = api
         # The leader-election gate: asked right before every write is sent. None: no
         # election, every write goes.
         self.may_write = may_write
+        # What the watches delivered (None: read everything from the API server).
+        self.cache = cache
+        self._events: queue.Queue[dict] | None = None
         # Reconciles run in worker threads and share the discovery cache below.
         self._lock = threading.Lock()
         self._has_service_monitors: bool | None = None
@@ -210,23 +239,40 @@ class Kube:
         meta = obj["metadata"]
         return resource_path(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
 
-    def ensure(self, desired: dict) -> tuple[str, dict]:
+    def _cached(self, api_version: str, kind: str, namespace: str, name: str) -> dict | None:
+        return self.cache.get(api_version, kind, namespace, name) if self.cache else None
+
+    def _read(self, path: str) -> dict | None:
+        """GET, keeping the answer in the cache (the watch keeps it fresh from then on)."""
+        live = self.get(path)
+        if self.cache is not None:
+            self.cache.remember(live)
+        return live
+
+    def ensure(self, desired: dict, *, surely_absent: bool = False) -> tuple[str, dict]:
         """Apply ``desired`` if the live object lacks any of its fields.
 
+        The live object is the watches' copy, else read. ``surely_absent`` (the owner
+        was never reconciled) skips that read: an apply is right whatever it finds.
         Returns the action ("created", "updated" or "unchanged") and the live object
         after it, so callers need not read it again.
         """
         path = self.object_path(desired)
-        live = self.get(path)
+        live = self._cached(*ref_of(desired))
+        if live is None and not surely_absent:
+            live = self._read(path)
         if live is not None and contains(live, desired):
             return "unchanged", live
         applied = self.request(
             "patch",
             path,
-            body=yaml.safe_dump(desired),
+            # JSON is YAML, and json.dumps is many times faster than yaml.safe_dump.
+            body=json.dumps(desired),
             query={"fieldManager": FIELD_MANAGER, "force": "true"},
             content_type="application/apply-patch+yaml",
         )
+        if self.cache is not None:
+            self.cache.remember(applied)
         return ("created" if live is None else "updated"), applied
 
     def service_monitors_served(self) -> bool:
@@ -247,10 +293,17 @@ class Kube:
     # ------------------------------------------------------------ reads
 
     def get_deployment(self, namespace: str, name: str) -> dict | None:
-        return self.get(resource_path("apps/v1", "Deployment", namespace, name))
+        return self._cached("apps/v1", "Deployment", namespace, name) or self._read(
+            resource_path("apps/v1", "Deployment", namespace, name))
 
-    def read_configmap_key(self, namespace: str, name: str, key: str) -> str | None:
-        cm = self.get(resource_path("v1", "ConfigMap", namespace, name))
+    def read_configmap_key(self, namespace: str, name: str, key: str,
+                           reader: Key | None = None) -> str | None:
+        """A key of a ConfigMap; ``reader`` (the InferenceDeployment whose spec names it)
+        has the watch keep it, and queue the reader again when it changes."""
+        if self.cache is not None and reader is not None:
+            self.cache.read_by(namespace, name, reader)
+        cm = self._cached("v1", "ConfigMap", namespace, name) or self._read(
+            resource_path("v1", "ConfigMap", namespace, name))
         if cm is None:
             return None
         return (cm.get("data") or {}).get(key)
@@ -266,6 +319,24 @@ class Kube:
         data = self.request("get", resource_path("v1", "Pod", namespace),
                             query={"labelSelector": selector})
         return data.get("items", [])
+
+    def owned_pods(self, owner: Key, selector: str, deployment: dict | None) -> list[dict]:
+        """The pods of an InferenceDeployment: the watches' copies when they agree with
+        its Deployment's count, else listed (and the copies replaced)."""
+        if self.cache is not None and (pods := self.cache.pods(owner, deployment)) is not None:
+            return pods
+        pods = self.list_pods(owner[0], selector)
+        if self.cache is not None:
+            for pod in pods:  # a list's items carry neither
+                pod.setdefault("apiVersion", "v1")
+                pod.setdefault("kind", "Pod")
+            self.cache.replace_pods(owner, pods)
+        return pods
+
+    def pods_of(self, namespace: str, name: str, selector: str) -> list[dict]:
+        """owned_pods, with the Deployment the watches hold (the autoscaler's tick)."""
+        return self.owned_pods((namespace, name), selector,
+                               self.get_deployment(namespace, name))
 
     def annotate_pod(self, namespace: str, name: str, annotations: dict[str, str | None]) -> None:
         """Merge-patch a pod's annotations (None removes one): the autoscaler's
@@ -319,6 +390,46 @@ class Kube:
             "count": 1,
             "reportingComponent": "spillway-operator",
         }
-        # An Event is best effort; never fail a reconcile for it.
-        with contextlib.suppress(ApiException, TemporaryError, Rejected):
-            self.request("post", resource_path("v1", "Event", meta["namespace"]), body=body)
+        self._send_later(body)
+
+    #: Events sent at most this many a second after a burst of ``EVENT_BURST``: a
+    #: thousand new objects make five thousand Events, which must not take the API
+    #: server from the children's writes (client-go's recorder limits them as well).
+    EVENT_RATE, EVENT_BURST = 25.0, 100
+
+    def _send_later(self, event: dict) -> None:
+        """Events are best effort: one thread posts them, so a reconcile never waits for
+        them (a new object's first reconcile has three or four). A full queue drops."""
+        if self._events is None:
+            with self._lock:
+                if self._events is None:
+                    self._events = queue.Queue(maxsize=10_000)
+                    threading.Thread(target=self._post_events, name="spillway-events",
+                                     daemon=True).start()
+        with contextlib.suppress(queue.Full):
+            self._events.put_nowait(event)
+
+    def _post_events(self) -> None:
+        assert self._events is not None
+        tokens, last = float(self.EVENT_BURST), time.monotonic()
+        while True:
+            event = self._events.get()
+            now = time.monotonic()
+            tokens = min(float(self.EVENT_BURST), tokens + (now - last) * self.EVENT_RATE)
+            last = now
+            if tokens < 1:
+                time.sleep((1 - tokens) / self.EVENT_RATE)
+                tokens, last = 1.0, time.monotonic()
+            tokens -= 1
+            # Never let one Event (or an outage) end the thread.
+            with contextlib.suppress(Exception):
+                self.request("post", resource_path("v1", "Event",
+                                                   event["metadata"]["namespace"]), body=event)
+            self._events.task_done()
+
+    def flush_events(self, timeout: float = 10) -> None:
+        """Wait until the Events posted so far are sent (tests, shutdown)."""
+        deadline = time.monotonic() + timeout
+        while self._events is not None and self._events.unfinished_tasks and \
+                time.monotonic() < deadline:
+            time.sleep(0.01)

@@ -266,6 +266,8 @@ class LeaderElector:
             if held != self.identity:
                 self.origin = ("a new lease" if held is None else "the lease was released"
                                if not held else f"the lease of {held} expired")
+            elif not self.leading:  # still its own, renewed after the deadline passed
+                self.origin = "renewed its own lease after missing the renew deadline"
             self._note_holder(self.identity)
             if self._failing:
                 log.info("lease %s/%s: reachable again", self.client.namespace,

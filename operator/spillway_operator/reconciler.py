@@ -99,24 +99,29 @@ class ConfigResolver:
         self.kube = kube
         self._hub_cache: dict[tuple[str, str | None], dict[str, Any]] = {}
 
-    def resolve(self, namespace: str, spec: InferenceDeploymentSpec) -> dict[str, Any]:
-        return self._resolve(namespace, spec.model, spec)
+    def resolve(self, namespace: str, spec: InferenceDeploymentSpec,
+                reader: str | None = None) -> dict[str, Any]:
+        """``reader``: the InferenceDeployment's name, queued again when its ConfigMap
+        changes."""
+        return self._resolve(namespace, spec.model, spec, reader)
 
     def resolve_draft(
-        self, namespace: str, spec: InferenceDeploymentSpec
+        self, namespace: str, spec: InferenceDeploymentSpec, reader: str | None = None
     ) -> dict[str, Any] | None:
         """The separate drafter's config.json (engine.speculative.model), or None."""
         speculative = spec.engine.speculative
         if speculative is None or speculative.model is None:
             return None
-        return self._resolve(namespace, speculative.model, spec)
+        return self._resolve(namespace, speculative.model, spec, reader)
 
     def _resolve(
-        self, namespace: str, model: ModelSpec | DraftModelSpec, spec: InferenceDeploymentSpec
+        self, namespace: str, model: ModelSpec | DraftModelSpec, spec: InferenceDeploymentSpec,
+        reader: str | None = None,
     ) -> dict[str, Any]:
         ref = model.config_map_ref
         if ref:
-            text = self.kube.read_configmap_key(namespace, ref.name, ref.key)
+            text = self.kube.read_configmap_key(namespace, ref.name, ref.key,
+                                                None if reader is None else (namespace, reader))
             if text is None:
                 raise ConfigUnavailable(
                     f"ConfigMap {namespace}/{ref.name} with key {ref.key!r} not found"
@@ -231,8 +236,8 @@ class Reconciler:
         try:
             spec = InferenceDeploymentSpec.model_validate(obj.get("spec") or {})
             obs.desired_replicas = spec.replicas
-            config = self.configs.resolve(owner.namespace, spec)
-            draft = self.configs.resolve_draft(owner.namespace, spec)
+            config = self.configs.resolve(owner.namespace, spec, owner.name)
+            draft = self.configs.resolve_draft(owner.namespace, spec, owner.name)
             plan = make_plan_safely(config, spec, draft)
         except _PLAN_FAILURES as exc:
             reason, message, outcome = plan_failure(exc)
@@ -241,8 +246,10 @@ class Reconciler:
                 self._log_crash(owner, exc)
         else:
             outcome = "ok"
+            # Never reconciled (no status yet): no children to read before applying.
+            first = not (obj.get("status") or {}).get("observedGeneration")
             try:
-                writes += self._apply(owner, spec, plan, obs)
+                writes += self._apply(owner, spec, plan, obs, first)
             except Rejected as exc:
                 # A body the API server refuses is refused again on retry: say so
                 # in status and an Event; the next spec change tries again.
@@ -263,21 +270,25 @@ class Reconciler:
             children.append(render.service_monitor(owner))
         return children
 
+    def _pods(self, owner: render.Owner, deployment: dict[str, Any]) -> list[dict[str, Any]]:
+        return self.kube.owned_pods((owner.namespace, owner.name),
+                                    render.selector_string(owner), deployment)
+
     def _apply(self, owner: render.Owner, spec: InferenceDeploymentSpec, plan: Plan,
-               obs: Observed) -> int:
+               obs: Observed, first: bool = False) -> int:
         """Apply the children that differ; returns the writes made."""
         obs.plan_summary = plan_summary(plan, spec.gpus_per_pod, render.plan_hash(plan))
         # The update strategy follows the live rollout (a surge pod with no GPU).
-        live = self.kube.get_deployment(owner.namespace, owner.name)
+        live = None if first else self.kube.get_deployment(owner.namespace, owner.name)
         if live is not None:
-            obs.pods = self.kube.list_pods(owner.namespace, render.selector_string(owner))
+            obs.pods = self._pods(owner, live)
         decision = rollout.decide(spec, live, obs.pods, time.time())
         obs.rollout_stuck, obs.rollout_in_place = decision.stuck, decision.in_place
         obs.recheck_after = (None if decision.recheck_after is None
                              else decision.recheck_after + 1.0)
         writes = 0
         for child in self._children(owner, spec, plan, decision.strategy):
-            action, live = self.kube.ensure(child)
+            action, live = self.kube.ensure(child, surely_absent=first)
             if child["kind"] == "Deployment":
                 obs.deployment = live
             if action != "unchanged":
@@ -292,7 +303,7 @@ class Reconciler:
         if obs.deployment is None:  # not applied this time (no plan): what is running?
             obs.deployment = self.kube.get_deployment(owner.namespace, owner.name)
         if obs.deployment is not None:
-            obs.pods = self.kube.list_pods(owner.namespace, render.selector_string(owner))
+            obs.pods = self._pods(owner, obs.deployment)
         live = obj.get("status") or {}
         old = read_status(live)
         # The raw spec: autoscaling may be on even when the spec does not validate.

@@ -246,7 +246,7 @@ class Autoscaler:
                    spec: InferenceDeploymentSpec, now: float) -> None:
         ns, name = key
         owner = render.Owner(name, ns, body["metadata"]["uid"])
-        pods = await asyncio.to_thread(self.kube.list_pods, ns, render.selector_string(owner))
+        pods = await asyncio.to_thread(self.kube.pods_of, ns, name, render.selector_string(owner))
         live = [p for p in pods if not p.get("metadata", {}).get("deletionTimestamp")]
         ready = [p for p in live if _ready(p) and p.get("status", {}).get("podIP")]
         agg = await self._measure(key, ready, spec, now)

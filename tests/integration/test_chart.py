@@ -51,9 +51,10 @@ NAMESPACED_RULES = {
     *{("apps", "deployments", v) for v in ("get", "list", "watch", "patch", "create")},
     *{("", r, v) for r in ("services", "configmaps")
       for v in ("get", "list", "watch", "patch", "create")},
-    # The engine pods' budget: read and applied like the other children, never watched
-    # (the periodic resync repairs a hand edit), never deleted.
-    *{("policy", "poddisruptionbudgets", v) for v in ("get", "patch", "create")},
+    # The engine pods' budget: watched, read and applied like the other children, never
+    # deleted.
+    *{("policy", "poddisruptionbudgets", v)
+      for v in ("get", "list", "watch", "patch", "create")},
     *{("", "pods", v) for v in ("list", "watch")},
     ("", "pods", "patch"),  # the autoscaler's scale-down marks (deletion cost, draining)
     ("", "secrets", "get"),
@@ -502,7 +503,7 @@ def test_operator_runs_as_the_chart_service_account(helm, cluster, api, namespac
     # Denied: everything else, including what a looser role would hand out.
     denied = [["delete", "deployments.apps", "-n", work],
               ["delete", "poddisruptionbudgets.policy", "-n", work],
-              ["list", "poddisruptionbudgets.policy", "-n", work],
+              ["deletecollection", "poddisruptionbudgets.policy", "-n", work],
               ["update", "deployments.apps", "-n", work],
               ["create", "pods", "-n", work], ["delete", "pods", "-n", work],
               ["get", "pods", "-n", work], ["update", "pods", "-n", work],

@@ -8,7 +8,7 @@ cluster must not see):
   watches resume (work created after the fault and pods that turn Ready after it are
   seen without a resync) and every InferenceDeployment converges with exactly one
   Deployment, Service and plan ConfigMap;
-- the children deleted or edited by hand (Deployment, Service, plan ConfigMap): each
+- the children deleted or edited by hand (Deployment, Service, plan ConfigMap, PDB): each
   is repaired from its watch event, not from a periodic resync;
 - objects whose plan is refused or whose model config cannot be read, among valid
   ones: the valid ones converge, the refused ones are not retried, the unreadable
@@ -243,6 +243,9 @@ def test_children_deleted_or_edited_by_hand_are_repaired(env, operator):
         except client.ApiException:
             return False
 
+    def budget_ok() -> bool:
+        return uid("poddisruptionbudget", "gemma") is not None
+
     # Labels removed (first, while nothing else moves: no pod event can stand in for
     # the child's own): the operator no longer finds the child by label, but by its
     # owner reference.
@@ -256,7 +259,8 @@ def test_children_deleted_or_edited_by_hand_are_repaired(env, operator):
     # Deleted: recreated (a new object).
     for kind, name, ok in (("deployment", "gemma", deployment_ok),
                            ("service", "gemma", service_ok),
-                           ("configmap", "gemma-plan", configmap_ok)):
+                           ("configmap", "gemma-plan", configmap_ok),
+                           ("poddisruptionbudget", "gemma", budget_ok)):
         old_uid = uid(kind, name)
         env.kubectl("delete", kind, name, "--wait=true")
         wait_for(lambda k=kind, n=name, o=old_uid, f=ok: f() and uid(k, n) not in (None, o),
@@ -285,11 +289,46 @@ def test_children_deleted_or_edited_by_hand_are_repaired(env, operator):
     wait_for(configmap_ok, 60, "the plan ConfigMap restored after a forced apply")
 
     wait_for(lambda: available(env, "gemma"), 90, "gemma Available again")
+
+    # An env var another manager added to the engine container stays after our apply
+    # (env merges by name): no difference, so reconciles after it write nothing (before,
+    # each one applied the Deployment again, for ever).
+    _kubectl_patch(env, "deployment", "gemma", {"spec": {"template": {"spec": {"containers": [
+        {"name": container, "env": [{"name": "BY_HAND", "value": "1"}]}]}}}}, "strategic")
+    wait_for(lambda: available(env, "gemma"), 90, "gemma Available with the added env")
+    settle(operator)
+    before = writes(operator)
+    for poke in ("1", "2"):
+        _kubectl_patch(env, "inferencedeployment", "gemma",
+                       {"metadata": {"annotations": {"poke": poke}}})
+        settle(operator)
+    assert writes(operator) == before
+    env_names = [e.name for e in env.deployment("gemma").spec.template.spec.containers[0].env]
+    assert "BY_HAND" in env_names
     assert_one_child_each(env, ["gemma"])
     assert_stayed_up(operator)
-    for kind in ("Deployment", "Service", "ConfigMap"):
+    for kind in ("Deployment", "Service", "ConfigMap", "PodDisruptionBudget"):
         assert operator.metric("spillway_operator_child_writes_total", kind=kind,
                                action="created") >= 2, kind  # the first and the repair
+
+
+def test_a_changed_model_config_re_plans_from_its_watch(env, operator):
+    """The model ConfigMap a spec names is watched: a new config.json re-plans at once,
+    not at the next resync (10 minutes here)."""
+    from spillway_engine.planner.model_config import load_local
+    from tests.integration.test_operator import MODELS
+
+    env.create(infdep("gemma", replicas=0))
+    wait_for(lambda: (env.get("gemma").get("status") or {}).get("plan"), 60, "a plan")
+    before = env.core.read_namespaced_config_map("gemma-plan", env.ns).data["plan.json"]
+    first_plan = env.get("gemma")["status"]["plan"]
+    env.core.patch_namespaced_config_map("model", env.ns, {"data": {"config.json": json.dumps(
+        load_local(MODELS / "gemma-3-12b-it.json"))}})
+    wait_for(lambda: env.core.read_namespaced_config_map("gemma-plan", env.ns)
+             .data["plan.json"] != before, 60, "the plan of the new config.json")
+    # The status follows: the new plan's summary (other layers, other capacity).
+    wait_for(lambda: env.get("gemma")["status"]["plan"] != first_plan, 60, "the new plan summary")
+    assert_stayed_up(operator)
 
 
 # ------------------------------------------------------------------ invalid among valid

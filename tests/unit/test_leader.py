@@ -201,10 +201,12 @@ def test_a_leader_that_cannot_reach_the_api_server_stops_at_its_renew_deadline()
         round_(a)
     assert clock.now - start == pytest.approx(T.renew_deadline)
     assert events == [("a", "started"), ("a", "stopped")]
-    # Back again: the Lease is still a's and not expired for anyone else; a renews.
+    # Back again: the Lease is still a's and not expired for anyone else; a renews,
+    # and its log line says so (not how it first got the Lease).
     store.down = False
     round_(a)
     assert a.leading and events[-1] == ("a", "started")
+    assert a.origin == "renewed its own lease after missing the renew deadline"
 
 
 def test_two_candidates_racing_for_an_expired_lease_cannot_both_win():

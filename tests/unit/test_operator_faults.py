@@ -88,8 +88,9 @@ def test_a_failing_key_keeps_one_retry_pending_whatever_else_reconciles_it():
         rec = Failing()
         c = Controller(rec, workers=2, backoff=Backoff(base=0.01, cap=0.1))
         c.start()
-        for _ in range(10):  # ten events, each reconciled on its own
-            c.observe(body, "MODIFIED")
+        for i in range(10):  # ten changes (not of status alone), each reconciled
+            c.observe({"metadata": {**body["metadata"], "annotations": {"n": str(i)}}},
+                      "MODIFIED")
             await asyncio.sleep(0.03)
         assert len(c._retries) == 1
         before = rec.calls
@@ -102,3 +103,27 @@ def test_a_failing_key_keeps_one_retry_pending_whatever_else_reconciles_it():
 
     # One chain retries every 0.1 s: about 10 in a second; ten chains would make ~100.
     assert asyncio.run(scenario()) <= 15
+
+
+def test_an_item_another_manager_added_to_a_merged_list_is_no_difference():
+    """env, containers, volumes... are merged by key under server-side apply: a
+    hand-added item stays after our apply, so treating it as a difference re-applied
+    on every reconcile, for ever. An atomic list (args) is ours whole: any extra item
+    is a difference, and our apply replaces it."""
+    desired = {"spec": {"containers": [{"name": "engine", "args": ["--a"],
+                                        "env": [{"name": "A", "value": "1"}],
+                                        "ports": [{"containerPort": 8000}]}]}}
+    live = {"spec": {"containers": [
+        {"name": "sidecar", "image": "x"},  # injected by a webhook
+        {"name": "engine", "args": ["--a"], "image": "e",
+         "env": [{"name": "DEBUG", "value": "1"}, {"name": "A", "value": "1"}],
+         "ports": [{"containerPort": 8000, "protocol": "TCP"}]}]}}
+    assert contains(live, desired)
+    live["spec"]["containers"][1]["env"][1]["value"] = "2"  # ours, edited: a difference
+    assert not contains(live, desired)
+    live["spec"]["containers"][1]["env"][1]["value"] = "1"
+    live["spec"]["containers"][1]["args"].append("--by-hand")  # atomic: a difference
+    assert not contains(live, desired)
+    live["spec"]["containers"][1]["args"].pop()
+    del live["spec"]["containers"][1]["env"][1]  # ours, removed: a difference
+    assert not contains(live, desired)

@@ -155,10 +155,11 @@ class FakeKube:
     def service_monitors_served(self) -> bool:
         return True
 
-    def read_configmap_key(self, namespace: str, name: str, key: str) -> str | None:
+    def read_configmap_key(self, namespace: str, name: str, key: str,
+                           reader: tuple[str, str] | None = None) -> str | None:
         return self.config
 
-    def ensure(self, desired: dict) -> tuple[str, dict]:
+    def ensure(self, desired: dict, *, surely_absent: bool = False) -> tuple[str, dict]:
         old = self.children.get(desired["kind"])  # one of each kind: key by kind
         if old is not None and contains(old, desired):
             return "unchanged", old
@@ -176,6 +177,10 @@ class FakeKube:
         return self.children.get("Deployment")
 
     def list_pods(self, namespace: str, selector: str) -> list[dict]:
+        return []
+
+    def owned_pods(self, owner: tuple[str, str], selector: str,
+                   deployment: dict | None) -> list[dict]:
         return []
 
     def patch_status(self, namespace: str, name: str, status: dict) -> None:

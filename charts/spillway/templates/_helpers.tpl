@@ -64,14 +64,17 @@ runs the operator with this ServiceAccount's token against a real API server.
   the autoscaler's status.autoscaling included.
 - inferencedeployments/scale patch: the autoscaler's only write of replicas (the scale
   subresource, one writer; the spec itself is never written).
-- deployments, services, configmaps get, list, watch, patch, create: get = compare the
-  live child before applying; patch = server-side apply; create = the same apply when the
+- deployments, services, configmaps get, list, watch, patch, create: get = read a
+  child the watches have not delivered yet (the operator compares against the watches'
+  copies); patch = server-side apply; create = the same apply when the
   child does not exist yet: the API server authorizes an apply as "patch" and, when the
   apply creates the object, checks "create" as well (verified against kube-apiserver 1.35:
   without create the first apply is a 403 "cannot create resource"); list, watch =
-  kopf's drift watches. configmaps get also reads the model's config.json ConfigMap.
-- poddisruptionbudgets get, patch, create: the engine pods' budget, applied like the
-  other children; no list or watch (the periodic resync repairs a hand edit), no delete.
+  kopf's drift watches, which feed that cache. configmaps get also reads the model's
+  config.json ConfigMap, whose watch re-plans when it changes.
+- poddisruptionbudgets get, list, watch, patch, create: the engine pods' budget, applied
+  like the other children (the watch feeds the operator's cache and repairs a hand
+  edit at once); no delete.
 - servicemonitors get, patch, create: the engine ServiceMonitor, applied like the other
   children (only when the Prometheus operator's API is served; that discovery request is
   a non-resource URL every authenticated user may read).
@@ -102,7 +105,7 @@ Events, pods/exec, pods/log, nodes, and any write to the InferenceDeployment's s
   verbs: ["get", "list", "watch", "patch", "create"]
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
-  verbs: ["get", "patch", "create"]
+  verbs: ["get", "list", "watch", "patch", "create"]
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["list", "watch", "patch"]

@@ -1,0 +1,106 @@
+"""The watch cache: versions only move forward, deletes of old incarnations are
+ignored, pods are trusted only when their count agrees with the Deployment, and a
+reconcile against a warm cache sends no request at all."""
+
+from __future__ import annotations
+
+from spillway_operator.cache import WatchCache
+from spillway_operator.handlers import OWNER_LABEL
+from spillway_operator.kube import Kube
+
+
+def dep(rv: int, replicas: int | None = None, image: str = "a") -> dict:
+    body = {"apiVersion": "apps/v1", "kind": "Deployment",
+            "metadata": {"namespace": "ns", "name": "chat", "resourceVersion": str(rv)},
+            "spec": {"template": {"spec": {"containers": [{"name": "e", "image": image}]}}}}
+    if replicas is not None:
+        body["status"] = {"replicas": replicas}
+    return body
+
+
+def pod(name: str, rv: int = 1, terminating: bool = False) -> dict:
+    meta = {"namespace": "ns", "name": name, "resourceVersion": str(rv),
+            "labels": {OWNER_LABEL: "chat"}}
+    if terminating:
+        meta["deletionTimestamp"] = "2026-12-01T00:00:00Z"
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta}
+
+
+def test_a_late_event_never_replaces_a_newer_body():
+    cache = WatchCache(OWNER_LABEL)
+    cache.remember(dep(7, image="new"))  # the answer to our own apply
+    cache.observe(dep(5, image="old"), "MODIFIED")  # the watch catching up
+    assert cache.get("apps/v1", "Deployment", "ns", "chat")["metadata"]["resourceVersion"] == "7"
+    cache.observe(dep(9, image="hand-edit"), "MODIFIED")
+    assert cache.get("apps/v1", "Deployment", "ns", "chat")["metadata"]["resourceVersion"] == "9"
+
+
+def test_a_delete_removes_it_but_not_a_newer_incarnation():
+    cache = WatchCache(OWNER_LABEL)
+    cache.observe(dep(5), None)
+    cache.observe(dep(6), "DELETED")
+    assert cache.get("apps/v1", "Deployment", "ns", "chat") is None
+    cache.remember(dep(10))  # re-created by the operator
+    cache.observe(dep(6), "DELETED")  # the old delete, delivered late
+    assert cache.get("apps/v1", "Deployment", "ns", "chat") is not None
+
+
+def test_pods_are_trusted_only_when_the_deployment_agrees():
+    cache = WatchCache(OWNER_LABEL)
+    owner = ("ns", "chat")
+    assert cache.pods(owner, None) == []  # no Deployment, no pods expected
+    assert cache.pods(owner, dep(1, replicas=2)) is None  # the watch has not caught up
+    cache.observe_pod(pod("a"), None)
+    cache.observe_pod(pod("b"), None)
+    cache.observe_pod(pod("c", terminating=True), "MODIFIED")  # not counted by the Deployment
+    evicted = pod("e")
+    evicted["status"] = {"phase": "Failed"}  # nor is a finished one
+    cache.observe_pod(evicted, None)
+    assert sorted(p["metadata"]["name"] for p in cache.pods(owner, dep(1, replicas=2))) == \
+        ["a", "b", "c", "e"]
+    cache.observe_pod(pod("b"), "DELETED")
+    assert cache.pods(owner, dep(1, replicas=2)) is None
+    cache.replace_pods(owner, [pod("a"), pod("d")])
+    assert len(cache.pods(owner, dep(1, replicas=2))) == 2
+
+
+def test_model_configmaps_are_kept_for_their_readers_only():
+    cache = WatchCache(OWNER_LABEL)
+    cache.read_by("ns", "model", ("ns", "chat"))
+    cache.read_by("ns", "model", ("ns", "code"))
+    assert cache.readers("ns", "model") == {("ns", "chat"), ("ns", "code")}
+    cache.remember({"apiVersion": "v1", "kind": "ConfigMap",
+                    "metadata": {"namespace": "ns", "name": "model", "resourceVersion": "3"}})
+    cache.forget_reader(("ns", "chat"))
+    assert cache.get("v1", "ConfigMap", "ns", "model") is not None
+    cache.forget_reader(("ns", "code"))
+    assert cache.readers("ns", "model") == set()
+    assert cache.get("v1", "ConfigMap", "ns", "model") is None
+
+
+def test_a_steady_reconcile_against_a_warm_cache_sends_nothing():
+    cache = WatchCache(OWNER_LABEL)
+    kube = Kube(None, cache=cache)  # no API client: any request would raise
+    live = dep(4, replicas=0)
+    cache.observe(live, None)
+    desired = dep(0)
+    del desired["metadata"]["resourceVersion"]
+    assert kube.ensure(desired) == ("unchanged", live)
+    assert kube.get_deployment("ns", "chat") == live
+    assert kube.owned_pods(("ns", "chat"), "sel", live) == []
+
+
+def test_a_status_only_change_is_not_reconciled_again():
+    from spillway_operator.controller import only_status_changed
+
+    old = {"metadata": {"generation": 1, "uid": "u", "resourceVersion": "5"},
+           "spec": {"replicas": 1}}
+    status_write = {**old, "metadata": {**old["metadata"], "resourceVersion": "6"},
+                    "status": {"observedGeneration": 1}}
+    assert only_status_changed(old, status_write)
+    spec_change = {**old, "metadata": {**old["metadata"], "generation": 2}}
+    assert not only_status_changed(old, spec_change)
+    poked = {**old, "metadata": {**old["metadata"], "annotations": {"poke": "1"}}}
+    assert not only_status_changed(old, poked)
+    deleting = {**old, "metadata": {**old["metadata"], "deletionTimestamp": "now"}}
+    assert not only_status_changed(old, deleting)
