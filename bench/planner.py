@@ -52,7 +52,9 @@ EXTRA = {
     # Spillway's connector refuses DeepSeek-V4's packed groups; vLLM's offloader plans
     "deepseek-v4-flash": {"offloader": "upstream"},
 }
-SPECULATIVE = [("qwen3.5-35b-a3b", 2, 3), ("deepseek-v3", 8, 1)]
+SPECULATIVE = [("qwen3.5-35b-a3b", 2, 3), ("deepseek-v3", 8, 1), ("deepseek-v4-flash", 8, 3)]
+#: an fp8 KV cache where it changes the backend: (name, TP)
+FP8 = [("glm-5.3-flash", 4)]
 #: a separate drafter: (target, TP, method, draft tokens, drafter's config)
 DRAFTERS = [
     ("llama-3.1-8b-instruct", 1, "eagle3", 3, "eagle3-llama3.1-instruct-8b"),
@@ -124,6 +126,8 @@ def main() -> None:
             name, tp, args.repeat, speculative_method="mtp", num_speculative_tokens=tokens
         )
         row(f"{name} + MTP x{tokens}", tp, figures)
+    for name, tp in FP8:
+        row(f"{name} fp8", tp, bench_plan(name, tp, args.repeat, kv_cache_dtype="fp8"))
     for name, tp, method, tokens, draft in DRAFTERS:
         figures = bench_plan(
             name,
