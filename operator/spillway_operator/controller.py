@@ -41,12 +41,22 @@ class Backoff:
 
 
 def only_status_changed(old: dict[str, Any], new: dict[str, Any]) -> bool:
-    """Whether ``new`` differs from ``old`` in its status alone (the operator's and the
-    autoscaler's own writes): nothing to reconcile. The spec is covered by the
-    generation, which the API server bumps on every spec change."""
+    """Whether ``new`` differs from ``old`` only in the reconciler's own part of the
+    status (its own writes): nothing to reconcile. The spec is covered by the
+    generation, which the API server bumps on every spec change; status.autoscaling
+    is the autoscaler's, and the reconciler's ScalingActive condition follows it."""
     a, b = old.get("metadata") or {}, new.get("metadata") or {}
     return all(a.get(k) == b.get(k) for k in
-               ("generation", "labels", "annotations", "deletionTimestamp", "uid"))
+               ("generation", "labels", "annotations", "deletionTimestamp", "uid")) and \
+        (old.get("status") or {}).get("autoscaling") == (new.get("status") or {}).get("autoscaling")
+
+
+def _newer(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether body ``a`` is a later version than ``b`` (numeric resourceVersions)."""
+    try:
+        return int(a["metadata"]["resourceVersion"]) > int(b["metadata"]["resourceVersion"])
+    except (KeyError, TypeError, ValueError):
+        return False
 
 
 class Controller:
@@ -146,6 +156,13 @@ class Controller:
                 metrics.RECONCILES.labels(outcome="error").inc()
                 self.enqueue(key, delay)
             else:
+                # The status write's answer: the next reconcile must not compare against
+                # the status before it (the watch may not have delivered it yet), or it
+                # writes it again, with its Events.
+                written = getattr(result, "written", None)
+                if written is not None and key in self.objects and \
+                        _newer(written, self.objects[key]):
+                    self.objects[key] = written
                 if self._failing.pop(key, None) is not None:
                     log.info("reconcile %s/%s: recovered", *key)
                 if result.requeue_after is not None:

@@ -351,8 +351,9 @@ class Kube:
     def _own_path(namespace: str, name: str, sub: str) -> str:
         return resource_path(f"{GROUP}/{VERSION}", KIND, namespace, name, sub)
 
-    def patch_status(self, namespace: str, name: str, status: dict) -> None:
-        self.request(
+    def patch_status(self, namespace: str, name: str, status: dict) -> dict | None:
+        """Merge-patch the status; returns the object the API server now holds."""
+        return self.request(
             "patch",
             self._own_path(namespace, name, "status"),
             body={"status": status},

@@ -47,6 +47,8 @@ class Result:
     outcome: str  # ok, refused, retry
     requeue_after: float | None = None
     writes: int = 0
+    #: the object after this reconcile's status write (None: no write)
+    written: dict[str, Any] | None = None
 
 
 class ConfigUnavailable(TemporaryError):
@@ -255,11 +257,11 @@ class Reconciler:
                 # in status and an Event; the next spec change tries again.
                 obs.apply_error = ("ApplyRejected", _short(str(exc)))
                 outcome = "refused"
-        writes += self._write_status(obj, owner, obs)
+        written = self._write_status(obj, owner, obs)
         # A surge pod waiting for a GPU: come back when it reaches its time limit
         # (nothing else may change meanwhile).
         requeue = 5.0 if outcome == "retry" else obs.recheck_after
-        return Result(outcome, requeue, writes)
+        return Result(outcome, requeue, writes + (written is not None), written or None)
 
     def _children(self, owner: render.Owner, spec: InferenceDeploymentSpec,
                   plan: Plan, strategy: dict[str, Any]) -> list[dict[str, Any]]:
@@ -298,8 +300,10 @@ class Reconciler:
                          child["kind"])
         return writes
 
-    def _write_status(self, obj: dict[str, Any], owner: render.Owner, obs: Observed) -> int:
-        """Write the status if it changed, with an Event per condition transition."""
+    def _write_status(self, obj: dict[str, Any], owner: render.Owner,
+                      obs: Observed) -> dict[str, Any] | None:
+        """Write the status if it changed, with an Event per condition transition;
+        returns the object written ({} when the answer had none), None if no write."""
         if obs.deployment is None:  # not applied this time (no plan): what is running?
             obs.deployment = self.kube.get_deployment(owner.namespace, owner.name)
         if obs.deployment is not None:
@@ -311,13 +315,13 @@ class Reconciler:
         status = build_status(obs, old, autoscaling_enabled=autoscaling)
         patch = to_wire(status)
         if all(patch[k] == live.get(k) for k in patch):
-            return 0
+            return None
         # Merge patch: keys we leave out (status.autoscaling, the autoscaler's) stay.
         try:
-            self.kube.patch_status(owner.namespace, owner.name, patch)
+            written = self.kube.patch_status(owner.namespace, owner.name, patch) or {}
         except ApiException as exc:
             if exc.status == 404:  # deleted while we reconciled: nothing left to report
-                return 0
+                return None
             raise
         for c in transitions(old.conditions, status.conditions):
             kind = event_type(c)
@@ -327,4 +331,4 @@ class Reconciler:
             if kind == "Warning":  # one line per transition, never per retry
                 log.warning("%s/%s: %s=%s %s: %s", owner.namespace, owner.name, c.type,
                             c.status, c.reason, c.message)
-        return 1
+        return written

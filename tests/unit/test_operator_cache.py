@@ -98,9 +98,48 @@ def test_a_status_only_change_is_not_reconciled_again():
     status_write = {**old, "metadata": {**old["metadata"], "resourceVersion": "6"},
                     "status": {"observedGeneration": 1}}
     assert only_status_changed(old, status_write)
+    scaler_write = {**status_write, "status": {"autoscaling": {"pressure": 1.2}}}
+    assert not only_status_changed(status_write, scaler_write)  # ScalingActive follows it
     spec_change = {**old, "metadata": {**old["metadata"], "generation": 2}}
     assert not only_status_changed(old, spec_change)
     poked = {**old, "metadata": {**old["metadata"], "annotations": {"poke": "1"}}}
     assert not only_status_changed(old, poked)
     deleting = {**old, "metadata": {**old["metadata"], "deletionTimestamp": "now"}}
     assert not only_status_changed(old, deleting)
+
+
+def test_the_next_reconcile_sees_the_status_just_written():
+    """A reconcile queued again before the watch delivers our status write must
+    compare against that write, not the body before it (else it writes again, with
+    its Events). The answer replaces the cached body only when it is newer."""
+    import asyncio
+
+    from spillway_operator.controller import Controller
+    from spillway_operator.reconciler import Result
+
+    seen: list[dict] = []
+
+    class Writer:
+        def reconcile(self, body):
+            seen.append(body)
+            rv = int(body["metadata"]["resourceVersion"])
+            return Result("ok", written={**body, "metadata": {**body["metadata"],
+                                                             "resourceVersion": str(rv + 1)},
+                                         "status": {"observedGeneration": 1}})
+
+    body = {"metadata": {"namespace": "ns", "name": "a", "generation": 1,
+                         "resourceVersion": "5"}}
+
+    async def scenario():
+        c = Controller(Writer(), workers=1)
+        c.observe(body, "ADDED")
+        c.start()
+        await asyncio.sleep(0.05)
+        c.enqueue(("ns", "a"))  # a child's event, before the watch caught up
+        await asyncio.sleep(0.05)
+        await c.stop()
+        return c.objects[("ns", "a")]
+
+    held = asyncio.run(scenario())
+    assert held["metadata"]["resourceVersion"] == "7"  # each write answered newer
+    assert [b.get("status") for b in seen] == [None, {"observedGeneration": 1}]
