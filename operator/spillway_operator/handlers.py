@@ -58,8 +58,25 @@ class RetryForever:
         return itertools.chain((1, 2, 5), itertools.repeat(10))
 
 
+class NoDiffBase(kopf.DiffBaseStorage):
+    """No "essence" of the objects: kopf deep-copies one of every object on every event
+    for its change-detecting handlers, which Spillway does not register (event handlers
+    never read it). It was 13 % of the operator's CPU when 200 objects arrived at once
+    (py-spy); nothing is stored on the objects either way."""
+
+    def build(self, *, body: kopf.Body, extra_fields: Any = None) -> kopf.BodyEssence:
+        return kopf.BodyEssence()
+
+    def fetch(self, *, body: kopf.Body) -> kopf.BodyEssence | None:
+        return None
+
+    def store(self, *, body: kopf.Body, patch: kopf.Patch, essence: kopf.BodyEssence) -> None:
+        return None
+
+
 def configure(settings: kopf.OperatorSettings, env: Mapping[str, str]) -> None:
     settings.posting.enabled = False  # Spillway posts its own, meaningful Events
+    settings.persistence.diffbase_storage = NoDiffBase()
     # An API server outage is one warning per object from the controller; urllib3's
     # own line per connection retry would add thousands (its request lines stay).
     pool_log = logging.getLogger("urllib3.connectionpool")

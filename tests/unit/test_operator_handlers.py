@@ -15,6 +15,11 @@ def test_settings_come_from_the_environment():
     assert settings.posting.enabled is False
     assert (settings.watching.server_timeout, settings.watching.client_timeout) == (60, 90)
     assert settings.persistence.finalizer == "spillway.dev/operator"
+    # Only event handlers: kopf keeps no essence of the objects (a deep copy per event).
+    from spillway_operator.handlers import NoDiffBase
+
+    assert isinstance(settings.persistence.diffbase_storage, NoDiffBase)
+    assert settings.persistence.diffbase_storage.build(body=kopf.Body({"spec": {"a": 1}})) == {}
 
 
 def test_controller_sizing_comes_from_the_environment():
