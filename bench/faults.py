@@ -15,7 +15,8 @@ trial creates ``--count`` InferenceDeployments in a fresh namespace and then:
                config ConfigMap does not exist and which retry with back-off).
 
 Recorded per trial, where it applies:
-  - failover: SIGKILL -> the standby's first write (its own request counter),
+  - failover: SIGKILL -> the first write of a surviving replica (the standby, or the
+    replacement when it takes the Lease first),
   - recovered: the API answering again -> the operators' first write,
   - converged: the fault (leader-kill: the SIGKILL; outages: the API answering again)
     -> the last write, once every object has its Deployment, Service and plan
@@ -273,12 +274,16 @@ def leader_kill(b: Bench, rng: random.Random) -> None:
         leader.proc.send_signal(signal.SIGKILL)
         killed = time.monotonic()
         leader.proc.wait(10)
-        b.ops = [standby, b.replica()]  # the kubelet's restart: the next standby
-        while writes(standby) == before:
+        replacement = b.replica()  # the kubelet's restart: a candidate as well
+        b.ops = [standby, replacement]
+        # Whoever takes the Lease first: the standby, or the replacement when it saw the
+        # old record expire first (each candidate times expiry from its own observation).
+        survivors = lambda s=standby, r=replacement: writes(s) + writes(r)  # noqa: E731
+        while survivors() == before:
             time.sleep(0.1)
         failover = time.monotonic() - killed
-        converged = b.converge(trial, killed, lambda s=standby: writes(s))
-        orphans, dups, after = b.after(trial, lambda s=standby: writes(s))
+        converged = b.converge(trial, killed, survivors)
+        orphans, dups, after = b.after(trial, survivors)
         rows.append((n + 1, at, failover, converged, orphans, dups, after))
         print(f"leader-kill {n + 1}: killed at {at}/{trial.count} Deployments, failover "
               f"{failover:.1f}s, converged {converged:.1f}s", file=sys.stderr)
