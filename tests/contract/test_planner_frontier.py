@@ -574,7 +574,8 @@ def test_engine_plan_check_passes_a_drafter_plan(case: Case, drafter_layouts: Dr
 # of deepseek_v2.py, whose attention, Indexer and DeepseekV32IndexerCache match the CUDA
 # module's) with vLLM's FLASHMLA_SPARSE backend class standing in for
 # FLASH_ATTN_MLA_SPARSE (both MultipleOf(64), both align 16-bit blocks to rows; its
-# impl needs a workspace, made on the CPU). The specs are the layers' own
+# impl needs a workspace, made on the CPU). With fp8_e4m3 the layers get vLLM's own
+# FLASHINFER_MLA_SPARSE_SM90 class (it imports on a CPU). The specs are the layers' own
 # get_kv_cache_spec customised by those classes, grouped by vLLM's planning code.
 DSV32 = "deepseek-v3.2-exp"
 GLM5 = "glm-5"
@@ -585,14 +586,25 @@ SPARSE_CASES = [
     Case(DSV32, 8),
     Case(DSV32, 8, kv_cache_dtype="fp8"),  # FLASHMLA_SPARSE, fp8_ds_mla 656 B a token
     Case(DSV32, 4, kv_cache_dtype="fp8"),
+    # fp8_e4m3 is not FlashMLA's: FlashInfer's SM90 sparse MLA, plain 576 B rows
+    Case(DSV32, kv_cache_dtype="fp8_e4m3"),
+    Case(DSV32, 2, kv_cache_dtype="fp8_e4m3"),
+    Case(DSV32, 4, kv_cache_dtype="fp8_e4m3"),
+    Case(DSV32, 8, kv_cache_dtype="fp8_e4m3"),
+    Case(DSV32, 8, kv_cache_dtype="fp8_e4m3", gpu="h200"),
+    Case(DSV32, 8, kv_cache_dtype="fp8_e4m3", block_size=128),
     Case(DSV32, 8, block_size=128),
     Case(DSV32, 8, gpu="h200"),
     Case(GLM5, 4),
     Case(GLM5, 8),
     Case(GLM5, 8, kv_cache_dtype="fp8"),
+    Case(GLM5, 4, kv_cache_dtype="fp8_e4m3"),
+    Case(GLM5, 8, kv_cache_dtype="fp8_e4m3", gpu="h200"),
     # MTP heads build a full indexer too: one more key + latent pair in the group
     Case(DSV32, 8, speculative_method="mtp", num_speculative_tokens=1),
     Case(GLM5, 8, speculative_method="mtp", num_speculative_tokens=2),
+    Case(DSV32, 4, kv_cache_dtype="fp8_e4m3", speculative_method="mtp",
+         num_speculative_tokens=1),
 ]
 # Gemma 4 on Hopper with a 16-bit cache: Gemma4Config forces FA4 (shipped in vLLM's
 # vllm_flash_attn/cute) for every layer; its pages are MultipleOf(16) on SM90 (the
@@ -673,14 +685,101 @@ def test_sparse_mla_off_hopper_is_refused_as_vllm_refuses(gpu: str):
         plan_for(Case(DSV32, 8, gpu=gpu))
 
 
-def test_sparse_mla_with_an_unmodelled_fp8_variant_is_refused():
-    # fp8_e4m3 is not FLASHMLA_SPARSE's (its list: auto, bfloat16, fp8_ds_mla, fp8,
-    # nvfp4_ds_mla), so vLLM falls to FLASHINFER_MLA_SPARSE_SM90, not modelled
+@pytest.mark.parametrize("model", [DSV32, GLM5])
+def test_sparse_mla_fp8_e4m3_runs_on_flashinfer_sm90_as_vllm_selects(model: str):
+    """fp8_e4m3 with a 576-wide latent (512 + 64 RoPE) on SM90: vLLM's sparse tail is
+    FLASH_ATTN_MLA_SPARSE, FLASHMLA_SPARSE, FLASHINFER_MLA_SPARSE_SM90 (head 576 keeps
+    FlashInfer last); the first is 16-bit only, the second lists fp8 (as fp8_ds_mla) but
+    not fp8_e4m3, and FlashInfer's takes it as plain fp8 (MLAAttention keeps the dtype:
+    576 B latents, per-tensor scale). The indexer keys stay uint8 (132 B)."""
+    import importlib.util
+    import inspect
+
+    import torch
+    from flashinfer.mla import BatchMLAPagedAttentionWrapper
+    from vllm.model_executor.layers.attention.mla_attention import (
+        _canonicalize_sparse_mla_kv_cache_dtype,
+    )
+    from vllm.platforms.interface import DeviceCapability
+    from vllm.v1.attention.backends.mla.flashattn_mla_sparse import FlashAttnMLASparseBackend
+    from vllm.v1.attention.backends.mla.flashinfer_mla_sparse_sm90 import (
+        FlashInferMLASparseSM90Backend as FlashInferSM90,
+    )
     from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseBackend
 
-    assert "fp8_e4m3" not in FlashMLASparseBackend.supported_kv_cache_dtypes
-    with pytest.raises(PlanRefused, match="FLASHINFER_MLA_SPARSE_SM90"):
-        plan_for(Case(DSV32, 8, kv_cache_dtype="fp8_e4m3"))
+    # platforms/cuda.py needs libcuda to import: its SM90 order is read as text
+    spec = importlib.util.find_spec("vllm.platforms")
+    assert spec is not None and spec.origin is not None
+    cuda = " ".join((Path(spec.origin).parent / "cuda.py").read_text().split())
+    assert cuda.count(
+        "sparse_tail = [ AttentionBackendEnum.FLASH_ATTN_MLA_SPARSE, "
+        "AttentionBackendEnum.FLASHMLA_SPARSE, ] flashinfer_sparse = "
+        "AttentionBackendEnum.FLASHINFER_MLA_SPARSE_SM90 if head_size == 512: "
+        "sparse_tail.insert(0, flashinfer_sparse) else: sparse_tail.append(flashinfer_sparse)"
+    ) == 1
+    sm90 = DeviceCapability(9, 0)
+    combo = dict(head_size=576, dtype=torch.bfloat16, kv_cache_dtype="fp8_e4m3",
+                 block_size=None, use_mla=True, has_sink=False, use_sparse=True,
+                 use_mm_prefix=False, device_capability=sm90)
+    assert "FP16/BF16" in (FlashAttnMLASparseBackend.supports_combination(**combo) or "")
+    assert not FlashAttnMLASparseBackend.supports_kv_cache_dtype("fp8_e4m3")
+    assert not FlashMLASparseBackend.supports_kv_cache_dtype("fp8_e4m3")
+    assert FlashMLASparseBackend.supports_kv_cache_dtype("fp8")
+    assert FlashInferSM90.supports_kv_cache_dtype("fp8_e4m3")
+    assert FlashInferSM90.supports_head_size(576)
+    assert FlashInferSM90.supports_compute_capability(sm90)
+    assert FlashInferSM90.is_sparse() and FlashInferSM90.is_mla()
+    # Its remaining gates: kv_lora_rank 512 and RoPE 0/64 (the configs), and FlashInfer
+    # with ckv_scale_arr (vLLM's pinned FlashInfer has it; the CPU lacks only kernels).
+    config = load_frontier(model)
+    assert (config["kv_lora_rank"], config["qk_rope_head_dim"]) == (512, 64)
+    run = inspect.signature(BatchMLAPagedAttentionWrapper.run).parameters
+    assert run["ckv_scale_arr"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert _canonicalize_sparse_mla_kv_cache_dtype(FlashInferSM90, "fp8_e4m3") == "fp8_e4m3"
+    assert _canonicalize_sparse_mla_kv_cache_dtype(FlashMLASparseBackend, "fp8") == "fp8_ds_mla"
+
+    plan = plan_for(Case(model, 8, kv_cache_dtype="fp8_e4m3"))
+    assert plan.gpu.attention_backend == "FLASHINFER_MLA_SPARSE_SM90"
+    assert plan.block_size == 64
+    (group,) = plan.kv_groups
+    layers = config["num_hidden_layers"]
+    assert group.layer_page_bytes == [132 * 64, 576 * 64] * layers
+    assert any("FlashInfer's kernels" in n for n in plan.notes)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8", "fp8_e4m3"])
+def test_sparse_mla_block_size_off_64_is_refused_as_vllm_refuses(kv_cache_dtype: str):
+    """A forced --block-size reaches vLLM's selector; every SM90 sparse-MLA backend runs
+    MultipleOf(64) kernel blocks, so 32 leaves none (No valid attention backend found)."""
+    from vllm.v1.attention.backends.mla.flashattn_mla_sparse import FlashAttnMLASparseBackend
+    from vllm.v1.attention.backends.mla.flashinfer_mla_sparse_sm90 import (
+        FlashInferMLASparseSM90Backend,
+    )
+    from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseBackend
+
+    for cls in (FlashAttnMLASparseBackend, FlashMLASparseBackend, FlashInferMLASparseSM90Backend):
+        assert not cls.supports_block_size(32) and cls.supports_block_size(192)
+    with pytest.raises(PlanRefused, match=r"--block-size 32 .*No valid attention backend found"):
+        plan_for(Case(DSV32, 8, kv_cache_dtype=kv_cache_dtype, block_size=32))
+    assert plan_for(Case(DSV32, 8, kv_cache_dtype=kv_cache_dtype, block_size=192)).block_size == 192
+
+
+def test_sparse_mla_fp8_e4m3_off_its_head_sizes_is_refused_as_vllm_refuses():
+    """A latent neither 512 nor 576 wide with fp8_e4m3: FlashAttention's sparse MLA is
+    16-bit only and FlashMLA's and FlashInfer's list heads 576 and 512 only, so vLLM's
+    selector finds no backend."""
+    from vllm.v1.attention.backends.mla.flashinfer_mla_sparse_sm90 import (
+        FlashInferMLASparseSM90Backend,
+    )
+    from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseBackend
+
+    for cls in (FlashMLASparseBackend, FlashInferMLASparseSM90Backend):
+        assert sorted(cls.get_supported_head_sizes()) == [512, 576]
+    config = {**load_frontier(DSV32), "kv_lora_rank": 256}
+    request = PlanRequest(tensor_parallel_size=8, gpu="h100", kv_cache_dtype="fp8_e4m3",
+                          cpu_memory_bytes=POOL, offloader="upstream")
+    with pytest.raises(PlanRefused, match=r"320-wide latent.*No valid attention backend found"):
+        make_plan(config, request)
 
 
 @pytest.mark.parametrize(

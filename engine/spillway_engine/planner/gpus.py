@@ -143,8 +143,11 @@ class Gpu:
             return FLASHMLA
         return TRITON_MLA
 
-    def sparse_mla_backend(self, *, kv_cache_dtype: str, head_size: int = 576) -> Backend:
-        """The sparse-MLA backend (platforms/cuda.py ``_get_backend_priorities``)."""
+    def sparse_mla_backend(
+        self, *, kv_cache_dtype: str, head_size: int = 576, block_size: int | None = None
+    ) -> Backend:
+        """The sparse-MLA backend (platforms/cuda.py ``_get_backend_priorities``); a forced
+        ``--block-size`` reaches the selector (``user_specified_block_size``)."""
         if self.compute_capability[0] != 9:
             # Every sparse-MLA backend in the SM8x list needs SM90 (or SM100): the
             # selector finds none and vLLM stops.
@@ -153,6 +156,15 @@ class Gpu:
                 f"{self.compute_capability[1]}): vLLM 0.33.0 refuses it (No valid attention "
                 "backend found: FLASH_ATTN_MLA_SPARSE, FLASHMLA_SPARSE and "
                 "FLASHINFER_MLA_SPARSE_SM90 need compute capability 9.x)"
+            )
+        if block_size is not None and block_size % FLASH_ATTN_MLA_SPARSE.blocks.base:
+            # the dense MLA backends reject use_sparse; every sparse one on SM90 runs
+            # MultipleOf(64) kernel blocks
+            raise UnsupportedModel(
+                f"--block-size {block_size} with sparse MLA on {self.name}: vLLM 0.33.0 "
+                "refuses it (No valid attention backend found: FLASH_ATTN_MLA_SPARSE, "
+                "FLASHMLA_SPARSE and FLASHINFER_MLA_SPARSE_SM90 each say block_size not "
+                "supported; they run multiples of 64)"
             )
         if kv_cache_dtype in ("auto", "bfloat16", "float16"):
             return FLASH_ATTN_MLA_SPARSE
@@ -164,10 +176,17 @@ class Gpu:
             return FLASHINFER_MLA_SPARSE_SM90
         if kv_cache_dtype == "fp8":
             return FLASHMLA_SPARSE  # FlashAttention's sparse MLA has 16-bit KV only
+        if kv_cache_dtype == "fp8_e4m3" and head_size == 576:
+            # DeepSeek-V3.2 / GLM-5 (512 latent + 64 RoPE): FlashAttention's sparse MLA is
+            # 16-bit only and fp8_e4m3 is not in FlashMLA's list (its fp8 is fp8_ds_mla),
+            # so the last of the tail, FlashInfer's SM90 kernel, serves plain fp8 rows
+            # (576 B a token; it needs kv_lora_rank 512 and RoPE 0 or 64)
+            return FLASHINFER_MLA_SPARSE_SM90
         raise UnsupportedModel(
-            f"sparse MLA with kv-cache dtype {kv_cache_dtype!r} on {self.name}: vLLM 0.33.0 "
-            "runs it on FLASHINFER_MLA_SPARSE_SM90 (plain fp8 latents), which is not "
-            "modelled; use 'fp8' (FLASHMLA_SPARSE's fp8_ds_mla) or a 16-bit cache"
+            f"sparse MLA with kv-cache dtype {kv_cache_dtype!r} and a {head_size}-wide "
+            f"latent on {self.name}: vLLM 0.33.0 refuses it (No valid attention backend "
+            "found: FLASH_ATTN_MLA_SPARSE takes a 16-bit cache only, FLASHMLA_SPARSE and "
+            "FLASHINFER_MLA_SPARSE_SM90 support head sizes 512 and 576 only)"
         )
 
     def compressed_sparse_mla_backend(self, *, kv_cache_dtype: str) -> Backend:

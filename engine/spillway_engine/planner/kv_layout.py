@@ -172,7 +172,9 @@ def _backend(
     if not any(layer.kind != "mamba" for layer in shape.layers):
         return None
     if shape.sparse_mla:
-        return gpu.sparse_mla_backend(kv_cache_dtype=kv_cache_dtype, head_size=shape.head_size)
+        return gpu.sparse_mla_backend(
+            kv_cache_dtype=kv_cache_dtype, head_size=shape.head_size, block_size=block_size
+        )
     if shape.mla_latent:
         return gpu.mla_backend(kv_cache_dtype=kv_cache_dtype, block_size=block_size)
     if any(layer.head_size not in (None, shape.head_size) for layer in shape.layers):

@@ -6,7 +6,9 @@ kernels and, unless the IndexCache pattern skips it, a lightning-indexer key cac
 (``DeepseekV32IndexerCache``): an ``MLAAttentionSpec`` of ``index_head_dim`` uint8 keys
 plus 4 bytes of scale per 128 of them, whatever the KV dtype, registered just before
 its layer's latent. Both are MLA specs of one block size with different pages, so vLLM
-puts every layer in one ``UniformTypeKVCacheSpecs`` group.
+puts every layer in one ``UniformTypeKVCacheSpecs`` group. The latent's bytes follow the
+SM90 backend (gpus.py): 576 x 16-bit (FLASH_ATTN_MLA_SPARSE), FlashMLA's 656 B
+fp8_ds_mla with ``fp8``, FlashInfer's plain 576 B rows with ``fp8_e4m3``.
 """
 
 from __future__ import annotations
