@@ -221,7 +221,9 @@ def operator_run(api: client.ApiClient, kubeconfig: Path, who: str, count: int,
         with ThreadPoolExecutor(THREADS) as pool:
             list(pool.map(create, range(count)))
         watcher.wait(900)
-        after = wait_quiet(op)
+        # Quiet for longer than an autoscaler interval (15 s): its first ticks write each
+        # new object's status.autoscaling, which would else land among the no-op pokes.
+        after = wait_quiet(op, settle=16)
         cpu, rss = cpu_seconds(op.proc.pid) - cpu0, rss_mib(op.proc.pid)
         lat = [watcher.seen[n] - created[n] for n in created if n in watcher.seen]
         converged = (max(watcher.converged.values()) - start
