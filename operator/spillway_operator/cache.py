@@ -44,7 +44,8 @@ def _active(pod: Mapping[str, Any]) -> bool:
         (pod.get("status") or {}).get("phase") not in ("Succeeded", "Failed")
 
 
-def _older(new: Mapping[str, Any], held: Mapping[str, Any] | None) -> bool:
+def older(new: Mapping[str, Any], held: Mapping[str, Any] | None) -> bool:
+    """Whether ``new`` is an earlier version than ``held`` (False when either is unknown)."""
     if held is None:
         return False
     a, b = _version(new), _version(held)
@@ -71,10 +72,10 @@ class WatchCache:
         with self._lock:
             held = self._objects.get(ref)
             if event_type == "DELETED":
-                if _older(body, held):
+                if older(body, held):
                     return  # re-created since: this delete is of the old one
                 self._objects.pop(ref, None)
-            elif not _older(body, held):
+            elif not older(body, held):
                 self._objects[ref] = dict(body)
 
     def remember(self, body: Mapping[str, Any] | None) -> None:
@@ -92,7 +93,7 @@ class WatchCache:
                 pods.pop(name, None)
                 if not pods:
                     self._pods.pop(owner, None)
-            elif not _older(body, pods.get(name)):
+            elif not older(body, pods.get(name)):
                 pods[name] = dict(body)
 
     # ------------------------------------------------------------ reads
@@ -119,7 +120,7 @@ class WatchCache:
             fresh = {}
             for pod in pods:
                 name = pod["metadata"]["name"]
-                fresh[name] = held[name] if _older(pod, held.get(name)) else pod
+                fresh[name] = held[name] if older(pod, held.get(name)) else pod
             if fresh:
                 self._pods[owner] = fresh
             else:

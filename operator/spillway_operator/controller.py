@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from spillway_operator import metrics
+from spillway_operator.cache import older
 from spillway_operator.kube import Rejected, TemporaryError
 from spillway_operator.reconciler import Reconciler
 from spillway_operator.scaler import Autoscaler
@@ -49,14 +50,6 @@ def only_status_changed(old: dict[str, Any], new: dict[str, Any]) -> bool:
     return all(a.get(k) == b.get(k) for k in
                ("generation", "labels", "annotations", "deletionTimestamp", "uid")) and \
         (old.get("status") or {}).get("autoscaling") == (new.get("status") or {}).get("autoscaling")
-
-
-def _newer(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    """Whether body ``a`` is a later version than ``b`` (numeric resourceVersions)."""
-    try:
-        return int(a["metadata"]["resourceVersion"]) > int(b["metadata"]["resourceVersion"])
-    except (KeyError, TypeError, ValueError):
-        return False
 
 
 class Controller:
@@ -161,7 +154,7 @@ class Controller:
                 # writes it again, with its Events.
                 written = getattr(result, "written", None)
                 if written is not None and key in self.objects and \
-                        _newer(written, self.objects[key]):
+                        older(self.objects[key], written):
                     self.objects[key] = written
                 if self._failing.pop(key, None) is not None:
                     log.info("reconcile %s/%s: recovered", *key)

@@ -149,8 +149,8 @@ def contains(live: Any, desired: Any, path: tuple[str, ...] = ()) -> bool:
         keys = _LIST_KEYS.get(path[-1]) if path else None
         if keys and all(isinstance(d, dict) for d in desired):
             by_key = {_item_key(lv, keys): lv for lv in live}
-            return all(_item_key(dv, keys) in by_key and
-                       contains(by_key[_item_key(dv, keys)], dv, path) for dv in desired)
+            return all((lv := by_key.get(_item_key(dv, keys))) is not None
+                       and contains(lv, dv, path) for dv in desired)
         if len(live) != len(desired):
             return False
         return all(contains(lv, dv, path) for lv, dv in zip(live, desired, strict=True))
@@ -426,11 +426,3 @@ class Kube:
             with contextlib.suppress(Exception):
                 self.request("post", resource_path("v1", "Event",
                                                    event["metadata"]["namespace"]), body=event)
-            self._events.task_done()
-
-    def flush_events(self, timeout: float = 10) -> None:
-        """Wait until the Events posted so far are sent (tests, shutdown)."""
-        deadline = time.monotonic() + timeout
-        while self._events is not None and self._events.unfinished_tasks and \
-                time.monotonic() < deadline:
-            time.sleep(0.01)
