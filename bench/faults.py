@@ -296,8 +296,8 @@ def leader_kill(b: Bench, rng: random.Random) -> None:
         print(f"{t:>5} {at:>10} {fo:>13.1f} {conv:>14.1f} {orph:>9} {dup:>10} {after:>13.0f}")
     if rows:
         fos = [r[2] for r in rows]
-        print(f"failover (SIGKILL -> a survivor's first write): median {statistics.median(fos):.1f}s,"
-              f" max {max(fos):.1f}s over {len(rows)} trials")
+        print(f"failover (SIGKILL -> a survivor's first write): "
+              f"median {statistics.median(fos):.1f}s, max {max(fos):.1f}s over {len(rows)} trials")
 
 
 # ---------------------------------------------------------------- control-plane outages
