@@ -16,6 +16,7 @@ an object re-created after a delete is not dropped by the old delete's late even
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
@@ -44,6 +45,14 @@ def _active(pod: Mapping[str, Any]) -> bool:
         (pod.get("status") or {}).get("phase") not in ("Succeeded", "Failed")
 
 
+def _without_status(body: Mapping[str, Any]) -> dict[str, Any]:
+    """What an owner's reconcile compares: all but the status and what every write
+    moves."""
+    meta = {k: v for k, v in (body.get("metadata") or {}).items()
+            if k not in ("resourceVersion", "managedFields")}
+    return {**{k: v for k, v in body.items() if k != "status"}, "metadata": meta}
+
+
 def older(new: Mapping[str, Any], held: Mapping[str, Any] | None) -> bool:
     """Whether ``new`` is an earlier version than ``held`` (False when either is unknown)."""
     if held is None:
@@ -66,17 +75,27 @@ class WatchCache:
 
     # ------------------------------------------------------------ the watches
 
-    def observe(self, body: Mapping[str, Any], event_type: str | None) -> None:
-        """A watch event of a child (kopf's ``type``: None while listing)."""
+    def observe(self, body: Mapping[str, Any], event_type: str | None) -> bool:
+        """A watch event of a child (kopf's ``type``: None while listing). Returns
+        whether it is news to the owner's reconcile: not when the cache already held
+        this version (the answer to the operator's own write), nor when only the status
+        moved of a kind whose status the reconcile never reads (all but Deployments)."""
         ref = ref_of(body)
         with self._lock:
             held = self._objects.get(ref)
             if event_type == "DELETED":
                 if older(body, held):
-                    return  # re-created since: this delete is of the old one
+                    return False  # re-created since: this delete is of the old one
                 self._objects.pop(ref, None)
-            elif not older(body, held):
-                self._objects[ref] = dict(body)
+                return True
+            if older(body, held):
+                return False
+            self._objects[ref] = dict(body)
+        if held is None:
+            return True
+        if _version(body) is not None and _version(body) == _version(held):
+            return False
+        return ref[1] == "Deployment" or _without_status(body) != _without_status(held)
 
     def remember(self, body: Mapping[str, Any] | None) -> None:
         """An object the operator wrote or read itself."""
@@ -145,3 +164,27 @@ class WatchCache:
                 if not readers:
                     del self._readers[ref]
                     self._objects.pop(("v1", "ConfigMap", *ref), None)
+
+
+class Memo:
+    """A small thread-safe LRU map for results of pure steps (the reconcile's workers
+    share it)."""
+
+    def __init__(self, size: int = 512):
+        self.size = size
+        self._items: OrderedDict[Any, Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: Any) -> Any:
+        with self._lock:
+            value = self._items.get(key)
+            if value is not None:
+                self._items.move_to_end(key)
+            return value
+
+    def put(self, key: Any, value: Any) -> None:
+        with self._lock:
+            self._items[key] = value
+            self._items.move_to_end(key)
+            while len(self._items) > self.size:
+                self._items.popitem(last=False)

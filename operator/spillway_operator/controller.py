@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +59,10 @@ class Controller:
         self.reconciler = reconciler
         self.autoscaler = autoscaler
         self.workers = workers
+        # Their own threads: asyncio's default pool has min(32, CPUs + 4) threads, six
+        # on a two-core node, which capped "workers" there whatever it was set to (a
+        # reconcile mostly waits for the API server).
+        self._threads = ThreadPoolExecutor(workers, thread_name_prefix="reconcile")
         self.resync_seconds = resync_seconds
         self.backoff = backoff or Backoff()
         self.objects: dict[Key, dict[str, Any]] = {}  # latest body from the watch
@@ -67,6 +72,10 @@ class Controller:
         self._queue: asyncio.PriorityQueue[tuple[int, int, Key]] = asyncio.PriorityQueue()
         self._arrivals = itertools.count()
         self._queued: set[Key] = set()
+        self._urgent = 0  # queued keys of urgency 0
+        # Per key: the generation whose children were applied with the status write
+        # left for later (a burst of new objects: children first, statuses after).
+        self._applied: dict[Key, int] = {}
         self._active: set[Key] = set()
         self._dirty: set[Key] = set()  # changed while being reconciled
         # The one pending retry of each key. A retry scheduled on top of another (an
@@ -84,6 +93,7 @@ class Controller:
         key = (body["metadata"]["namespace"], body["metadata"]["name"])
         if event_type == "DELETED":
             self.objects.pop(key, None)
+            self._applied.pop(key, None)
             self._cancel_retry(key)
             self.backoff.reset(key)
             self._failing.pop(key, None)
@@ -106,13 +116,16 @@ class Controller:
             self._dirty.add(key)
         elif key not in self._queued:
             self._queued.add(key)
-            self._queue.put_nowait((self._urgency(key), next(self._arrivals), key))
+            urgency = self._urgency(key)
+            self._urgent += urgency == 0
+            self._queue.put_nowait((urgency, next(self._arrivals), key))
         metrics.QUEUE_DEPTH.set(len(self._queued))
 
     def _urgency(self, key: Key) -> int:
         body = self.objects.get(key) or {}
         observed = (body.get("status") or {}).get("observedGeneration")
-        return 0 if observed != (body.get("metadata") or {}).get("generation") else 1
+        generation = (body.get("metadata") or {}).get("generation")
+        return 0 if observed != generation and self._applied.get(key) != generation else 1
 
     def _retry(self, key: Key) -> None:
         self._retries.pop(key, None)
@@ -126,14 +139,16 @@ class Controller:
 
     async def _work(self) -> None:
         while True:
-            _, _, key = await self._queue.get()
+            urgency, _, key = await self._queue.get()
+            self._urgent -= urgency == 0
             self._queued.discard(key)
             body = self.objects.get(key)
             if body is None:
                 continue
             self._active.add(key)
             try:
-                result = await asyncio.to_thread(self.reconciler.reconcile, body)
+                result = await asyncio.get_running_loop().run_in_executor(
+                    self._threads, self.reconciler.reconcile, body, self._urgent > 0)
             except TemporaryError as exc:
                 delay = self.backoff.next(key)
                 self._temporary(key, str(exc), delay)
@@ -156,6 +171,11 @@ class Controller:
                 if written is not None and key in self.objects and \
                         older(self.objects[key], written):
                     self.objects[key] = written
+                if getattr(result, "deferred", False):
+                    self._applied[key] = (body.get("metadata") or {}).get("generation")
+                    self._dirty.add(key)  # the status: after the urgent keys
+                else:
+                    self._applied.pop(key, None)
                 if self._failing.pop(key, None) is not None:
                     log.info("reconcile %s/%s: recovered", *key)
                 if result.requeue_after is not None:
@@ -218,6 +238,7 @@ class Controller:
             self._cancel_retry(key)
         self._failing.clear()
         self.backoff.failures.clear()
+        self._applied.clear()
 
     async def stop(self) -> None:
         if self.autoscaler:
@@ -226,3 +247,4 @@ class Controller:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        self._threads.shutdown(wait=False, cancel_futures=True)

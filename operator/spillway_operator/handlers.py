@@ -36,11 +36,19 @@ MANAGED = {MANAGED_BY: FIELD_MANAGER, OWNER_LABEL: kopf.PRESENT}
 _state: dict[str, Any] = {}
 
 
-def _api_client() -> client.ApiClient:
+def _api_client(connections: int | None = None) -> client.ApiClient:
+    """``connections``: kept open at once (urllib3 closes any beyond them after each
+    request, and the next one pays a new TLS handshake); the client's default is five
+    per CPU."""
+    cfg = client.Configuration()
     if os.environ.get("KUBERNETES_SERVICE_HOST") and not os.environ.get("KUBECONFIG"):
-        config.load_incluster_config()
-        return client.ApiClient()
-    return config.new_client_from_config(config_file=os.environ.get("KUBECONFIG"))
+        config.load_incluster_config(client_configuration=cfg)
+    else:
+        config.load_kube_config(config_file=os.environ.get("KUBECONFIG"),
+                                client_configuration=cfg)
+    if connections:
+        cfg.connection_pool_maxsize = max(cfg.connection_pool_maxsize, connections)
+    return client.ApiClient(cfg)
 
 
 def _drop_retry_lines(record: logging.LogRecord) -> bool:
@@ -88,11 +96,15 @@ def configure(settings: kopf.OperatorSettings, env: Mapping[str, str]) -> None:
     settings.persistence.finalizer = f"{GROUP}/operator"
 
 
+def workers(env: Mapping[str, str]) -> int:
+    return int(env.get("SPILLWAY_WORKERS", "8"))
+
+
 def make_controller(kube: Kube, env: Mapping[str, str]) -> Controller:
     return Controller(
         Reconciler(kube),
         autoscaler=Autoscaler(kube),
-        workers=int(env.get("SPILLWAY_WORKERS", "8")),
+        workers=workers(env),
         resync_seconds=float(env.get("SPILLWAY_RESYNC_SECONDS", "300")),
     )
 
@@ -132,7 +144,8 @@ async def startup(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
     log = logging.getLogger("spillway")
     election: Election | None = getattr(memo, "election", None)
     cache = WatchCache(OWNER_LABEL)
-    kube = Kube(_api_client(), cache=cache)
+    # The reconcile workers, the autoscaler's and the Event thread's requests.
+    kube = Kube(_api_client(workers(os.environ) + 8), cache=cache)
     controller = make_controller(kube, os.environ)
     _state["controller"], _state["cache"] = controller, cache
     if election is None:
@@ -186,11 +199,11 @@ def _owner_changed(namespace: str | None, labels: kopf.Labels,
 
 def _child_changed(body: kopf.Body, type: str | None, namespace: str | None,
                    labels: kopf.Labels, meta: kopf.Meta) -> None:
-    """Keep the body, then queue its owner (in that order: the reconcile must see it)."""
+    """Keep the body, then queue its owner (in that order: the reconcile must see it)
+    if the event tells it anything new."""
     cache: WatchCache | None = _state.get("cache")
-    if cache is not None:
-        cache.observe(dict(body), type)
-    _owner_changed(namespace, labels, meta)
+    if cache is None or cache.observe(dict(body), type):
+        _owner_changed(namespace, labels, meta)
 
 
 @kopf.on.event("apps", "v1", "deployments", when=is_child)
@@ -231,9 +244,8 @@ async def on_configmap(body: kopf.Body, type: str | None, namespace: str | None,
     cache: WatchCache | None = _state.get("cache")
     controller: Controller | None = _state.get("controller")
     readers = cache.readers(namespace or "", meta.get("name", "")) if cache else set()
-    if not readers or cache is None:
+    if not readers or cache is None or not cache.observe(dict(body), type):
         return
-    cache.observe(dict(body), type)
     for key in readers:
         if controller is not None and key in controller.objects:
             controller.enqueue(key)

@@ -17,6 +17,7 @@ from spillway_engine.launcher.drain import READY_PATH
 from spillway_engine.planner.plan import Plan
 from spillway_engine.quantity import format_bytes, parse_bytes
 from spillway_operator import disruption, rollout
+from spillway_operator.cache import Memo
 from spillway_operator.spec import (
     GROUP,
     KIND,
@@ -99,14 +100,29 @@ def _json(data: dict[str, Any]) -> str:
     return json.dumps(data, indent=2, sort_keys=True)
 
 
+# The text and hash of recent plans, by the plan object's identity (a reconcile asks
+# three times, and the reconciler hands out one object per distinct plan). Each entry
+# holds its plan, so no other object can take its id while it lives.
+_PLAN_TEXTS = Memo(256)
+
+
+def _plan_text(plan: Plan) -> tuple[str, str]:
+    if (hit := _PLAN_TEXTS.get(id(plan))) is not None and hit[0] is plan:
+        return hit[1], hit[2]
+    text = _json(plan.model_dump(mode="json"))
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    _PLAN_TEXTS.put(id(plan), (plan, text, digest))
+    return text, digest
+
+
 def plan_json(plan: Plan) -> str:
     """The plan file the engine reads. Sorted keys keep the text, and so the hash,
     stable for an unchanged plan: a changed hash rolls the pods."""
-    return _json(plan.model_dump(mode="json"))
+    return _plan_text(plan)[0]
 
 
 def plan_hash(plan: Plan) -> str:
-    return hashlib.sha256(plan_json(plan).encode()).hexdigest()[:16]
+    return _plan_text(plan)[1]
 
 
 def engine_options(spec: InferenceDeploymentSpec) -> dict[str, Any]:

@@ -137,8 +137,23 @@ class Autoscaler:
                 self._exported.discard(key)
             return
         self.objects[key] = body
-        if self.active and key not in self._tasks:
-            self._tasks[key] = asyncio.create_task(self._loop(key))
+        # A new object's loop waits for its first reconcile (its status then has an
+        # observedGeneration: the Deployment exists) and starts a while after it, as
+        # the HPA's does: ticking at once read a Deployment and listed pods that did
+        # not exist yet, and wrote a status, for each of a thousand new objects while
+        # the reconciler was creating their children.
+        if self.active and key not in self._tasks and \
+                (body.get("status") or {}).get("observedGeneration"):
+            self._tasks[key] = asyncio.create_task(self._loop(key, self._first_delay(body)))
+
+    @staticmethod
+    def _first_delay(body: dict[str, Any]) -> float:
+        try:
+            interval = float(((body.get("spec") or {}).get("autoscaling") or {})
+                             .get("intervalSeconds", 15))
+        except (TypeError, ValueError):
+            interval = 15.0
+        return random.uniform(0.5, 1.0) * min(max(interval, 0.0), 15.0)
 
     def activate(self) -> None:
         """Start a loop per known object, with fresh samples and windows: a new leader

@@ -45,6 +45,43 @@ def test_a_delete_removes_it_but_not_a_newer_incarnation():
     assert cache.get("apps/v1", "Deployment", "ns", "chat") is not None
 
 
+def test_only_news_queues_the_owner_again():
+    """The answer to the operator's own write, coming back by the watch, and a status
+    moving on a kind whose status no reconcile reads, queue nothing; a hand edit, a
+    Deployment's status, a first sight and a delete do."""
+    cache = WatchCache(OWNER_LABEL)
+    assert cache.observe(dep(5), None)  # first sight
+    cache.remember(dep(6, image="b"))  # our apply's answer
+    assert not cache.observe(dep(6, image="b"), "MODIFIED")  # ... by the watch
+    assert not cache.observe(dep(5), "MODIFIED")  # late
+    assert cache.observe(dep(7, replicas=1, image="b"), "MODIFIED")  # the Deployment's status
+    assert cache.observe(dep(8, replicas=1, image="hand"), "MODIFIED")
+    pdb = {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+           "metadata": {"namespace": "ns", "name": "chat", "resourceVersion": "3"},
+           "spec": {"maxUnavailable": 1}}
+    assert cache.observe(pdb, None)
+    moved = {**pdb, "metadata": {**pdb["metadata"], "resourceVersion": "4",
+                                 "managedFields": [{"manager": "kcm"}]},
+             "status": {"currentHealthy": 0}}
+    assert not cache.observe(moved, "MODIFIED")  # only its status (and bookkeeping)
+    edited = {**moved, "metadata": {**moved["metadata"], "resourceVersion": "5"},
+              "spec": {"maxUnavailable": 3}}
+    assert cache.observe(edited, "MODIFIED")
+    assert cache.observe({**edited, "metadata": {**edited["metadata"],
+                                                 "resourceVersion": "6"}}, "DELETED")
+
+
+def test_memo_keeps_the_latest_entries():
+    from spillway_operator.cache import Memo
+
+    memo = Memo(2)
+    memo.put("a", 1)
+    memo.put("b", 2)
+    assert memo.get("a") == 1  # now the latest used
+    memo.put("c", 3)
+    assert (memo.get("a"), memo.get("b"), memo.get("c")) == (1, None, 3)
+
+
 def test_pods_are_trusted_only_when_the_deployment_agrees():
     cache = WatchCache(OWNER_LABEL)
     owner = ("ns", "chat")
@@ -120,7 +157,7 @@ def test_the_next_reconcile_sees_the_status_just_written():
     seen: list[dict] = []
 
     class Writer:
-        def reconcile(self, body):
+        def reconcile(self, body, defer_status=False):
             seen.append(body)
             rv = int(body["metadata"]["resourceVersion"])
             return Result("ok", written={**body, "metadata": {**body["metadata"],

@@ -75,7 +75,7 @@ def test_a_failing_key_keeps_one_retry_pending_whatever_else_reconciles_it():
         def __init__(self):
             self.calls = 0
 
-        def reconcile(self, body):
+        def reconcile(self, body, defer_status=False):
             self.calls += 1
 
             class Result:

@@ -42,7 +42,7 @@ def test_only_a_leading_controller_reconciles_and_a_new_leader_reconciles_everyt
         def __init__(self):
             self.seen = []
 
-        def reconcile(self, body):
+        def reconcile(self, body, defer_status=False):
             self.seen.append(body["metadata"]["name"])
 
             class Result:
@@ -102,3 +102,57 @@ def test_the_autoscaler_runs_only_while_leading_and_a_standby_exports_no_pressur
         await s.stop()
 
     asyncio.run(scenario())
+
+
+def test_a_new_objects_autoscaler_waits_for_its_first_reconcile():
+    """Ticking at once read a Deployment and listed pods that did not exist yet, and
+    wrote a status, for every new object while its children were being created."""
+    import asyncio
+
+    from spillway_operator.scaler import Autoscaler
+
+    async def scenario():
+        s = Autoscaler(Kube(None))
+        s.activate()
+        new = {"metadata": {"namespace": "ns", "name": "a", "uid": "u"},
+               "spec": {"autoscaling": {"intervalSeconds": 600}}}
+        s.observe(("ns", "a"), new)
+        assert s._tasks == {}  # not reconciled yet
+        s.observe(("ns", "a"), {**new, "status": {"observedGeneration": 1}})
+        assert set(s._tasks) == {("ns", "a")}
+        # Its first tick comes a while after, at most 15 s however long the interval.
+        assert all(7.5 <= s._first_delay(new) <= 15 for _ in range(50))
+        assert 1 <= s._first_delay({"spec": {"autoscaling": {"intervalSeconds": 2}}}) <= 2
+        await s.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_burst_of_new_objects_gets_its_children_before_its_statuses():
+    """While other new objects wait, a reconcile applies the children and leaves the
+    status for later: every Deployment of a burst comes before the burst's status
+    writes, and a status written once the Deployment reports is written once."""
+    import asyncio
+
+    from spillway_operator.controller import Controller
+    from spillway_operator.reconciler import Result
+
+    calls: list[tuple[str, bool]] = []
+
+    class Recorder:
+        def reconcile(self, body, defer_status=False):
+            calls.append((body["metadata"]["name"], defer_status))
+            return Result("ok", deferred=defer_status)
+
+    async def scenario():
+        c = Controller(Recorder(), workers=1)
+        for name in ("a", "b", "c"):
+            c.observe({"metadata": {"namespace": "ns", "name": name, "generation": 1}},
+                      "ADDED")
+        c.start()
+        await asyncio.sleep(0.1)
+        await c.stop()
+
+    asyncio.run(scenario())
+    # a and b deferred while others waited; c had nobody behind it; then the statuses.
+    assert calls == [("a", True), ("b", True), ("c", False), ("a", False), ("b", False)]

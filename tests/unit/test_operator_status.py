@@ -217,6 +217,50 @@ def test_reconciler_status_is_declared_and_steady():
     assert again.writes == 0 and len(kube.writes) == 6
 
 
+def test_a_deferred_status_is_written_by_the_next_reconcile():
+    obj = infdep()
+    kube = FakeKube(obj, load_local(MODELS / "gemma-3-1b-it.json"))
+    rec = Reconciler(kube)
+    first = rec.reconcile(obj, defer_status=True)
+    assert first.deferred and first.written is None and "status" not in obj
+    assert [w[0] for w in kube.writes] == ["apply"] * 5
+    second = rec.reconcile(obj)
+    assert not second.deferred and second.writes == 1  # the children stand; the status
+    assert obj["status"]["observedGeneration"] == 1
+
+
+def test_a_reconcile_plans_once_per_config_and_spec(monkeypatch):
+    """Validating, planning and the plan's JSON are kept by their inputs: a thousand
+    reconciles of one spec plan once. A new generation validates again; a changed
+    config.json plans again."""
+    from spillway_operator import reconciler as module
+
+    calls: list[int] = []
+    real = module.make_plan
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, "make_plan", counted)
+    obj = infdep()
+    kube = FakeKube(obj, load_local(MODELS / "gemma-3-1b-it.json"))
+    rec = Reconciler(kube)
+    rec.reconcile(obj)
+    rec.reconcile(obj)
+    assert len(calls) == 1
+    obj["spec"]["offload"]["hostMemory"] = "8Gi"  # a spec change: a new generation
+    obj["metadata"]["generation"] = 2
+    rec.reconcile(obj)
+    assert len(calls) == 2
+    assert json.loads(kube.children["ConfigMap"]["data"]["plan.json"])[
+        "cpu_memory_bytes"] == 8 * 2**30  # the new plan's text, not the old one's
+    kube.config = json.dumps({**load_local(MODELS / "gemma-3-1b-it.json"),
+                              "max_position_embeddings": 4096})
+    rec.reconcile(obj)
+    assert len(calls) == 3
+
+
 def test_scaler_status_is_declared_and_steady():
     obj = infdep()
     kube = FakeKube(obj, {})

@@ -125,6 +125,12 @@ def test_a_stuck_surge_is_progressing_false_with_a_warning_event():
     cond = Condition(type="Progressing", status="False", reason=progressing.reason,
                      message=progressing.message, last_transition_time=stamp(0))
     assert event_type(cond) == "Warning"
+    # Scaled to zero on purpose is no warning (it was one per object and a log line).
+    assert event_type(Condition(type="Available", status="False", reason="ScaledToZero",
+                                message="replicas is 0", last_transition_time=stamp(0))) == \
+        "Normal"
+    assert event_type(Condition(type="Available", status="False", reason="EngineFailing",
+                                message="x", last_transition_time=stamp(0))) == "Warning"
     obs.rollout_stuck, obs.rollout_in_place = None, True
     progressing = next(c for c in conditions_for(obs) if c.type == "Progressing")
     assert (progressing.status, progressing.reason) == (True, "RollingOutInPlace")
