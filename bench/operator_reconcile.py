@@ -4,7 +4,8 @@ For each count (default 1, 200 and 1000) of InferenceDeployments created at once
 (16 client threads), on one API server:
   - floor: the same children (plan ConfigMap, Service, Deployment, PDB, rendered by the
     operator's own code) created directly by 16 client threads: what the API server
-    and etcd alone need;
+    and etcd alone need; and floor-apply: the same, server-side applied (the operator
+    applies, which costs the API server more than a POST);
   - the operator (and, with --baseline-src, an older checkout's operator beside it):
     create -> Deployment exists (seen by a watch) p50/p99, time until every object's
     status reports its generation, API requests per object by verb, operator CPU
@@ -14,6 +15,7 @@ For each count (default 1, 200 and 1000) of InferenceDeployments created at once
 Each operator watches only its batch's namespace (``-n``), so batches do not mix.
 Usage: python -m bench.operator_reconcile [--counts 1,200,1000] [--kubeconfig PATH]
        [--baseline-src DIR]   (DIR: a checkout, e.g. from `git archive`)
+       [--workers 4,8] [--keep]
 Without --kubeconfig it starts its own control plane (binaries from tools/build.sh).
 Prints tables; asserts nothing.
 """
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -109,8 +112,10 @@ class Row:
     noop_writes: float | None = None
 
 
-def floor(api: client.ApiClient, count: int) -> Row:
-    """The children of ``count`` objects created directly by 16 threads."""
+def floor(api: client.ApiClient, count: int, apply: bool = False) -> Row:
+    """The children of ``count`` objects created directly by 16 threads: POSTed, or
+    (``apply``) server-side applied as the operator does, which costs the API server
+    more than a POST."""
     ns = make_namespace(api, "floor")
     spec = InferenceDeploymentSpec.model_validate(SPEC)
     plan = make_plan(load_local(CONFIG), plan_request(spec))
@@ -130,15 +135,21 @@ def floor(api: client.ApiClient, count: int) -> Row:
 
     def create(objs: list[dict]) -> None:
         for obj in objs:
-            path = resource_path(obj["apiVersion"], obj["kind"], ns)
-            kube.request("post", path, body=obj)
+            if apply:
+                kube.request("patch", Kube.object_path(obj), body=json.dumps(obj),
+                             query={"fieldManager": render.FIELD_MANAGER, "force": "true"},
+                             content_type="application/apply-patch+yaml")
+            else:
+                kube.request("post", resource_path(obj["apiVersion"], obj["kind"], ns),
+                             body=obj)
             if obj["kind"] == "Deployment":
                 done.append(time.monotonic() - start)
 
     with ThreadPoolExecutor(THREADS) as pool:
         list(pool.map(create, bodies))
     total = time.monotonic() - start
-    return Row("floor", count, len(done), statistics.median(done), pct(done, 0.99), total)
+    return Row("floor-apply" if apply else "floor", count, len(done), statistics.median(done),
+               pct(done, 0.99), total)
 
 
 class Watcher:
@@ -157,9 +168,11 @@ class Watcher:
         time.sleep(0.5)
 
     def _deployments(self, apps: client.AppsV1Api, ns: str) -> None:
-        w = watch.Watch()
+        # Plain dicts: typed V1Deployments cost the bench's CPU, which the operator
+        # shares on a small machine (the floor has no watcher).
+        w = watch.Watch(return_type="object")
         for ev in w.stream(apps.list_namespaced_deployment, ns, timeout_seconds=900):
-            name = ev["object"].metadata.name
+            name = ev["object"]["metadata"]["name"]
             if ev["type"] == "ADDED" and name not in self.seen:
                 self.seen[name] = time.monotonic()
                 if len(self.seen) >= self.count:
@@ -257,11 +270,14 @@ def main() -> int:
                          "each (default: its own)")
     ap.add_argument("--baseline-src", type=Path,
                     help="a checkout whose operator runs beside this one's (PYTHONPATH)")
+    ap.add_argument("--keep", action="store_true",
+                    help="keep the work directory (operator logs) and print where it is")
     args = ap.parse_args()
     counts = [int(c) for c in args.counts.split(",")]
 
-    tmp = tempfile.TemporaryDirectory(prefix="spillway-bench-")
-    workdir = Path(tmp.name)
+    workdir = Path(tempfile.mkdtemp(prefix="spillway-bench-"))
+    if args.keep:
+        print(f"work directory (kept): {workdir}", file=sys.stderr)
     cluster = None
     if args.kubeconfig:
         kubeconfig = args.kubeconfig
@@ -286,8 +302,9 @@ def main() -> int:
     rows: list[Row] = []
     try:
         for count in counts:
-            rows.append(floor(api, count))
-            print(f"floor {count}: p99 {rows[-1].p99:.2f} s", file=sys.stderr)
+            for apply in (False, True):
+                rows.append(floor(api, count, apply))
+                print(f"{rows[-1].who} {count}: p99 {rows[-1].p99:.2f} s", file=sys.stderr)
             for who, variant_env in variants:
                 rows.append(operator_run(api, Path(kubeconfig), who, count, workdir,
                                          variant_env))
@@ -295,6 +312,8 @@ def main() -> int:
     finally:
         if cluster:
             cluster.stop()
+        if not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
 
     print(f"{'who':>12} {'objects':>8} {'deployed':>9} {'p50 (s)':>8} {'p99 (s)':>8} "
           f"{'p99/floor':>10} {'converged (s)':>14} {'GET/obj':>8} {'PATCH/obj':>10} "
@@ -312,8 +331,9 @@ def main() -> int:
               f"{'-' if r.reconciles is None else f'{r.reconciles:.2f}':>15} "
               f"{'-' if r.cpu is None else f'{r.cpu:.1f}':>8} "
               f"{'-' if r.rss is None else f'{r.rss:.0f}':>10} {noop:>13}")
-    print("floor: converged = time until its last child was created; no-op writes: "
-          "writes / reconciles after poking every object once")
+    print("floor: the children POSTed by 16 threads; floor-apply: server-side applied "
+          "instead, as the operator does; converged = time until its last child was "
+          "created; no-op writes: writes / reconciles after poking every object once")
     return 0
 
 
