@@ -46,11 +46,14 @@ def only_status_changed(old: dict[str, Any], new: dict[str, Any]) -> bool:
     """Whether ``new`` differs from ``old`` only in the reconciler's own part of the
     status (its own writes): nothing to reconcile. The spec is covered by the
     generation, which the API server bumps on every spec change; status.autoscaling
-    is the autoscaler's, and the reconciler's ScalingActive condition follows it."""
+    is the autoscaler's, and the reconciler's ScalingActive condition follows it while
+    autoscaling is on (off, the reconciler reads nothing of it)."""
     a, b = old.get("metadata") or {}, new.get("metadata") or {}
+    scaling = bool(((new.get("spec") or {}).get("autoscaling") or {}).get("enabled"))
     return all(a.get(k) == b.get(k) for k in
                ("generation", "labels", "annotations", "deletionTimestamp", "uid")) and \
-        (old.get("status") or {}).get("autoscaling") == (new.get("status") or {}).get("autoscaling")
+        (not scaling or (old.get("status") or {}).get("autoscaling")
+         == (new.get("status") or {}).get("autoscaling"))
 
 
 class Controller:

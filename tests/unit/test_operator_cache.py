@@ -131,12 +131,15 @@ def test_a_status_only_change_is_not_reconciled_again():
     from spillway_operator.controller import only_status_changed
 
     old = {"metadata": {"generation": 1, "uid": "u", "resourceVersion": "5"},
-           "spec": {"replicas": 1}}
+           "spec": {"replicas": 1, "autoscaling": {"enabled": True}}}
     status_write = {**old, "metadata": {**old["metadata"], "resourceVersion": "6"},
                     "status": {"observedGeneration": 1}}
     assert only_status_changed(old, status_write)
     scaler_write = {**status_write, "status": {"autoscaling": {"pressure": 1.2}}}
     assert not only_status_changed(status_write, scaler_write)  # ScalingActive follows it
+    off = {**old, "spec": {"replicas": 1}}  # autoscaling off: the reconciler reads none of it
+    assert only_status_changed({**status_write, "spec": off["spec"]},
+                               {**scaler_write, "spec": off["spec"]})
     spec_change = {**old, "metadata": {**old["metadata"], "generation": 2}}
     assert not only_status_changed(old, spec_change)
     poked = {**old, "metadata": {**old["metadata"], "annotations": {"poke": "1"}}}
