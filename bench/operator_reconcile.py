@@ -135,10 +135,8 @@ def floor(api: client.ApiClient, count: int, apply: bool = False) -> Row:
 
     def create(objs: list[dict]) -> None:
         for obj in objs:
-            if apply:
-                kube.request("patch", Kube.object_path(obj), body=json.dumps(obj),
-                             query={"fieldManager": render.FIELD_MANAGER, "force": "true"},
-                             content_type="application/apply-patch+yaml")
+            if apply:  # the operator's own apply, with nothing to read first
+                kube.ensure(obj, surely_absent=True)
             else:
                 kube.request("post", resource_path(obj["apiVersion"], obj["kind"], ns),
                              body=obj)

@@ -228,7 +228,9 @@ class Reconciler:
 
     def _spec(self, meta: dict[str, Any], raw: dict[str, Any]) -> InferenceDeploymentSpec:
         key = (meta.get("uid"), meta.get("generation"))
-        if key[1] is None or (spec := self._specs.get(key)) is None:
+        if key[1] is None:  # no generation to key it by
+            return InferenceDeploymentSpec.model_validate(raw)
+        if (spec := self._specs.get(key)) is None:
             spec = InferenceDeploymentSpec.model_validate(raw)
             self._specs.put(key, spec)
         return spec

@@ -144,16 +144,12 @@ class Autoscaler:
         # the reconciler was creating their children.
         if self.active and key not in self._tasks and \
                 (body.get("status") or {}).get("observedGeneration"):
-            self._tasks[key] = asyncio.create_task(self._loop(key, self._first_delay(body)))
+            self._tasks[key] = asyncio.create_task(self._loop(key, settle=True))
 
     @staticmethod
-    def _first_delay(body: dict[str, Any]) -> float:
-        try:
-            interval = float(((body.get("spec") or {}).get("autoscaling") or {})
-                             .get("intervalSeconds", 15))
-        except (TypeError, ValueError):
-            interval = 15.0
-        return random.uniform(0.5, 1.0) * min(max(interval, 0.0), 15.0)
+    def _first_delay(interval: float) -> float:
+        """A new object's wait before its first tick: half to one interval, at most 15 s."""
+        return random.uniform(0.5, 1.0) * min(interval, 15.0)
 
     def activate(self) -> None:
         """Start a loop per known object, with fresh samples and windows: a new leader
@@ -187,7 +183,9 @@ class Autoscaler:
             await self._session.close()
         self._parser.shutdown(wait=False, cancel_futures=True)
 
-    async def _loop(self, key: tuple[str, str], delay: float = 0.0) -> None:
+    async def _loop(self, key: tuple[str, str], delay: float = 0.0,
+                    settle: bool = False) -> None:
+        """``settle``: a new object, whose first tick waits ``_first_delay``."""
         if delay:
             await asyncio.sleep(delay)
         while True:
@@ -198,6 +196,10 @@ class Autoscaler:
                     return
                 spec = InferenceDeploymentSpec.model_validate(body.get("spec") or {})
                 interval = float(spec.autoscaling.interval_seconds)
+                if settle:
+                    settle = False
+                    await asyncio.sleep(self._first_delay(interval))
+                    continue  # the body as it is by then
                 await self.tick(key, body, spec, time.monotonic())
                 if key in self._failing:
                     self._failing.discard(key)
