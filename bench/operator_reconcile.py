@@ -2,7 +2,7 @@
 
 For each count (default 1, 200 and 1000) of InferenceDeployments created at once
 (16 client threads), on one API server:
-  - floor: the same children (plan ConfigMap, Service, Deployment, PDB, rendered by the
+  - floor: the same children (plan ConfigMap, Deployment, Service, PDB, rendered by the
     operator's own code) created directly by 16 client threads: what the API server
     and etcd alone need; and floor-apply: the same, server-side applied (the operator
     applies, which costs the API server more than a POST);
@@ -123,8 +123,9 @@ def floor(api: client.ApiClient, count: int, apply: bool = False) -> Row:
 
     def children(i: int) -> list[dict]:
         owner = render.Owner(f"bench-{i}", ns, "0")
-        out = [render.plan_configmap(owner, spec, plan), render.service(owner),
-               render.deployment(owner, spec, plan), render.pod_disruption_budget(owner, spec)]
+        # The operator's order (it creates the Deployment second).
+        out = [render.plan_configmap(owner, spec, plan), render.deployment(owner, spec, plan),
+               render.service(owner), render.pod_disruption_budget(owner, spec)]
         for child in out:  # no owner: the garbage collector would remove them
             child["metadata"].pop("ownerReferences", None)
         return out

@@ -151,7 +151,7 @@ class Controller:
             self._active.add(key)
             try:
                 result = await asyncio.get_running_loop().run_in_executor(
-                    self._threads, self.reconciler.reconcile, body, self._urgent > 0)
+                    self._threads, self.reconciler.reconcile, body, self.bursting)
             except TemporaryError as exc:
                 delay = self.backoff.next(key)
                 self._temporary(key, str(exc), delay)
@@ -210,6 +210,12 @@ class Controller:
                 # turn its back-off into a retry every resync period.
                 if key not in self._failing:
                     self.enqueue(key)
+
+    @property
+    def bursting(self) -> bool:
+        """New or changed objects wait in the queue: their children go before anything
+        that can wait (statuses, Events)."""
+        return self._urgent > 0
 
     @property
     def leading(self) -> bool:

@@ -147,6 +147,7 @@ async def startup(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
     # The reconcile workers, the autoscaler's and the Event thread's requests.
     kube = Kube(_api_client(workers(os.environ) + 8), cache=cache)
     controller = make_controller(kube, os.environ)
+    kube.hold_events = lambda: controller.bursting
     _state["controller"], _state["cache"] = controller, cache
     if election is None:
         metrics.LEADER.set(1)  # the only replica: it always writes

@@ -174,6 +174,9 @@ class Kube:
         # What the watches delivered (None: read everything from the API server).
         self.cache = cache
         self._events: queue.Queue[dict] | None = None
+        # While it answers True, Events wait (new objects' children go first), at most
+        # EVENT_HOLD seconds each. None: they never wait.
+        self.hold_events: Callable[[], bool] | None = None
         # Reconciles run in worker threads and share the discovery cache below.
         self._lock = threading.Lock()
         self._has_service_monitors: bool | None = None
@@ -394,9 +397,11 @@ class Kube:
         self._send_later(body)
 
     #: Events sent at most this many a second after a burst of ``EVENT_BURST``: a
-    #: thousand new objects make five thousand Events, which must not take the API
-    #: server from the children's writes (client-go's recorder limits them as well).
+    #: thousand new objects make a thousand Events or more, which must not take the API
+    #: server from the children's writes (client-go's recorder limits them as well);
+    #: each waits at most ``EVENT_HOLD`` seconds while ``hold_events`` says so.
     EVENT_RATE, EVENT_BURST = 25.0, 100
+    EVENT_HOLD = 30.0
 
     def _send_later(self, event: dict) -> None:
         """Events are best effort: one thread posts them, so a reconcile never waits for
@@ -415,6 +420,10 @@ class Kube:
         tokens, last = float(self.EVENT_BURST), time.monotonic()
         while True:
             event = self._events.get()
+            held = time.monotonic() + self.EVENT_HOLD
+            while self.hold_events is not None and self.hold_events() and \
+                    time.monotonic() < held:
+                time.sleep(0.1)
             now = time.monotonic()
             tokens = min(float(self.EVENT_BURST), tokens + (now - last) * self.EVENT_RATE)
             last = now

@@ -1,7 +1,7 @@
 """One idempotent reconcile for create, update, resume and drift.
 
 parse spec -> resolve config.json -> plan -> render children -> apply what differs
--> compute status -> write it if it changed -> Events for transitions.
+-> compute status -> write it if it changed -> Events for news (transitions).
 
 Errors are sorted into temporary ones (retried with back-off by the controller
 loop, reported in status) and permanent ones (a condition and an Event that say
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -214,6 +215,19 @@ def event_type(condition: Condition) -> str:
     return "Warning" if bad else "Normal"
 
 
+def newsworthy(old: list[Condition], new: list[Condition]) -> Iterator[tuple[Condition, str]]:
+    """The condition changes worth an Event, with the Event's type: every transition,
+    but of a condition's first appearance only the plan's (what Spillway computed for
+    the object) and any Warning. A new object's Degraded=False or
+    Available=False/DeploymentPending is where it starts, not news: such were three of
+    a new object's four Events, and a thousand new objects posted four thousand."""
+    seen = {c.type for c in old}
+    for c in transitions(old, new):
+        kind = event_type(c)
+        if c.type in seen or kind == "Warning" or c.type == ConditionType.PLAN_READY:
+            yield c, kind
+
+
 class Reconciler:
     def __init__(self, kube: Kube):
         self.kube = kube
@@ -307,9 +321,12 @@ class Reconciler:
 
     def _children(self, owner: render.Owner, spec: InferenceDeploymentSpec,
                   plan: Plan, strategy: dict[str, Any]) -> list[dict[str, Any]]:
-        children = [render.plan_configmap(owner, spec, plan), render.service(owner),
+        # In the order the pods need them: they mount the plan, the Deployment starts
+        # them (image pulls and model loads take minutes); the Service and the PDB
+        # matter once pods are ready.
+        children = [render.plan_configmap(owner, spec, plan),
                     render.deployment(owner, spec, plan, strategy),
-                    render.pod_disruption_budget(owner, spec)]
+                    render.service(owner), render.pod_disruption_budget(owner, spec)]
         if self.kube.service_monitors_served():
             children.append(render.service_monitor(owner))
         return children
@@ -365,8 +382,7 @@ class Reconciler:
             if exc.status == 404:  # deleted while we reconciled: nothing left to report
                 return None
             raise
-        for c in transitions(old.conditions, status.conditions):
-            kind = event_type(c)
+        for c, kind in newsworthy(old.conditions, status.conditions):
             self.kube.post_event(obj, kind, c.reason,
                                  f"{c.type}={c.status}: {c.message}" if c.message else
                                  f"{c.type}={c.status}")

@@ -183,3 +183,37 @@ def test_the_next_reconcile_sees_the_status_just_written():
     held = asyncio.run(scenario())
     assert held["metadata"]["resourceVersion"] == "7"  # each write answered newer
     assert [b.get("status") for b in seen] == [None, {"observedGeneration": 1}]
+
+
+def test_events_wait_while_new_objects_do_but_not_for_ever():
+    """A burst of new objects: their children go first, Events after (each held at
+    most EVENT_HOLD seconds, so a queue that never empties cannot silence them)."""
+    import threading
+    import time
+
+    posted: list[tuple[str, float]] = []
+    sent = threading.Event()
+
+    class Recording(Kube):
+        def request(self, verb, path, body=None, **_):
+            posted.append((body["reason"], time.monotonic()))
+            sent.set()
+
+    owner = {"apiVersion": "spillway.dev/v1alpha1", "kind": "InferenceDeployment",
+             "metadata": {"name": "a", "namespace": "ns", "uid": "u"}}
+    kube = Recording(None)
+    busy = True
+    kube.hold_events = lambda: busy
+    kube.post_event(owner, "Normal", "PlanComputed", "m")
+    time.sleep(0.3)
+    assert posted == []  # held while the burst lasts
+    busy, released = False, time.monotonic()
+    assert sent.wait(2) and posted[0][0] == "PlanComputed" and posted[0][1] >= released
+
+    sent.clear()
+    kube2 = Recording(None)
+    kube2.EVENT_HOLD = 0.2
+    kube2.hold_events = lambda: True  # never quiet
+    start = time.monotonic()
+    kube2.post_event(owner, "Warning", "OffloadPlanInvalid", "m")
+    assert sent.wait(2) and posted[-1][1] - start >= 0.2

@@ -151,6 +151,7 @@ class FakeKube:
         self.obj, self.config = obj, json.dumps(config)
         self.children: dict[str, dict[str, Any]] = {}
         self.writes: list[tuple[str, Any]] = []
+        self.events: list[tuple[str, str]] = []
 
     def service_monitors_served(self) -> bool:
         return True
@@ -193,7 +194,7 @@ class FakeKube:
         self.writes.append(("scale", replicas))
 
     def post_event(self, owner: dict, type_: str, reason: str, message: str) -> None:
-        pass
+        self.events.append((type_, reason))
 
 
 def infdep(**spec: Any) -> dict[str, Any]:
@@ -227,6 +228,31 @@ def test_a_deferred_status_is_written_by_the_next_reconcile():
     second = rec.reconcile(obj)
     assert not second.deferred and second.writes == 1  # the children stand; the status
     assert obj["status"]["observedGeneration"] == 1
+
+
+def test_a_new_object_posts_the_plan_event_and_later_transitions():
+    """A new object's starting conditions (Degraded=False, Available=False while its
+    pods come, Progressing) are no news: one Event, the plan's. What changes after
+    that is."""
+    obj = infdep()
+    obj["metadata"]["generation"] = 1
+    kube = FakeKube(obj, load_local(MODELS / "gemma-3-1b-it.json"))
+    rec = Reconciler(kube)
+    rec.reconcile(obj)
+    assert {c["type"] for c in obj["status"]["conditions"]} >= {
+        "PlanReady", "Available", "Progressing", "Degraded"}
+    assert kube.events == [("Normal", "PlanComputed")]
+    obj["spec"]["replicas"] = 0  # Available: MinimumReplicasAvailable -> ScaledToZero
+    obj["metadata"]["generation"] = 2
+    rec.reconcile(obj)
+    assert ("Normal", "ScaledToZero") in kube.events[1:]
+
+
+def test_a_new_object_with_a_refused_plan_posts_its_warning():
+    obj = infdep(offload={"hostMemory": "1Ki"})
+    kube = FakeKube(obj, load_local(MODELS / "gemma-3-1b-it.json"))
+    Reconciler(kube).reconcile(obj)
+    assert [r for t, r in kube.events if t == "Warning"] == ["OffloadPlanInvalid", "PlanNotReady"]
 
 
 def test_a_reconcile_plans_once_per_config_and_spec(monkeypatch):
