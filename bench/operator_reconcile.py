@@ -12,10 +12,11 @@ For each count (default 1, 200 and 1000) of InferenceDeployments created at once
     seconds and RSS;
   - API writes per no-op reconcile (every object poked once more, after it is quiet).
 
-Each operator watches only its batch's namespace (``-n``), so batches do not mix.
+Each operator watches only its batch's namespace (``-n``), so batches do not mix, and
+each batch's namespace is deleted (and waited for) before the next row.
 Usage: python -m bench.operator_reconcile [--counts 1,200,1000] [--kubeconfig PATH]
        [--baseline-src DIR]   (DIR: a checkout, e.g. from `git archive`)
-       [--workers 4,8] [--keep]
+       [--workers 4,8] [--repeat N] [--keep]
 Without --kubeconfig it starts its own control plane (binaries from tools/build.sh).
 Prints tables; asserts nothing.
 """
@@ -96,6 +97,25 @@ def make_namespace(api: client.ApiClient, prefix: str) -> str:
     return ns
 
 
+def retire(api: client.ApiClient, ns: str, timeout: float = 600) -> None:
+    """Delete a batch's namespace and wait until it is gone: each row starts from the
+    same cluster, not one whose controllers still work through the last batch (the
+    row measured after another was otherwise the slower by design)."""
+    core = client.CoreV1Api(api)
+    core.delete_namespace(ns)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            core.read_namespace(ns)
+        except client.ApiException as exc:
+            if exc.status == 404:
+                time.sleep(3)  # the controllers' own last events
+                return
+            raise
+        time.sleep(1)
+    raise RuntimeError(f"namespace {ns} still there after {timeout:.0f}s")
+
+
 @dataclass
 class Row:
     who: str
@@ -110,6 +130,7 @@ class Row:
     rss: float | None = None
     noop_reconciles: float | None = None
     noop_writes: float | None = None
+    floor: float | None = None  # the p99 of the floor of the same round
 
 
 def floor(api: client.ApiClient, count: int, apply: bool = False) -> Row:
@@ -147,6 +168,7 @@ def floor(api: client.ApiClient, count: int, apply: bool = False) -> Row:
     with ThreadPoolExecutor(THREADS) as pool:
         list(pool.map(create, bodies))
     total = time.monotonic() - start
+    retire(api, ns)
     return Row("floor-apply" if apply else "floor", count, len(done), statistics.median(done),
                pct(done, 0.99), total)
 
@@ -258,6 +280,7 @@ def operator_run(api: client.ApiClient, kubeconfig: Path, who: str, count: int,
                    quiet["patch"] + quiet["post"] - writes0)
     finally:
         op.stop()
+        retire(api, ns)
 
 
 def main() -> int:
@@ -269,6 +292,9 @@ def main() -> int:
                          "each (default: its own)")
     ap.add_argument("--baseline-src", type=Path,
                     help="a checkout whose operator runs beside this one's (PYTHONPATH)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="rounds per count, the operators' order alternating (runs on a "
+                         "shared machine differ by a third); medians printed after")
     ap.add_argument("--keep", action="store_true",
                     help="keep the work directory (operator logs) and print where it is")
     args = ap.parse_args()
@@ -301,13 +327,18 @@ def main() -> int:
     rows: list[Row] = []
     try:
         for count in counts:
-            for apply in (False, True):
-                rows.append(floor(api, count, apply))
-                print(f"{rows[-1].who} {count}: p99 {rows[-1].p99:.2f} s", file=sys.stderr)
-            for who, variant_env in variants:
-                rows.append(operator_run(api, Path(kubeconfig), who, count, workdir,
-                                         variant_env))
-                print(f"{who} {count}: p99 {rows[-1].p99:.2f} s", file=sys.stderr)
+            for round_ in range(args.repeat):
+                for apply in (False, True):
+                    rows.append(floor(api, count, apply))
+                    print(f"{rows[-1].who} {count}: p99 {rows[-1].p99:.2f} s",
+                          file=sys.stderr)
+                floor_p99 = rows[-2].p99
+                for who, variant_env in (variants if round_ % 2 == 0 else variants[::-1]):
+                    rows.append(operator_run(api, Path(kubeconfig), who, count, workdir,
+                                             variant_env))
+                    print(f"{who} {count}: p99 {rows[-1].p99:.2f} s", file=sys.stderr)
+                for r in rows[-len(variants) - 2:]:
+                    r.floor = floor_p99
     finally:
         if cluster:
             cluster.stop()
@@ -318,11 +349,10 @@ def main() -> int:
           f"{'p99/floor':>10} {'converged (s)':>14} {'GET/obj':>8} {'PATCH/obj':>10} "
           f"{'POST/obj':>9} {'reconciles/obj':>15} {'CPU (s)':>8} {'RSS (MiB)':>10} "
           f"{'no-op writes':>13}")
-    floors = {r.count: r.p99 for r in rows if r.who == "floor"}
     for r in rows:
         conv = "-" if r.converged is None else f"{r.converged:.2f}"
         po = r.per_object or {}
-        ratio = "-" if r.who == "floor" else f"{r.p99 / floors[r.count]:.1f}x"
+        ratio = "-" if r.who == "floor" or r.floor is None else f"{r.p99 / r.floor:.1f}x"
         noop = "-" if r.noop_writes is None else f"{r.noop_writes:.0f}/{r.noop_reconciles:.0f}"
         print(f"{r.who:>12} {r.count:>8} {r.deployed:>9} {r.p50:>8.2f} {r.p99:>8.2f} "
               f"{ratio:>10} {conv:>14} {po.get('get', 0):>8.1f} {po.get('patch', 0):>10.1f} "
@@ -330,6 +360,19 @@ def main() -> int:
               f"{'-' if r.reconciles is None else f'{r.reconciles:.2f}':>15} "
               f"{'-' if r.cpu is None else f'{r.cpu:.1f}':>8} "
               f"{'-' if r.rss is None else f'{r.rss:.0f}':>10} {noop:>13}")
+    if args.repeat > 1:
+        print(f"\nmedians of {args.repeat} rounds:")
+        print(f"{'who':>12} {'objects':>8} {'p50 (s)':>8} {'p99 (s)':>8} {'p99/floor':>10} "
+              f"{'converged (s)':>14}")
+        for count in counts:
+            for who in dict.fromkeys(r.who for r in rows if r.count == count):
+                mine = [r for r in rows if r.count == count and r.who == who]
+                conv = [r.converged for r in mine if r.converged is not None]
+                ratio = ("-" if who == "floor" else
+                         f"{statistics.median(r.p99 / r.floor for r in mine):.1f}x")
+                print(f"{who:>12} {count:>8} {statistics.median(r.p50 for r in mine):>8.2f} "
+                      f"{statistics.median(r.p99 for r in mine):>8.2f} {ratio:>10} "
+                      f"{statistics.median(conv) if conv else float('nan'):>14.2f}")
     print("floor: the children POSTed by 16 threads; floor-apply: server-side applied "
           "instead, as the operator does; converged = time until its last child was "
           "created; no-op writes: writes / reconciles after poking every object once")
