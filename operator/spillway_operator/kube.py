@@ -173,9 +173,9 @@ class Kube:
         self.may_write = may_write
         # What the watches delivered (None: read everything from the API server).
         self.cache = cache
-        self._events: queue.Queue[dict] | None = None
-        # While it answers True, Events wait (new objects' children go first), at most
-        # EVENT_HOLD seconds each. None: they never wait.
+        self._events: queue.Queue[tuple[float, dict]] | None = None  # (queued at, Event)
+        # While it answers True, Events wait (new objects' children go first), each at
+        # most EVENT_HOLD seconds after it was queued. None: they never wait.
         self.hold_events: Callable[[], bool] | None = None
         # Reconciles run in worker threads and share the discovery cache below.
         self._lock = threading.Lock()
@@ -405,7 +405,7 @@ class Kube:
 
     def _send_later(self, event: dict) -> None:
         """Events are best effort: one thread posts them, so a reconcile never waits for
-        them (a new object's first reconcile has three or four). A full queue drops."""
+        them (a new object's first status write has one or two). A full queue drops."""
         if self._events is None:
             with self._lock:
                 if self._events is None:
@@ -413,14 +413,16 @@ class Kube:
                     threading.Thread(target=self._post_events, name="spillway-events",
                                      daemon=True).start()
         with contextlib.suppress(queue.Full):
-            self._events.put_nowait(event)
+            self._events.put_nowait((time.monotonic(), event))
 
     def _post_events(self) -> None:
         assert self._events is not None
         tokens, last = float(self.EVENT_BURST), time.monotonic()
         while True:
-            event = self._events.get()
-            held = time.monotonic() + self.EVENT_HOLD
+            queued, event = self._events.get()
+            # From its queueing, not from its turn: in a long burst, Events queued
+            # behind others would each wait EVENT_HOLD again, one per EVENT_HOLD.
+            held = queued + self.EVENT_HOLD
             while self.hold_events is not None and self.hold_events() and \
                     time.monotonic() < held:
                 time.sleep(0.1)

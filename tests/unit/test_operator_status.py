@@ -235,7 +235,6 @@ def test_a_new_object_posts_the_plan_event_and_later_transitions():
     pods come, Progressing) are no news: one Event, the plan's. What changes after
     that is."""
     obj = infdep()
-    obj["metadata"]["generation"] = 1
     kube = FakeKube(obj, load_local(MODELS / "gemma-3-1b-it.json"))
     rec = Reconciler(kube)
     rec.reconcile(obj)
