@@ -1,9 +1,10 @@
 """What the operator's watches already told it: the children, their pods, and the
 model ConfigMaps the specs name, so a reconcile reads none of them again.
 
-kopf's watches deliver every change of the children (Deployments, Services, plan
-ConfigMaps, PodDisruptionBudgets) and pods; the handlers put each body here before
-they queue its owner, so the owner's reconcile sees at least that version. The
+The watches deliver every change of the children (Deployments, Services and
+PodDisruptionBudgets and the pods from the operator's own, plan ConfigMaps from
+kopf's); each body is put here before its owner is queued, so the owner's reconcile
+sees at least that version. The
 operator's own writes put the answer here too, so a reconcile that runs before the
 watch event of its own write does not write again.
 
@@ -62,8 +63,8 @@ def older(new: Mapping[str, Any], held: Mapping[str, Any] | None) -> bool:
 
 
 class WatchCache:
-    """Thread-safe: the watches write from kopf's event loop, reconciles read from
-    worker threads."""
+    """Thread-safe: the watches write from their threads and kopf's event loop,
+    reconciles read from worker threads."""
 
     def __init__(self, owner_label: str):
         self.owner_label = owner_label

@@ -1,10 +1,12 @@
 """kopf wiring: thin handlers that feed the controller's queue.
 
-Watched: InferenceDeployments, and the Deployments, Pods, Services, ConfigMaps and
-PodDisruptionBudgets Spillway manages (by label or owner reference), whose changes
-re-reconcile their owner so drift is repaired and status follows the pods; each
-body is kept in the watch cache first, so the reconcile reads none of them again.
-The model ConfigMaps specs name are watched too: a changed config.json re-plans.
+kopf watches InferenceDeployments and ConfigMaps (the plan ConfigMaps Spillway
+manages, and the model ConfigMaps specs name: a changed config.json re-plans). The
+Deployments, Services, PodDisruptionBudgets and pods Spillway manages come from its
+own watches (``watch.Reflector``: the API server filters them by label, and no kopf
+bookkeeping per event). Every change of a child re-reconciles its owner, so drift is
+repaired and status follows the pods; each body is kept in the watch cache first, so
+the reconcile reads none of them again.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 import kopf
 from kubernetes import client, config
 
-from spillway_operator import metrics
+from spillway_operator import metrics, watch
 from spillway_operator.cache import WatchCache
 from spillway_operator.controller import Controller
 from spillway_operator.kube import Kube
@@ -31,7 +33,8 @@ from spillway_operator.spec import GROUP, KIND, PLURAL, VERSION
 
 OWNER_LABEL = f"{GROUP}/inference-deployment"
 MANAGED_BY = "app.kubernetes.io/managed-by"
-MANAGED = {MANAGED_BY: FIELD_MANAGER, OWNER_LABEL: kopf.PRESENT}
+# What the own watches ask the API server for: managed by Spillway, with an owner.
+MANAGED_SELECTOR = f"{MANAGED_BY}={FIELD_MANAGER},{OWNER_LABEL}"
 
 _state: dict[str, Any] = {}
 
@@ -122,7 +125,7 @@ def owner_key(namespace: str | None, labels: Mapping[str, str],
 
 
 def is_child(labels: Mapping[str, str], meta: Mapping[str, Any], **_: Any) -> bool:
-    """kopf's filter for the children's events: managed by label, or owned by an
+    """Whether a ConfigMap is a plan ConfigMap: managed by label, or owned by an
     InferenceDeployment (someone removed the labels: the event must still reach its
     owner, whose reconcile puts them back)."""
     managed = labels.get(MANAGED_BY) == FIELD_MANAGER and OWNER_LABEL in labels
@@ -149,6 +152,9 @@ async def startup(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
     controller = make_controller(kube, os.environ)
     kube.hold_events = lambda: controller.bursting
     _state["controller"], _state["cache"] = controller, cache
+    _state["watches"] = start_watches(getattr(memo, "namespaces", None),
+                                      asyncio.get_running_loop(),
+                                      settings.watching.server_timeout or 300)
     if election is None:
         metrics.LEADER.set(1)  # the only replica: it always writes
         controller.start()
@@ -168,6 +174,8 @@ async def startup(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
 
 @kopf.on.cleanup()
 async def cleanup(**_: Any) -> None:
+    for reflector in _state.pop("watches", ()):
+        reflector.stop()
     controller = _state.pop("controller", None)
     elector: LeaderElector | None = _state.pop("elector", None)
     task = _state.pop("election", None)
@@ -190,16 +198,16 @@ async def on_inference_deployment(body: kopf.Body, type: str | None, **_: Any) -
         cache.forget_reader((body["metadata"]["namespace"], body["metadata"]["name"]))
 
 
-def _owner_changed(namespace: str | None, labels: kopf.Labels,
-                   meta: kopf.Meta | None = None) -> None:
+def _owner_changed(namespace: str | None, labels: Mapping[str, str],
+                   meta: Mapping[str, Any] | None = None) -> None:
     controller: Controller | None = _state.get("controller")
     key = owner_key(namespace, labels, (meta or {}).get("ownerReferences"))
     if controller is not None and key is not None and key in controller.objects:
         controller.enqueue(key)
 
 
-def _child_changed(body: kopf.Body, type: str | None, namespace: str | None,
-                   labels: kopf.Labels, meta: kopf.Meta) -> None:
+def _child_changed(body: Mapping[str, Any], type: str | None, namespace: str | None,
+                   labels: Mapping[str, str], meta: Mapping[str, Any]) -> None:
     """Keep the body, then queue its owner (in that order: the reconcile must see it)
     if the event tells it anything new."""
     cache: WatchCache | None = _state.get("cache")
@@ -207,31 +215,32 @@ def _child_changed(body: kopf.Body, type: str | None, namespace: str | None,
         _owner_changed(namespace, labels, meta)
 
 
-@kopf.on.event("apps", "v1", "deployments", when=is_child)
-async def on_deployment(body: kopf.Body, type: str | None, namespace: str | None,
-                        labels: kopf.Labels, meta: kopf.Meta, **_: Any) -> None:
-    _child_changed(body, type, namespace, labels, meta)
+WATCHED = (watch.DEPLOYMENTS, watch.SERVICES, watch.POD_DISRUPTION_BUDGETS, watch.PODS)
 
 
-@kopf.on.event("", "v1", "pods", labels=MANAGED)
-async def on_pod(body: kopf.Body, type: str | None, namespace: str | None,
-                 labels: kopf.Labels, **_: Any) -> None:
-    cache: WatchCache | None = _state.get("cache")
-    if cache is not None:
-        cache.observe_pod(dict(body), type)
-    _owner_changed(namespace, labels)
+def start_watches(namespaces: list[str] | None, loop: asyncio.AbstractEventLoop,
+                  timeout: int) -> list[watch.Reflector]:
+    """The children's and pods' watches (``namespaces`` None: cluster-wide). They
+    keep the cache on their own threads, in stream order, and queue the owner on
+    ``loop``, where the controller lives."""
+    cache: WatchCache = _state["cache"]
 
+    def child(event_type: str, body: dict[str, Any]) -> None:
+        if cache.observe(body, event_type):
+            meta = body.get("metadata") or {}
+            loop.call_soon_threadsafe(_owner_changed, meta.get("namespace"),
+                                      meta.get("labels") or {}, meta)
 
-@kopf.on.event("", "v1", "services", when=is_child)
-async def on_service(body: kopf.Body, type: str | None, namespace: str | None,
-                     labels: kopf.Labels, meta: kopf.Meta, **_: Any) -> None:
-    _child_changed(body, type, namespace, labels, meta)
+    def pod(event_type: str, body: dict[str, Any]) -> None:
+        cache.observe_pod(body, event_type)
+        meta = body.get("metadata") or {}
+        loop.call_soon_threadsafe(_owner_changed, meta.get("namespace"),
+                                  meta.get("labels") or {})
 
-
-@kopf.on.event("policy", "v1", "poddisruptionbudgets", when=is_child)
-async def on_pod_disruption_budget(body: kopf.Body, type: str | None, namespace: str | None,
-                                   labels: kopf.Labels, meta: kopf.Meta, **_: Any) -> None:
-    _child_changed(body, type, namespace, labels, meta)
+    api = _api_client(len(WATCHED) * len(namespaces or [None]))  # one connection each
+    return [watch.Reflector(api, kind, namespace, MANAGED_SELECTOR,
+                            pod if kind is watch.PODS else child, timeout=timeout).start()
+            for namespace in namespaces or [None] for kind in WATCHED]
 
 
 @kopf.on.event("", "v1", "configmaps")

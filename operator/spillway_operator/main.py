@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -16,6 +17,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from spillway_operator.leader import Election
 
+# A namespace is a DNS label; the operator's own watches take names, not kopf's globs.
+_NAMESPACE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
 
@@ -85,6 +88,10 @@ def run(args: argparse.Namespace) -> int:
     import spillway_operator.handlers  # noqa: F401 - registers the handlers
 
     try:
+        for namespace in args.namespaces or ():
+            if not _NAMESPACE.fullmatch(namespace):
+                raise ValueError(f"-n {namespace!r}: not a namespace name (lowercase letters, "
+                                 "digits and '-', at most 63; patterns are not supported)")
         election = election_of(args)
     except ValueError as exc:
         print(f"spillway operator run: {exc}", file=sys.stderr)
@@ -103,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
         clusterwide=bool(args.all_namespaces),
         namespaces=args.namespaces or [],
         liveness_endpoint=args.liveness or None,
-        memo=kopf.Memo(election=election),
+        memo=kopf.Memo(election=election, namespaces=args.namespaces or None),
     )
     return 0
 

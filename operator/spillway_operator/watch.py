@@ -198,6 +198,8 @@ class Reflector:
             self.deliver("DELETED", gone)
         self.version = version
         self.synced.set()
+        log.info("%s: listed %d, watching from resourceVersion %s", self._name(),
+                 len(items), version)
 
     def _remember(self, event_type: str, obj: dict[str, Any]) -> tuple[str, str]:
         meta = obj.get("metadata") or {}

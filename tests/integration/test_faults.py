@@ -247,8 +247,8 @@ def test_children_deleted_or_edited_by_hand_are_repaired(env, operator):
         return uid("poddisruptionbudget", "gemma") is not None
 
     # Labels removed (first, while nothing else moves: no pod event can stand in for
-    # the child's own): the operator no longer finds the child by label, but by its
-    # owner reference.
+    # the child's own): the operator's label-selected watch sees the Deployment leave
+    # (DELETED), its owner reads it afresh and puts the labels back.
     wait_for(lambda: (env.get("gemma").get("status") or {}).get("autoscaling"), 60,
              "the autoscaler's first status")
     settle(operator)
