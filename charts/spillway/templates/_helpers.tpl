@@ -53,7 +53,7 @@ app.kubernetes.io/part-of: spillway
 
 {{/*
 The operator's rules in the namespaces it watches: exactly the requests it makes
-(operator/spillway_operator/kube.py and handlers.py, plus kopf 1.45.2's watches).
+(operator/spillway_operator/kube.py, handlers.py and watch.py, plus kopf 1.45.2's watches).
 tests/integration/test_chart.py compares the rendered rules with an explicit set and
 runs the operator with this ServiceAccount's token against a real API server.
 
@@ -66,11 +66,13 @@ runs the operator with this ServiceAccount's token against a real API server.
   subresource, one writer; the spec itself is never written).
 - deployments, services, configmaps get, list, watch, patch, create: get = read a
   child the watches have not delivered yet (the operator compares against the watches'
-  copies); patch = server-side apply; create = the same apply when the
-  child does not exist yet: the API server authorizes an apply as "patch" and, when the
-  apply creates the object, checks "create" as well (verified against kube-apiserver 1.35:
-  without create the first apply is a 403 "cannot create resource"); list, watch =
-  kopf's drift watches, which feed that cache. configmaps get also reads the model's
+  copies); create = a new child is POSTed, and an apply that creates the child is
+  authorized as "patch" and "create" both (verified against kube-apiserver 1.35:
+  without create the first apply is a 403 "cannot create resource"); patch =
+  server-side apply, and the one JSON patch that turns a created child's field
+  ownership into the apply's; list, watch = the drift watches (the operator's own,
+  label-selected, for deployments and services; kopf's for configmaps), which feed
+  that cache. configmaps get also reads the model's
   config.json ConfigMap, whose watch re-plans when it changes.
 - poddisruptionbudgets get, list, watch, patch, create: the engine pods' budget, applied
   like the other children (the watch feeds the operator's cache and repairs a hand
@@ -79,8 +81,8 @@ runs the operator with this ServiceAccount's token against a real API server.
   children (only when the Prometheus operator's API is served; that discovery request is
   a non-resource URL every authenticated user may read).
 - pods list, watch: readiness of the engine pods (list by selector, which also gives the
-  autoscaler the pod IPs it scrapes directly, without the API server's proxy) and kopf's
-  watch. pods patch: before a scale-down the autoscaler annotates the pods that should go
+  autoscaler the pod IPs it scrapes directly, without the API server's proxy) and the
+  operator's own label-selected watch. pods patch: before a scale-down the autoscaler annotates the pods that should go
   (controller.kubernetes.io/pod-deletion-cost, spillway.dev/draining) and takes stale
   marks off again; no get (the list gives the pods), no create, delete or subresources.
 - secrets get: the optional Hugging Face token Secret named in a spec. The name is the
