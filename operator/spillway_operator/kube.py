@@ -122,6 +122,24 @@ def _api_message(body: bytes | None) -> str:
     return " ".join(str(message).split())[:800]
 
 
+def duplicate_list_keys(obj: Any) -> bool:
+    """Whether a list that server-side apply keys by item (``_LIST_KEYS``) holds two
+    items with one key, e.g. two env vars named alike. A POST accepts that body, but
+    no apply of the object could ever succeed again (the API server answers 500), so
+    such a child is applied from the start and refused as a whole."""
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            if isinstance(value, list) and key in _LIST_KEYS:
+                keys = [k for k in (_item_key(i, _LIST_KEYS[key]) for i in value) if k]
+                if len(keys) != len(set(keys)):
+                    return True
+            if isinstance(value, (dict, list)) and duplicate_list_keys(value):
+                return True
+    elif isinstance(obj, list):
+        return any(duplicate_list_keys(item) for item in obj)
+    return False
+
+
 def _quantity_equal(a: Any, b: Any) -> bool:
     try:
         return parse_bytes(str(a)) == parse_bytes(str(b))
@@ -270,7 +288,7 @@ class Kube:
         live = self._cached(*ref_of(desired))
         if live is None and not surely_absent:
             live = self._read(path)
-        if live is None and surely_absent:
+        if live is None and surely_absent and not duplicate_list_keys(desired):
             created = self.create(desired)
             if created is not None:
                 return "created", created

@@ -128,3 +128,20 @@ def test_a_planner_crash_is_refused_as_an_invalid_config(monkeypatch, caplog):
     reason, message, outcome = reconciler.plan_failure(info.value)
     assert (reason, outcome) == ("ModelConfigInvalid", "refused")
     assert "TypeError" in message and "\n" not in message
+
+
+def test_a_body_no_apply_could_take_is_never_posted():
+    """Duplicate keys in a list server-side apply keys by item: a POST would take it,
+    every later apply would not, so the child goes by apply and is refused whole."""
+    from spillway_operator.kube import duplicate_list_keys
+
+    env = [{"name": "FOO", "value": "a"}, {"name": "FOO", "value": "b"}]
+    deployment = {"spec": {"template": {"spec": {"containers": [
+        {"name": "engine", "env": env, "ports": [{"containerPort": 8000}]}]}}}}
+    assert duplicate_list_keys(deployment)
+    deployment["spec"]["template"]["spec"]["containers"][0]["env"] = env[:1]
+    assert not duplicate_list_keys(deployment)
+    two_ports = [{"containerPort": 8000}, {"containerPort": 8000, "protocol": "UDP"}]
+    assert not duplicate_list_keys({"ports": two_ports})
+    assert duplicate_list_keys({"ports": [{"containerPort": 8000}, {"containerPort": 8000}]})
+    assert not duplicate_list_keys({"args": ["--a", "--a"]})  # an atomic list
