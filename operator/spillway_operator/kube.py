@@ -339,8 +339,19 @@ class Kube:
         into an Apply entry, as kubectl does when it moves an object to server-side
         apply. Without it the Update entry keeps owning every field it created, and
         an apply that stops setting one (an env var, a volume) would leave it behind.
-        The write names the resourceVersion: a concurrent change answers 409 and the
-        reconcile retries."""
+        The write names the resourceVersion, so the entry's index is the one read: when
+        the copy was stale (a Deployment's status moves all the time) the API server
+        answers 409 and it is read and tried once more; then the reconcile retries."""
+        try:
+            self._adopt(live)
+        except TemporaryError as exc:
+            if exc.status != 409:
+                raise
+            fresh = self._read(self.object_path(live))
+            if fresh is not None:
+                self._adopt(fresh)
+
+    def _adopt(self, live: dict) -> None:
         entries = (live.get("metadata") or {}).get("managedFields") or []
         ours = [(i, e.get("operation")) for i, e in enumerate(entries)
                 if e.get("manager") == FIELD_MANAGER and not e.get("subresource")]

@@ -63,3 +63,17 @@ def test_a_create_that_finds_the_child_applies_over_it(api, namespace):
     # The same again changes nothing.
     assert kube.ensure(_configmap(namespace, {"new": "2"}, {"a": "1"}),
                        surely_absent=True)[0] == "unchanged"
+
+
+def test_adoption_from_a_stale_copy_reads_again_instead_of_failing(api, namespace):
+    core = client.CoreV1Api(api)
+    kube = Kube(api, cache=WatchCache("spillway.dev/inference-deployment"))
+    kube.ensure(_configmap(namespace, {"keep": "1", "drop": "2"}, {"a": "1"}), surely_absent=True)
+    # Someone else writes meanwhile (as the controllers do a Deployment's status): the
+    # cached copy's resourceVersion is old now.
+    core.patch_namespaced_config_map("child", namespace,
+                                     {"metadata": {"annotations": {"other": "x"}}})
+    action, _ = kube.ensure(_configmap(namespace, {"keep": "changed"}, {"a": "1"}))
+    assert action == "updated"
+    live = core.read_namespaced_config_map("child", namespace)
+    assert live.data == {"keep": "changed"} and _ours(live) == ["Apply"]
