@@ -33,6 +33,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from spillway_operator import metrics
+from spillway_operator.kube import api_path
 
 log = logging.getLogger("spillway.watch")
 
@@ -46,7 +47,7 @@ class Kind:
     plural: str
 
     def path(self, namespace: str | None) -> str:
-        root = "/api/v1" if self.api_version == "v1" else f"/apis/{self.api_version}"
+        root = api_path(self.api_version)
         return f"{root}/namespaces/{namespace}/{self.plural}" if namespace else \
             f"{root}/{self.plural}"
 
