@@ -115,9 +115,18 @@ def helm(bins, helm_env, request):
     if "cluster" in request.fixturenames:
         kubeconfig = [f"--kubeconfig={request.getfixturevalue('cluster').config.kubeconfig}"]
 
+    installed: set[str] = set()  # namespaces this test installed the release into
+
     def helm(*args: str | Path, check: bool = True) -> subprocess.CompletedProcess:
+        if args and args[0] in ("install", "upgrade") and "-n" in args:
+            installed.add(str(args[args.index("-n") + 1]))
         return run(bins["helm"], *kubeconfig, *args, check=check, env=helm_env)
-    return helm
+    yield helm
+    # A test that failed before its own uninstall must not leave cluster-scoped objects
+    # (the release's ClusterRole and binding) for the next test to trip over.
+    for ns in installed:
+        run(bins["helm"], *kubeconfig, "uninstall", RELEASE, "-n", ns, "--ignore-not-found",
+            "--wait", "--timeout", "60s", check=False, env=helm_env)
 
 
 def render(helm, namespace: str, *sets: str, chart: Path = CHART) -> list[dict]:
