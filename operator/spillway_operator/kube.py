@@ -105,6 +105,12 @@ class Rejected(Exception):
         self.status = status
 
 
+class NamespaceTerminating(Rejected):
+    """The object's namespace is being deleted: the API server creates nothing in it
+    any more (children, Events, Leases), and everything in it goes soon. Neither a
+    retry nor a status saying so would help anyone."""
+
+
 # Server-side apply answers 500 when it cannot even build the typed object
 # (duplicate list keys such as two env vars with one name): the body, not the
 # server, is at fault.
@@ -120,6 +126,17 @@ def _api_message(body: bytes | None) -> str:
     except (ValueError, AttributeError):
         message = text
     return " ".join(str(message).split())[:800]
+
+
+def _namespace_terminating(body: bytes | None) -> bool:
+    """Whether a 403 is the namespace lifecycle admission's refusal to create anything
+    in a namespace being deleted: a Status cause NamespaceTerminating (a StatusCause's
+    type is serialized as "reason")."""
+    try:
+        causes = (json.loads(body or b"{}").get("details") or {}).get("causes") or []
+    except (ValueError, AttributeError):
+        return False
+    return any(isinstance(c, dict) and c.get("reason") == "NamespaceTerminating" for c in causes)
 
 
 def duplicate_list_keys(obj: Any) -> bool:
@@ -204,6 +221,22 @@ class Kube:
         self._lock = threading.Lock()
         self._has_service_monitors: bool | None = None
         self._service_monitors_checked = 0.0
+        # Namespaces the API server said are being deleted -> when it said so.
+        self._terminating: dict[str, float] = {}
+
+    #: How long a namespace the API server called terminating is taken as such without
+    #: asking again (a namespace of that name may be created anew after it is gone).
+    TERMINATING_MEMORY = 30.0
+
+    def namespace_terminating(self, namespace: str) -> bool:
+        """Whether a write into ``namespace`` was refused as "being terminated" within
+        the last TERMINATING_MEMORY seconds."""
+        with self._lock:
+            said = self._terminating.get(namespace)
+            if said is not None and time.monotonic() - said > self.TERMINATING_MEMORY:
+                del self._terminating[namespace]
+                said = None
+        return said is not None
 
     # ------------------------------------------------------------ raw requests
 
@@ -240,6 +273,11 @@ class Kube:
                                  f"({type(exc).__name__})") from None
         if resp.status >= 400:
             message = _api_message(data)
+            if resp.status == 403 and _namespace_terminating(data):
+                namespace = path.split("/namespaces/", 1)[-1].split("/", 1)[0]
+                with self._lock:
+                    self._terminating[namespace] = time.monotonic()
+                raise NamespaceTerminating(f"{verb} {path}: {message}", resp.status)
             if resp.status == 500 and any(m in message for m in _TYPED_PATCH_ERRORS):
                 raise Rejected(f"{verb} {path}: {message}", resp.status)
             if resp.status in _RETRYABLE_STATUS:

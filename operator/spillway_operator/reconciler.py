@@ -24,7 +24,7 @@ from spillway_engine.planner.plan import Plan, PlanRefused, PlanRequest, make_pl
 from spillway_engine.quantity import parse_bytes
 from spillway_operator import metrics, render, rollout
 from spillway_operator.cache import Memo
-from spillway_operator.kube import Kube, Rejected, TemporaryError
+from spillway_operator.kube import Kube, NamespaceTerminating, Rejected, TemporaryError
 from spillway_operator.spec import (
     Condition,
     ConditionType,
@@ -273,8 +273,19 @@ class Reconciler:
         """``defer_status``: other new objects wait for their children, so apply this
         one's and leave its status (and Events) to a later reconcile (``deferred``)."""
         started = time.perf_counter()
+        namespace = obj["metadata"]["namespace"]
         try:
-            result = self._reconcile(obj, defer_status)
+            if self.kube.namespace_terminating(namespace):
+                result = Result("ok")  # it goes with its namespace; writes would be refused
+            else:
+                result = self._reconcile(obj, defer_status)
+        except NamespaceTerminating:
+            # Its children went first (the namespace's deletion takes everything in it):
+            # re-creating them, or a status and Event saying they are gone, would fight
+            # the deletion the user asked for.
+            log.info("%s/%s: its namespace is being deleted; leaving it alone", namespace,
+                     obj["metadata"]["name"])
+            result = Result("ok")
         finally:
             metrics.RECONCILE_SECONDS.observe(time.perf_counter() - started)
         metrics.RECONCILES.labels(outcome=result.outcome).inc()
@@ -305,6 +316,8 @@ class Reconciler:
             first = not (obj.get("status") or {}).get("observedGeneration")
             try:
                 writes += self._apply(owner, spec, plan, obs, first)
+            except NamespaceTerminating:
+                raise  # not this body's fault: see reconcile()
             except Rejected as exc:
                 # A body the API server refuses is refused again on retry: say so
                 # in status and an Event; the next spec change tries again.

@@ -156,6 +156,9 @@ class FakeKube:
     def service_monitors_served(self) -> bool:
         return True
 
+    def namespace_terminating(self, namespace: str) -> bool:
+        return False
+
     def read_configmap_key(self, namespace: str, name: str, key: str,
                            reader: tuple[str, str] | None = None) -> str | None:
         return self.config
