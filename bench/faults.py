@@ -30,6 +30,7 @@ Recorded per trial, where it applies:
 
 Usage: python -m bench.faults [--count 200] [--trials 10] [--repeats 3]
                               [--faults leader-kill,apiserver,etcd,child-edit,invalid]
+                              [--logs DIR [--verbose]]
 Starts its own control plane (it stops and kills parts of it). Prints tables; asserts
 nothing. Run it from a snapshot of the tree (the replacement replicas import the tree
 when they start, and a file edited mid-run is what they get), e.g.
@@ -205,7 +206,8 @@ class Bench:
             self.cluster.config.kubeconfig, self.logs / f"{name}.log",
             env={"SPILLWAY_RESYNC_SECONDS": str(RESYNC)},
             extra_args=["--leader-elect", "--leader-election-namespace", LEASE_NS,
-                        "--leader-election-identity", name, "--log-format", "full"])
+                        "--leader-election-identity", name, "--log-format", "full",
+                        *(["--verbose"] if self.args.verbose else [])])
 
     def replace_exited(self) -> int:
         """Start a new replica for each that ended (the kubelet's restart); how many."""
@@ -530,6 +532,8 @@ def main() -> int:
                     help=f"comma-separated, of {', '.join(FAULTS)}")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--logs", type=Path, help="keep the operators' logs in this folder")
+    ap.add_argument("--verbose", action="store_true",
+                    help="the operators log every API request (to count writes, with --logs)")
     args = ap.parse_args()
     chosen = [f.strip() for f in args.faults.split(",") if f.strip()]
     if unknown := set(chosen) - set(FAULTS):
