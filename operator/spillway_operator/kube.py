@@ -233,7 +233,7 @@ class Kube:
         the last TERMINATING_MEMORY seconds."""
         with self._lock:
             said = self._terminating.get(namespace)
-            if said is not None and time.monotonic() - said > self.TERMINATING_MEMORY:
+            if said is not None and time.monotonic() - said >= self.TERMINATING_MEMORY:
                 del self._terminating[namespace]
                 said = None
         return said is not None

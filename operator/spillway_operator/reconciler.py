@@ -276,7 +276,9 @@ class Reconciler:
         namespace = obj["metadata"]["namespace"]
         try:
             if self.kube.namespace_terminating(namespace):
-                result = Result("ok")  # it goes with its namespace; writes would be refused
+                # It goes with its namespace; writes would be refused. Looked at again
+                # once that is forgotten: a namespace of this name may be new by then.
+                result = Result("ok", self.kube.TERMINATING_MEMORY)
             else:
                 result = self._reconcile(obj, defer_status)
         except NamespaceTerminating:
@@ -285,7 +287,7 @@ class Reconciler:
             # the deletion the user asked for.
             log.info("%s/%s: its namespace is being deleted; leaving it alone", namespace,
                      obj["metadata"]["name"])
-            result = Result("ok")
+            result = Result("ok", self.kube.TERMINATING_MEMORY)
         finally:
             metrics.RECONCILE_SECONDS.observe(time.perf_counter() - started)
         metrics.RECONCILES.labels(outcome=result.outcome).inc()

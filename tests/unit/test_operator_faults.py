@@ -127,3 +127,29 @@ def test_an_item_another_manager_added_to_a_merged_list_is_no_difference():
     live["spec"]["containers"][1]["args"].pop()
     del live["spec"]["containers"][1]["env"][1]  # ours, removed: a difference
     assert not contains(live, desired)
+
+
+def test_a_terminating_namespace_is_forgotten_after_a_while(monkeypatch):
+    """A namespace refused as "being terminated" holds writes for TERMINATING_MEMORY
+    seconds only: a namespace of that name created afterwards is a new one."""
+
+    from kubernetes import client
+
+    from spillway_operator import kube as kube_module
+    from spillway_operator.kube import Kube, _namespace_terminating
+
+    refusal = (b'{"kind":"Status","code":403,"reason":"Forbidden","details":{"causes":'
+               b'[{"reason":"NamespaceTerminating","field":"metadata.namespace"}]}}')
+    assert _namespace_terminating(refusal)
+    assert not _namespace_terminating(b'{"kind":"Status","code":403,"reason":"Forbidden"}')
+    assert not _namespace_terminating(b"not json") and not _namespace_terminating(None)
+
+    kube = Kube(client.ApiClient())
+    now = [1000.0]
+    monkeypatch.setattr(kube_module.time, "monotonic", lambda: now[0])
+    kube._terminating["gone"] = now[0]
+    assert kube.namespace_terminating("gone") and not kube.namespace_terminating("other")
+    now[0] += Kube.TERMINATING_MEMORY - 1
+    assert kube.namespace_terminating("gone")
+    now[0] += 1
+    assert not kube.namespace_terminating("gone") and "gone" not in kube._terminating
