@@ -410,10 +410,13 @@ def fence(cluster, work_namespace) -> Iterator:
         "spec": {
             "failurePolicy": "Fail",
             "matchConstraints": {"resourceRules": [
-                {"apiGroups": ["", "apps", "monitoring.coreos.com"], "apiVersions": ["*"],
-                 "operations": ["CREATE", "UPDATE"],
-                 "resources": ["configmaps", "services", "deployments", "servicemonitors",
-                               "events"]},
+                # Every kind of child: a gap lets the admin operator create that one
+                # (the PDBs were missing: it found the others in its cache, then POSTed
+                # the PDB before the chart's operator did, and CI failed now and then).
+                {"apiGroups": ["", "apps", "policy", "monitoring.coreos.com"],
+                 "apiVersions": ["*"], "operations": ["CREATE", "UPDATE"],
+                 "resources": ["configmaps", "services", "deployments",
+                               "poddisruptionbudgets", "servicemonitors", "events"]},
                 {"apiGroups": [GROUP], "apiVersions": ["*"], "operations": ["UPDATE"],
                  "resources": [PLURAL, f"{PLURAL}/status", f"{PLURAL}/scale"]},
             ]},
