@@ -438,14 +438,17 @@ def fence(cluster, work_namespace) -> Iterator:
     def up() -> None:
         cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all([policy, binding]))
 
-        def denied() -> bool:
+        def denied(*create: str) -> bool:
             out = subprocess.run(
                 [str(cluster.config.binaries["kubectl"]),
-                 f"--kubeconfig={cluster.config.kubeconfig}", "create", "configmap", "probe",
+                 f"--kubeconfig={cluster.config.kubeconfig}", "create", *create,
                  "-n", work_namespace, "--dry-run=server"],
                 capture_output=True, text=True, timeout=30)
             return out.returncode != 0 and "test isolation" in out.stderr
-        wait_for(denied, 30, "the admission policy to deny the admin user")
+        wait_for(lambda: denied("configmap", "probe"), 30,
+                 "the admission policy to deny the admin user")
+        # ... every kind of child, the policy group's PDB included.
+        assert denied("poddisruptionbudget", "probe", "--selector=a=b", "--min-available=1")
 
     yield up
     cluster.kubectl("delete", "validatingadmissionpolicybinding,validatingadmissionpolicy",
