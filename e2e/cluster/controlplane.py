@@ -67,7 +67,7 @@ def locate_binaries(cache: Path | None = None) -> dict[str, Path]:
         "kube-controller-manager": f"k8s-v{v['K8S_VERSION']}",
         "kube-scheduler": f"k8s-v{v['K8S_VERSION']}",
         "kubectl": f"k8s-v{v['K8S_VERSION']}",
-        "kwok": f"kwok-v{v['KWOK_VERSION']}",
+        "kwok": f"kwok-v{v['KWOK_BUILD']}",
         "helm": f"helm-v{v['HELM_VERSION']}",
     }
     found, missing = {}, []

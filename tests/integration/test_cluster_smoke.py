@@ -13,6 +13,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 import pytest
 from kubernetes import client
 
+from e2e.cluster.controlplane import free_port
 from tests.helpers import wait_for
 
 # Needs the local control plane harness itself (not an external cluster).
@@ -149,6 +150,61 @@ def test_deleting_a_deployment_garbage_collects_its_pods(api, namespace):
              "two Ready pods")
     apps.delete_namespaced_deployment("gc", namespace, propagation_policy="Background")
     wait_for(lambda: not pods_of(core, namespace, "gc"), 60, "the pods to be garbage-collected")
+
+
+def test_a_pod_status_write_refused_with_a_500_is_written_again(api, namespace, cluster):
+    """KWOK stands in for the kubelet, which writes a refused pod status again. KWOK
+    0.8.0 gives up on a 500 (the API server's answer to a write in flight when etcd is
+    SIGKILLed) and leaves the pod Pending for good: the etcd fault test's flake. The
+    build retries 500s (tools/build.sh); here a webhook that cannot be reached answers
+    every status write of this namespace with a 500 until it is deleted."""
+    admission, core = client.AdmissionregistrationV1Api(api), client.CoreV1Api(api)
+    webhook = client.V1ValidatingWebhookConfiguration(
+        metadata=client.V1ObjectMeta(name=f"refuse-pod-status-{namespace}"),
+        webhooks=[client.V1ValidatingWebhook(
+            name="refuse.pod-status.spillway.dev",
+            client_config=client.AdmissionregistrationV1WebhookClientConfig(
+                url=f"https://127.0.0.1:{free_port()}/"),  # nothing listens: a 500
+            rules=[client.V1RuleWithOperations(operations=["UPDATE"], api_groups=[""],
+                                               api_versions=["v1"], resources=["pods/status"])],
+            namespace_selector=client.V1LabelSelector(
+                match_labels={"kubernetes.io/metadata.name": namespace}),
+            failure_policy="Fail", side_effects="None", admission_review_versions=["v1"],
+            timeout_seconds=2)])
+    admission.create_validating_webhook_configuration(webhook)
+    try:
+        # In force before KWOK sees a pod: a pod bound to no node of KWOK's proves it.
+        probe = client.V1Pod(metadata=client.V1ObjectMeta(name="probe"), spec=client.V1PodSpec(
+            node_name="no-such-node", containers=[client.V1Container(name="c", image="x")]))
+        core.create_namespaced_pod(namespace, probe)
+
+        def refused() -> bool:
+            try:
+                core.patch_namespaced_pod_status(
+                    "probe", namespace, {"status": {"conditions": [
+                        {"type": "Probe", "status": "True"}]}})
+            except client.ApiException as e:
+                assert e.status == 500, e.body
+                return True
+            return False
+
+        wait_for(refused, 30, "the webhook refusing pod status writes")
+        client.AppsV1Api(api).create_namespaced_deployment(
+            namespace, gpu_deployment("refused", gpus=1))
+        log = cluster.workdir / "logs" / "kwok.log"
+
+        def kwok_was_refused() -> bool:
+            pods = pods_of(core, namespace, "refused")
+            return bool(pods) and any(
+                pods[0].metadata.name in line and "failed to apply stage" in line
+                for line in log.read_text().splitlines())
+
+        wait_for(kwok_was_refused, 60, "KWOK's status write for the pod refused with a 500")
+        assert not is_ready(pods_of(core, namespace, "refused")[0])
+    finally:
+        admission.delete_validating_webhook_configuration(webhook.metadata.name)
+    wait_for(lambda: any(is_ready(p) for p in pods_of(core, namespace, "refused")), 60,
+             "the pod Ready once status writes are accepted again")
 
 
 def test_pod_ip_is_bindable_locally():
