@@ -133,6 +133,12 @@ def explain(env: Env, names: list[str]) -> dict:
                       "pods": [(p.metadata.name, p.status.phase, [
                           (c.type, c.status) for c in p.status.conditions or []])
                           for p in pods.items]}
+            # KWOK plays the kubelet: what it said of a pod it has not run is the cause.
+            log = env.cluster.workdir / "logs" / "kwok.log"
+            stuck = [p.metadata.name for p in pods.items if p.status.phase != "Running"]
+            out[n]["kwok"] = [line[-400:] for line in log.read_text().splitlines()
+                              if any(s in line for s in stuck) and '"level":"DEBUG"' not in line
+                              ][-5:] if stuck and log.is_file() else []
     return out
 
 
