@@ -189,6 +189,8 @@ def test_a_pod_status_write_refused_with_a_500_is_written_again(api, namespace, 
             return False
 
         wait_for(refused, 30, "the webhook refusing pod status writes")
+        # No kubelet will confirm its deletion: removed at once, not left to the pod GC.
+        core.delete_namespaced_pod("probe", namespace, grace_period_seconds=0)
         client.AppsV1Api(api).create_namespaced_deployment(
             namespace, gpu_deployment("refused", gpus=1))
         log = cluster.workdir / "logs" / "kwok.log"
