@@ -14,17 +14,19 @@ mkdir -p "$cache"
 
 log() { echo "[tools/build] $*" >&2; }
 
-# build FAMILY VERSION BINARY... -- builds each binary named PKG:NAME with LDFLAGS
+# build FAMILY VERSION BINARY... -- builds each binary named PKG:NAME with LDFLAGS;
+# when it builds, a command in PREPARE runs first and prints a go.mod to build with.
 ensure() {
   local fam=$1 ver=$2 dir="$cache/$1-v$2"; shift 2
   local missing=0 b
   for b in "$@"; do [ -x "$dir/${b##*:}" ] || missing=1; done
   if [ $missing = 0 ]; then log "$fam v$ver cached in $dir"; echo "$fam=$dir"; return; fi
   log "building $fam v$ver into $dir (cold builds take minutes) ..."
-  local start=$SECONDS tmp="$dir.tmp.$$"
+  local start=$SECONDS tmp="$dir.tmp.$$" modfile=
+  if [ -n "${PREPARE:-}" ]; then modfile=$($PREPARE); fi
   rm -rf "$tmp"; mkdir -p "$tmp"
   for b in "$@"; do
-    (cd "$here/$fam" && go build -ldflags "$LDFLAGS" ${MODFILE:+-modfile="$MODFILE"} \
+    (cd "$here/$fam" && go build -ldflags "$LDFLAGS" ${modfile:+-modfile="$modfile"} \
       -o "$tmp/${b##*:}" "${b%%:*}") >&2
   done
   rm -rf "$dir"; mv "$tmp" "$dir"
@@ -66,13 +68,9 @@ kwok_retry_modfile() {
   echo "replace sigs.k8s.io/kwok => $out/kwok" >> "$out/go.mod"
   echo "$out/go.mod"
 }
+kwok_tmp=$(mktemp -d); trap 'rm -rf "$kwok_tmp"' EXIT
 LDFLAGS="-s -w"
-if [ ! -x "$cache/kwok-v$KWOK_BUILD/kwok" ]; then
-  kwok_tmp=$(mktemp -d); trap 'rm -rf "$kwok_tmp"' EXIT
-  MODFILE=$(kwok_retry_modfile "$kwok_tmp")
-fi
-ensure kwok "$KWOK_BUILD" sigs.k8s.io/kwok/cmd/kwok:kwok
-MODFILE=
+PREPARE="kwok_retry_modfile $kwok_tmp" ensure kwok "$KWOK_BUILD" sigs.k8s.io/kwok/cmd/kwok:kwok
 
 LDFLAGS="-s -w -X helm.sh/helm/v3/internal/version.version=v$HELM_VERSION -X helm.sh/helm/v3/internal/version.gitTreeState=clean"
 for p in pkg/lint/rules pkg/chartutil; do
