@@ -295,8 +295,8 @@ def test_a_sliding_window_reads_only_its_window():
 
 def test_a_step_lasts_the_modelled_gpu_time(monkeypatch):
     """At a speed factor above 0 a step sleeps out the latency model's time for the
-    scheduled tokens and the KV they read (null blocks outside a window not counted);
-    at 0 it never sleeps."""
+    scheduled tokens and the KV they read (null blocks outside a window not counted),
+    less the time its own work took; at 0 it never sleeps."""
     from types import SimpleNamespace
 
     from spillway_engine.emulator import latency
@@ -314,16 +314,22 @@ def test_a_step_lasts_the_modelled_gpu_time(monkeypatch):
     assert worker._kv_bytes_read("b", 20) == 20 * 1000 + 20 * 10
     slept: list[float] = []
     monkeypatch.setattr(worker_mod.time, "sleep", slept.append)
+    # A still clock: the step's own work takes no time, so a busy machine cannot eat
+    # into the pause (sleep_for subtracts the work done since t0).
+    monkeypatch.setattr(worker_mod.time, "perf_counter", lambda: 100.0)
     out = SimpleNamespace(num_scheduled_tokens={"a": 1, "b": 20}, total_num_scheduled_tokens=21)
     worker._speed = 2.0
-    worker._sleep_out_step(out, worker_mod.time.perf_counter())
+    worker._sleep_out_step(out, 100.0)
     kv = 40 * 1000 + 24 * 10 + 20 * 1000 + 20 * 10
     [pause] = slept
     assert pause == pytest.approx(2 * latency.step_s(21, worker._gpu, worker._cost, kv), rel=0.05)
     assert 0.005 < pause < 0.01  # two passes over 16 GB of weights at 3.84 TB/s
+    monkeypatch.setattr(worker_mod.time, "perf_counter", lambda: 100.002)  # 2 ms of work
+    worker._sleep_out_step(out, 100.0)
+    assert slept[1] == pytest.approx(pause - 0.002)
     worker._speed = 0.0
-    worker._sleep_out_step(out, worker_mod.time.perf_counter())
-    assert slept == [pause]
+    worker._sleep_out_step(out, 100.0)
+    assert len(slept) == 2
 
 
 def test_an_idle_data_parallel_rank_steps_without_touching_the_cache(monkeypatch):
