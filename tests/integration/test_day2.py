@@ -178,7 +178,9 @@ def test_one_replica_on_a_full_cluster_reports_then_recreates(env):
     cond = env.wait_condition("solo", "Progressing", "False", "InsufficientGPUForSurge",
                               timeout=90)
     assert "Recreate" in cond["message"] and "gap" in cond["message"]
-    assert reasons(env, "solo").get("InsufficientGPUForSurge") == "Warning"
+    # The Event follows the status write that the condition came in.
+    wait_for(lambda: reasons(env, "solo").get("InsufficientGPUForSurge") == "Warning", 30,
+             "the InsufficientGPUForSurge Warning Event")
     assert images(env, "solo") != {"example.com/engine:2"}  # the old pod still serves
     custom = client.CustomObjectsApi(env.core.api_client)
     assert custom.get_namespaced_custom_object(GROUP, VERSION, env.ns, PLURAL,
