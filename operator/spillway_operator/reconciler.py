@@ -19,7 +19,12 @@ from typing import Any
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
-from spillway_engine.planner.model_config import ModelConfigSourceError, load_hub, parse_config_text
+from spillway_engine.planner.model_config import (
+    ModelConfigSourceError,
+    ModelConfigUnreachable,
+    load_hub,
+    parse_config_text,
+)
 from spillway_engine.planner.plan import Plan, PlanRefused, PlanRequest, make_plan
 from spillway_engine.quantity import parse_bytes
 from spillway_operator import metrics, render, rollout
@@ -35,6 +40,7 @@ from spillway_operator.spec import (
 from spillway_operator.status import (
     Observed,
     build_status,
+    merge_patch,
     plan_summary,
     read_status,
     to_wire,
@@ -42,6 +48,9 @@ from spillway_operator.status import (
 )
 
 log = logging.getLogger("spillway.reconciler")
+
+#: Top-level status fields the autoscaler writes; the reconciler leaves them alone.
+AUTOSCALER_FIELDS = frozenset({"autoscaling"})
 
 
 @dataclass(frozen=True)
@@ -60,7 +69,8 @@ class ConfigUnavailable(TemporaryError):
 
 
 class ConfigInvalid(Exception):
-    """config.json was read but is not usable; the user must change it."""
+    """config.json was read but is not usable, or the hub answered that it has none
+    to give (not found, gated, refused): the user must change something."""
 
 
 def plan_request(spec: InferenceDeploymentSpec) -> PlanRequest:
@@ -104,8 +114,12 @@ class ConfigResolver:
     A text already parsed gives the same dict again (never mutated by its users), so
     the planner's results can be kept by the config's identity (``Reconciler._plan``)."""
 
-    def __init__(self, kube: Kube):
+    def __init__(self, kube: Kube, hub_endpoint: str | None = None,
+                 hub_cache_dir: str | None = None):
+        """``hub_endpoint``, ``hub_cache_dir``: another hub and cache than
+        huggingface_hub's defaults (HF_ENDPOINT, HF_HOME)."""
         self.kube = kube
+        self._hub = {"endpoint": hub_endpoint, "cache_dir": hub_cache_dir}
         self._hub_cache: dict[tuple[str, str | None], dict[str, Any]] = {}
         self._parsed = Memo()
 
@@ -154,9 +168,11 @@ class ConfigResolver:
                     raise ConfigUnavailable(f"Secret {namespace}/{s.name} key {s.key!r} not found")
             try:
                 self._hub_cache[key] = load_hub(model.name, revision=model.revision,
-                                                token=token)
-            except ModelConfigSourceError as exc:
+                                                token=token, **self._hub)
+            except ModelConfigUnreachable as exc:  # the transport: ask again later
                 raise ConfigUnavailable(str(exc)) from None
+            except ModelConfigSourceError as exc:  # the hub's answer, or its content
+                raise ConfigInvalid(str(exc)) from None
         return self._hub_cache[key]
 
 
@@ -387,10 +403,10 @@ class Reconciler:
         # The raw spec: autoscaling may be on even when the spec does not validate.
         autoscaling = bool((obj.get("spec") or {}).get("autoscaling", {}).get("enabled"))
         status = build_status(obs, old, autoscaling_enabled=autoscaling)
-        patch = to_wire(status)
-        if all(patch[k] == live.get(k) for k in patch):
+        # status.autoscaling is the autoscaler's: left as it is.
+        patch = merge_patch(live, to_wire(status), keep=AUTOSCALER_FIELDS)
+        if not patch:
             return None
-        # Merge patch: keys we leave out (status.autoscaling, the autoscaler's) stay.
         try:
             written = self.kube.patch_status(owner.namespace, owner.name, patch) or {}
         except ApiException as exc:

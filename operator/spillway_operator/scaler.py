@@ -29,7 +29,7 @@ from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
 from spillway_operator import metrics, render
-from spillway_operator.kube import Kube, TemporaryError
+from spillway_operator.kube import Kube, NamespaceTerminating, TemporaryError
 from spillway_operator.pressure import (
     DELETION_COST,
     DRAINING,
@@ -51,7 +51,7 @@ from spillway_operator.pressure import (
     stale_marks,
 )
 from spillway_operator.spec import AutoscalingStatus, InferenceDeploymentSpec
-from spillway_operator.status import now_rfc3339, read_status, to_wire
+from spillway_operator.status import merge_patch, now_rfc3339, read_status, to_wire
 
 log = logging.getLogger("spillway.scaler")
 
@@ -200,6 +200,10 @@ class Autoscaler:
                     settle = False
                     await asyncio.sleep(self._first_delay(interval))
                     continue  # the body as it is by then
+                if self.kube.namespace_terminating(key[0]):
+                    # It goes with its namespace: no scrape, no status, no scale.
+                    await asyncio.sleep(interval)
+                    continue
                 await self.tick(key, body, spec, time.monotonic())
                 if key in self._failing:
                     self._failing.discard(key)
@@ -208,6 +212,8 @@ class Autoscaler:
                 raise
             except ValidationError:
                 pass  # the reconciler reports a bad spec
+            except NamespaceTerminating:
+                pass  # its namespace began to go during the tick: nothing to report
             except ApiException as exc:
                 if exc.status != 404:  # 404: deleted meanwhile; its DELETED event stops us
                     log.exception("autoscaler %s/%s: tick failed", *key)
@@ -280,8 +286,9 @@ class Autoscaler:
         else:
             desired, decision, reason = current, "disabled", "autoscaling is off"
         await self._unmark_stale(ns, live, desired, marked)
+        live = (body.get("status") or {}).get("autoscaling") or {}
         old = read_status(body.get("status")).autoscaling or AutoscalingStatus()
-        await self._write_status(key, old, agg, desired, decision, reason)
+        await self._write_status(key, live, old, agg, desired, decision, reason)
 
     async def _measure(self, key: tuple[str, str], ready: list[dict[str, Any]],
                        spec: InferenceDeploymentSpec, now: float) -> Aggregate:
@@ -423,8 +430,12 @@ class Autoscaler:
             log.info("%s: unmarking %s (no scale-down takes them)", ns, ", ".join(stale))
             await self._unmark(ns, stale)
 
-    async def _write_status(self, key: tuple[str, str], old: AutoscalingStatus, agg: Aggregate,
-                            desired: int, decision: str, reason: str) -> None:
+    async def _write_status(self, key: tuple[str, str], live: dict[str, Any],
+                            old: AutoscalingStatus, agg: Aggregate, desired: int,
+                            decision: str, reason: str) -> None:
+        """Write status.autoscaling where it differs from ``live`` (what the API server
+        holds), clearing what no longer holds (problems of a pod that recovered or is
+        gone): steady state writes nothing."""
         if agg.pressure is not None:
             pressure = round(agg.pressure, 2)
             components = {k: round(v, 2) for k, v in agg.components.items()}
@@ -445,6 +456,6 @@ class Autoscaler:
             last_scale_time=now_rfc3339() if decision in ("scale-up", "scale-down")
             else old.last_scale_time,
         )
-        if new != old:
+        if patch := merge_patch(live, to_wire(new)):
             await asyncio.to_thread(self.kube.patch_status, key[0], key[1],
-                                    {"autoscaling": to_wire(new)})
+                                    {"autoscaling": patch})

@@ -82,9 +82,43 @@ def read_status(raw: dict[str, Any] | None) -> InferenceDeploymentStatus:
 
 
 def to_wire(model: BaseModel) -> dict[str, Any]:
-    """A status model as the API server stores it: camelCase, unset fields left out
-    (``autoscaling`` unset is what keeps the reconciler's merge patch off it)."""
+    """A status model as the API server stores it: camelCase, unset fields left out."""
     return model.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+def merge_patch(live: dict[str, Any], desired: dict[str, Any],
+                keep: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """The JSON merge patch (RFC 7386) that turns ``live`` into ``desired``: changed
+    keys set, keys ``desired`` lacks set to null, maps patched key by key, anything
+    else replaced whole; {} when they agree (no write). ``keep``: top-level keys that
+    belong to another writer and are left as they are.
+
+    A patch of ``desired`` alone cannot clear a field: the serializer leaves unset
+    fields out, and a merge patch keeps what it does not name. The autoscaler sent
+    the same patch every tick for ever once a pod had had a metrics problem."""
+    patch: dict[str, Any] = {}
+    for key in live.keys() - desired.keys() - keep:
+        patch[key] = None
+    for key, want in desired.items():
+        have = live.get(key)
+        if isinstance(want, dict) and isinstance(have, dict):
+            if sub := merge_patch(have, want):
+                patch[key] = sub
+        elif not _same(have, want):
+            patch[key] = want
+    return patch
+
+
+def _same(a: Any, b: Any) -> bool:
+    """JSON equality, with 1 == 1.0 (the API server hands a whole float back as an
+    int) but True != 1."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
 
 
 # ------------------------------------------------------------------ conditions
@@ -115,12 +149,28 @@ def _exit_of(cs: dict[str, Any]) -> dict[str, Any] | None:
     return None
 
 
+#: The kubelet's waiting reasons for a container that does not start and will not
+#: without a change (of the spec, the image, the node or a referenced object):
+#: crash loops, image pulls that fail (ErrImagePull, then ImagePullBackOff),
+#: references it cannot parse (InvalidImageName) or may not pull (ErrImageNeverPull:
+#: pull policy Never and no local image), and containers the runtime cannot create or
+#: start (CreateContainerConfigError: a missing ConfigMap or Secret key, a non-root
+#: image run as root; CreateContainerError; RunContainerError). ContainerCreating and
+#: PodInitializing are on their way.
+FAILING_WAITING_REASONS = frozenset({
+    "CrashLoopBackOff", "ErrImagePull", "ImagePullBackOff", "InvalidImageName",
+    "ErrImageNeverPull", "CreateContainerConfigError", "CreateContainerError",
+    "RunContainerError",
+})
+
+
 def pod_failure(pods: list[dict[str, Any]]) -> tuple[str, str] | None:
     """(reason, message) for the first engine pod that is failing, if any.
 
     ``EngineStartFailed``: the engine exited non-zero before it served and said why
     (the launcher's preflight and the plan check write the termination message);
-    ``PodsFailing``: crash-looping or image pull failures without such a message."""
+    ``PodsFailing``: a container the kubelet cannot start (``FAILING_WAITING_REASONS``)
+    without such a message, with the kubelet's own message."""
     for pod in pods:
         if pod.get("metadata", {}).get("deletionTimestamp"):
             continue
@@ -136,8 +186,19 @@ def pod_failure(pods: list[dict[str, Any]]) -> tuple[str, str] | None:
                 return ("EngineStartFailed",
                         f"pod {name}: engine exited with code {exited['exitCode']}: {message}")
             waiting = (cs.get("state") or {}).get("waiting") or {}
-            if waiting.get("reason") in ("CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull"):
-                return "PodsFailing", f"pod {name}: {waiting['reason']}"
+            reason = waiting.get("reason")
+            if reason in FAILING_WAITING_REASONS:
+                # The kubelet alternates ErrImagePull and ImagePullBackOff, and counts
+                # its back-off in CrashLoopBackOff's message: shown as one steady
+                # condition, else the status would be written at every retry.
+                if reason in ("ErrImagePull", "ImagePullBackOff", "CrashLoopBackOff"):
+                    reason = "CrashLoopBackOff" if reason == "CrashLoopBackOff" \
+                        else "ImagePullBackOff"
+                    return "PodsFailing", f"pod {name}: {reason}"
+                detail = " ".join(str(waiting.get("message") or "").split())
+                if len(detail) > ENGINE_MESSAGE_CHARS:
+                    detail = detail[:ENGINE_MESSAGE_CHARS] + " [...]"
+                return "PodsFailing", f"pod {name}: {reason}" + (f": {detail}" if detail else "")
     return None
 
 

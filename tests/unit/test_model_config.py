@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import json
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from spillway_engine.planner.model_config import (
     MAX_CONFIG_DEPTH,
     ModelConfigSourceError,
+    ModelConfigUnreachable,
     _depth,
+    load_hub,
     parse_config_text,
 )
 
@@ -66,3 +71,95 @@ def test_absurd_rope_factor_is_refused_by_name(factor):
     }
     with pytest.raises(ModelConfigError, match="rope factor"):
         model_shape(config)
+
+
+# ------------------------------------------------------------------ from a hub
+# A hub on loopback that answers huggingface_hub's resolve requests as the real one
+# does (X-Repo-Commit, ETag; X-Error-Code on a 404), driven through the real client.
+
+
+class _Hub(BaseHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+    def _answer(self, with_body: bool) -> None:
+        status, body, headers = self.server.answer
+        self.server.requests += 1
+        self.send_response(status)
+        for k, v in {"X-Repo-Commit": "a" * 40, "ETag": '"e1"', **headers}.items():
+            self.send_header(k, v)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if with_body:
+            self.wfile.write(body)
+
+    def do_HEAD(self):
+        self._answer(False)
+
+    def do_GET(self):
+        self._answer(True)
+
+
+@pytest.fixture
+def hub():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Hub)
+    server.requests, server.daemon_threads = 0, True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+LLAMA = json.dumps({"architectures": ["LlamaForCausalLM"], "hidden_size": 64})
+
+
+@pytest.mark.parametrize(("answer", "needle"), [
+    ((200, b"[" * 1000 + b"]" * 1000, {}), "nests arrays/objects"),
+    ((200, b'{"architectures": ', {}), "not valid JSON"),
+    ((200, b"[1, 2]", {}), "must hold a JSON object"),
+    ((404, b"{}", {"X-Error-Code": "RepoNotFound"}), "was not found"),
+    ((404, b"{}", {"X-Error-Code": "EntryNotFound"}), "has no config.json"),
+    ((401, b"{}", {}), "401"),
+], ids=["too-deep", "truncated", "not-an-object", "no-repo", "no-config", "unauthorised"])
+def test_what_the_hub_answers_is_permanent(hub, tmp_path, answer, needle):
+    """Content that is not a config.json, and the hub's own answers, are the same the
+    next time: ModelConfigSourceError, never ModelConfigUnreachable."""
+    hub.answer = answer
+    endpoint = f"http://127.0.0.1:{hub.server_port}"
+    with pytest.raises(ModelConfigSourceError, match=needle) as info:
+        load_hub("org/model", cache_dir=str(tmp_path), endpoint=endpoint)
+    assert not isinstance(info.value, ModelConfigUnreachable)
+
+
+def test_a_hub_that_does_not_answer_is_unreachable(tmp_path):
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(ModelConfigUnreachable, match="unreachable"):
+        load_hub("org/model", cache_dir=str(tmp_path), endpoint=f"http://127.0.0.1:{port}")
+
+
+def test_a_good_config_from_the_hub_loads(hub, tmp_path):
+    hub.answer = (200, LLAMA.encode(), {})
+    config = load_hub("org/model", cache_dir=str(tmp_path),
+                      endpoint=f"http://127.0.0.1:{hub.server_port}")
+    assert config["architectures"] == ["LlamaForCausalLM"]
+
+
+def test_the_operator_refuses_a_hostile_hub_config_once(hub, tmp_path):
+    """The reconciler's classes: hostile content from the hub is ModelConfigInvalid
+    (refused, not retried), as from a ConfigMap; before, every hub error was
+    ModelConfigUnavailable and retried with back-off for ever, the hub asked each time."""
+    from spillway_operator.reconciler import ConfigInvalid, ConfigResolver, plan_failure
+    from spillway_operator.spec import InferenceDeploymentSpec
+
+    hub.answer = (200, b"[" * 1000 + b"]" * 1000, {})
+    resolver = ConfigResolver(None, hub_endpoint=f"http://127.0.0.1:{hub.server_port}",
+                              hub_cache_dir=str(tmp_path))
+    spec = InferenceDeploymentSpec.model_validate(
+        {"model": {"name": "org/model"}, "offload": {"hostMemory": "1Gi"}})
+    with pytest.raises(ConfigInvalid) as info:
+        resolver.resolve("ns", spec)
+    reason, message, outcome = plan_failure(info.value)
+    assert (reason, outcome) == ("ModelConfigInvalid", "refused")
+    assert "nests arrays/objects" in message

@@ -24,6 +24,7 @@ from spillway_operator.status import (
     Observed,
     build_status,
     conditions_for,
+    merge_patch,
     read_status,
     to_wire,
     transitions,
@@ -189,15 +190,28 @@ class FakeKube:
 
     def patch_status(self, namespace: str, name: str, status: dict) -> None:
         self.writes.append(("status", status))
-        merged = self.obj.setdefault("status", {})
-        for k, v in json.loads(json.dumps(status)).items():  # what the server stores
-            merged[k] = {**merged.get(k, {}), **v} if k == "autoscaling" else v
+        # What the API server stores (RFC 7386: null removes, maps merge).
+        self.obj["status"] = apply_merge_patch(self.obj.get("status") or {},
+                                               json.loads(json.dumps(status)))
 
     def patch_scale(self, namespace: str, name: str, replicas: int) -> None:
         self.writes.append(("scale", replicas))
 
     def post_event(self, owner: dict, type_: str, reason: str, message: str) -> None:
         self.events.append((type_, reason))
+
+
+def apply_merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386, as the API server applies an application/merge-patch+json body."""
+    if not isinstance(patch, dict):
+        return patch
+    out = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = apply_merge_patch(out.get(key), value)
+    return out
 
 
 def infdep(**spec: Any) -> dict[str, Any]:
@@ -295,8 +309,10 @@ def test_scaler_status_is_declared_and_steady():
     scaler = Autoscaler(kube)
 
     def write(agg: Aggregate, decision: str = "hold") -> None:
+        live = (obj.get("status") or {}).get("autoscaling") or {}
         old = read_status(obj.get("status")).autoscaling or AutoscalingStatus()
-        asyncio.run(scaler._write_status(("team-a", "chat"), old, agg, 2, decision, "why"))
+        asyncio.run(scaler._write_status(("team-a", "chat"), live, old, agg, 2, decision,
+                                         "why"))
 
     measured = Aggregate(1.234, {"load": 1.234, "queue": 0.5}, 2, 0)
     write(measured, "scale-up")
@@ -309,6 +325,45 @@ def test_scaler_status_is_declared_and_steady():
     write(Aggregate(None, {}, 0, 2))  # no reading: the last one is kept
     assert len(kube.writes) == 2
     assert obj["status"]["autoscaling"]["pressure"] == 1.23
+
+
+def test_scaler_clears_metrics_problems_once_they_are_gone():
+    """A pod's metrics problem is listed, then cleared when it recovers (or the pod
+    goes), and then nothing is written: the serializer leaves unset fields out, so
+    a patch of the new status alone never cleared them and was sent every tick."""
+    obj = infdep()
+    kube = FakeKube(obj, {})
+    scaler = Autoscaler(kube)
+    key = ("team-a", "chat")
+
+    def write(agg: Aggregate) -> None:
+        live = (obj.get("status") or {}).get("autoscaling") or {}
+        old = read_status(obj.get("status")).autoscaling or AutoscalingStatus()
+        asyncio.run(scaler._write_status(key, live, old, agg, 2, "hold", "why"))
+
+    scaler.problems[key] = ["chat-1: body over 4194304 bytes"]
+    write(Aggregate(0.5, {"load": 0.5}, 1, 1))
+    auto = obj["status"]["autoscaling"]
+    assert auto["unmeasuredPods"] == 1 and auto["metricsProblems"][0].startswith("chat-1")
+    scaler.problems[key] = []  # recovered
+    write(Aggregate(0.5, {"load": 0.5}, 2, 0))
+    auto = obj["status"]["autoscaling"]
+    assert "unmeasuredPods" not in auto and "metricsProblems" not in auto
+    assert kube.writes[-1][1]["autoscaling"]["metricsProblems"] is None
+    writes = len(kube.writes)
+    for _ in range(3):  # steady state
+        write(Aggregate(0.5, {"load": 0.5}, 2, 0))
+    assert len(kube.writes) == writes
+
+
+def test_merge_patch_sets_changes_and_clears_what_is_gone():
+    live = {"a": 1, "b": [1, 2], "m": {"x": 1, "y": 2}, "theirs": {"k": 1}, "gone": "x"}
+    desired = {"a": 1.0, "b": [1, 3], "m": {"x": 1}, "new": True}
+    assert merge_patch(live, desired, keep=frozenset({"theirs"})) == {
+        "gone": None, "b": [1, 3], "m": {"y": None}, "new": True}
+    assert merge_patch(desired, desired) == {}
+    assert merge_patch({"f": 1}, {"f": True}) == {"f": True}  # True is not 1 in JSON
+    assert apply_merge_patch(live, merge_patch(live, desired)) == desired
 
 
 def test_backoff_grows_and_caps_and_resets():
@@ -358,6 +413,49 @@ def test_a_crash_loop_without_a_message_is_pods_failing():
                                         pods=[looping])))
     assert (c["Degraded"].reason, c["Degraded"].message) == (
         "PodsFailing", "pod p: CrashLoopBackOff")
+
+
+@pytest.mark.parametrize(("reason", "message", "shown"), [
+    ("InvalidImageName", 'Failed to apply default image tag "x; rm -rf /": couldn\'t parse '
+     "image name: invalid reference format", "pod p: InvalidImageName: Failed to apply"),
+    ("ErrImageNeverPull", 'Container image "vllm:x" is not present with pull policy of Never',
+     "pod p: ErrImageNeverPull: Container image"),
+    ("CreateContainerConfigError", 'configmap "chat-plan" not found',
+     'pod p: CreateContainerConfigError: configmap "chat-plan" not found'),
+    ("CreateContainerError", "context deadline exceeded", "pod p: CreateContainerError: "),
+    ("RunContainerError", "failed to start: exec: no such file", "pod p: RunContainerError: "),
+    ("ErrImagePull", "rpc error: failed to pull", "pod p: ImagePullBackOff"),
+    ("ImagePullBackOff", 'Back-off pulling image "vllm:x"', "pod p: ImagePullBackOff"),
+])
+def test_a_container_the_kubelet_cannot_start_is_pods_failing(reason, message, shown):
+    waiting = _engine_pod("p", ready=False,
+                          state={"waiting": {"reason": reason, "message": message}})
+    c = by_type(conditions_for(Observed(1, 1, deployment=dep(replicas=1, ready=0),
+                                        pods=[waiting])))
+    assert c["Degraded"].status is True and c["Degraded"].reason == "PodsFailing"
+    assert c["Degraded"].message.startswith(shown)
+
+
+def test_pods_failing_is_steady_while_the_kubelet_retries():
+    """ErrImagePull and ImagePullBackOff alternate, and CrashLoopBackOff's message
+    counts the back-off: the condition stays the same, so the status is not rewritten."""
+    def degraded(state):
+        pod = _engine_pod("p", ready=False, state={"waiting": state})
+        return by_type(conditions_for(Observed(1, 1, deployment=dep(replicas=1, ready=0),
+                                               pods=[pod])))["Degraded"]
+
+    assert degraded({"reason": "ErrImagePull", "message": "rpc error"}) == \
+        degraded({"reason": "ImagePullBackOff", "message": 'Back-off pulling image "x"'})
+    assert degraded({"reason": "CrashLoopBackOff", "message": "back-off 10s restarting"}) == \
+        degraded({"reason": "CrashLoopBackOff", "message": "back-off 5m0s restarting"})
+
+
+def test_waiting_on_the_way_is_not_a_failure():
+    for reason in ("ContainerCreating", "PodInitializing"):
+        pod = _engine_pod("p", ready=False, state={"waiting": {"reason": reason}})
+        c = by_type(conditions_for(Observed(1, 1, deployment=dep(replicas=1, ready=0),
+                                            pods=[pod])))
+        assert c["Degraded"].status is False
 
 
 def test_an_engine_that_restarted_and_serves_again_is_not_degraded():

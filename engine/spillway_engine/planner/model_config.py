@@ -18,7 +18,15 @@ MAX_CONFIG_DEPTH = 64
 
 
 class ModelConfigSourceError(ValueError):
-    """The config could not be read; the message says what to change."""
+    """The config could not be used: not found, refused, or not a config.json. The
+    same source gives the same answer until someone changes it (the spec, the
+    ConfigMap, the hub repository); the message says what to change."""
+
+
+class ModelConfigUnreachable(ModelConfigSourceError):
+    """The source did not answer (network, timeout, the hub's 5xx or 429): asking
+    again later may succeed. Only transport failures are this; hostile content is
+    refused wherever it comes from."""
 
 
 def _depth(text: str) -> int:
@@ -88,8 +96,10 @@ def load_hub(
     revision: str | None = None,
     token: str | None = None,
     cache_dir: str | None = None,
+    endpoint: str | None = None,
 ) -> dict[str, Any]:
-    """``config.json`` of a Hugging Face model id, through the hub cache."""
+    """``config.json`` of a Hugging Face model id, through the hub cache.
+    ``endpoint``: another hub (a mirror); default ``HF_ENDPOINT``, else huggingface.co."""
     try:
         from huggingface_hub import hf_hub_download
         from huggingface_hub.errors import (
@@ -109,10 +119,11 @@ def load_hub(
             revision=revision,
             token=token,
             cache_dir=cache_dir,
+            endpoint=endpoint,
         )
     except (LocalEntryNotFoundError, OfflineModeIsEnabled):
         # before EntryNotFoundError: the "not cached while offline" error subclasses it
-        raise ModelConfigSourceError(
+        raise ModelConfigUnreachable(
             f"cannot fetch config.json of {model_id}: the Hugging Face hub is unreachable "
             "(or HF_HUB_OFFLINE is set) and it is not in the local cache; use "
             "--model-config with a local file"
@@ -131,5 +142,26 @@ def load_hub(
     except EntryNotFoundError:
         raise ModelConfigSourceError(f"{model_id} has no config.json") from None
     except (OSError, ValueError) as e:
-        raise ModelConfigSourceError(f"cannot fetch config.json of {model_id}: {e}") from None
+        error = ModelConfigUnreachable if _transient(e) else ModelConfigSourceError
+        raise error(f"cannot fetch config.json of {model_id}: {_one_line(e)}") from None
     return load_local(path)
+
+
+def _status_code(exc: BaseException) -> int | None:
+    response = getattr(exc, "response", None)
+    code = getattr(response, "status_code", None)
+    return code if isinstance(code, int) else None
+
+
+def _transient(exc: BaseException) -> bool:
+    """Whether a failed download is the transport's (worth asking again): no answer
+    at all (connection refused or reset, timeout: an OSError without an HTTP status),
+    or the hub's 5xx and 429. Any other HTTP status is the hub's answer."""
+    code = _status_code(exc)
+    if code is not None:
+        return code >= 500 or code in (408, 429)
+    return isinstance(exc, OSError)
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:300]
