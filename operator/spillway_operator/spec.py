@@ -17,6 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic.alias_generators import to_camel
 
 from spillway_engine.launcher.serve import PROTECTED_FLAGS, PROTECTED_SHORT_FLAGS, refused_flag
+from spillway_operator.imageref import CEL_CHECKS as IMAGE_CEL_CHECKS
+from spillway_operator.imageref import IMAGE_MAX_LENGTH, image_reference_error
 
 GROUP = "spillway.dev"
 VERSION = "v1alpha1"
@@ -297,7 +299,12 @@ class SpeculativeSpec(_Model):
 class EngineSpec(_Model):
     """The vLLM engine each pod runs."""
 
-    image: Annotated[str, Field(min_length=1, description="engine image")] = DEFAULT_ENGINE_IMAGE
+    image: Annotated[
+        str,
+        Field(min_length=1, max_length=IMAGE_MAX_LENGTH,
+              description="engine image: a reference the kubelet accepts, "
+              "[host[:port]/]path[:tag][@digest]"),
+    ] = DEFAULT_ENGINE_IMAGE
     tensor_parallel_size: Annotated[int, Field(ge=1, le=64, description="GPUs per engine")] = 1
     pipeline_parallel_size: Annotated[int, Field(ge=1, le=16, description="pipeline stages")] = 1
     data_parallel_size: Annotated[
@@ -332,6 +339,14 @@ class EngineSpec(_Model):
         Field(description="speculative decoding (vLLM --speculative-config); the plan "
               "holds the drafter's KV-cache groups"),
     ] = None
+
+    @field_validator("image")
+    @classmethod
+    def _kubelet_accepts_image(cls, image: str) -> str:
+        problem = image_reference_error(image)
+        if problem:
+            raise ValueError(f"not an image reference the kubelet accepts: {problem}")
+        return image
 
     @field_validator("extra_args")
     @classmethod
@@ -609,6 +624,7 @@ CEL_RULES: dict[str, list[dict[str, str]]] = {
         ),
         cel("!self.name.endsWith('.git')", "model.name: a model id cannot end in .git", ".name"),
     ],
+    "spec.engine.image": [cel(rule, f"engine.image: {why}") for rule, why in IMAGE_CEL_CHECKS],
     "spec.engine.extraArgs[]": [_extra_arg_rule()],
     "spec.engine.speculative": [
         cel(
