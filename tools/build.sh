@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build (or reuse) the Go binaries the local control plane needs, pinned in
 # tools/versions.env, into a cache under $HOME keyed by version:
-#   $SPILLWAY_BIN_CACHE/{k8s-v*,etcd-v*,kwok-v*,helm-v*}/
+#   $SPILLWAY_BIN_CACHE/{k8s-v*,etcd-v*,kwok-v*,helm-v*,imageref-v*}/
 # Prints the directory of every family on stdout, one "NAME=DIR" per line.
 # Never writes into the repository.
 set -euo pipefail
@@ -77,3 +77,8 @@ for p in pkg/lint/rules pkg/chartutil; do
   LDFLAGS="$LDFLAGS -X helm.sh/helm/v3/$p.k8sVersionMajor=1 -X helm.sh/helm/v3/$p.k8sVersionMinor=$minor"
 done
 ensure helm "$HELM_VERSION" helm.sh/helm/v3/cmd/helm:helm
+
+# The kubelet's image reference parser (distribution/reference, as the kubelet links
+# it), for tests/integration/test_image_reference.py.
+LDFLAGS="-s -w"
+ensure imageref "$IMAGEREF_BUILD" .:imageref
