@@ -201,6 +201,10 @@ def image_reference_error(text: str) -> str | None:
     return None
 
 
+def _shown(part: str, limit: int = 40) -> str:
+    return repr(part if len(part) <= limit else part[:limit] + "...")
+
+
 def _diagnose(text: str) -> str:
     """A short reason for a string the grammar refuses (the verdict is made above)."""
     if not text:
@@ -225,11 +229,11 @@ def _diagnose(text: str) -> str:
         if _DOMAIN_RE.fullmatch(first):
             path = rest
         elif not _PATH_COMPONENT_RE.fullmatch(first):
-            return f"{first!r} is not a registry host[:port]"
+            return f"{_shown(first)} is not a registry host[:port]"
     if path.lower() != path:
         return "the repository path must be lower case"
     for component in path.split("/"):
         if not _PATH_COMPONENT_RE.fullmatch(component):
-            return (f"path component {component!r} must be lower-case letters and digits "
+            return (f"path component {_shown(component)} must be lower-case letters and digits "
                     "joined by '.', '_', '__' or '-'")
     return "not of the form [host[:port]/]path[:tag][@digest]"
