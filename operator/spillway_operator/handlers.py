@@ -154,7 +154,7 @@ async def startup(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
     _state["controller"], _state["cache"] = controller, cache
     _state["watches"] = start_watches(getattr(memo, "namespaces", None),
                                       asyncio.get_running_loop(),
-                                      settings.watching.server_timeout or 300)
+                                      settings.watching.server_timeout or 300, kube)
     if election is None:
         metrics.LEADER.set(1)  # the only replica: it always writes
         controller.start()
@@ -219,10 +219,11 @@ WATCHED = (watch.DEPLOYMENTS, watch.SERVICES, watch.POD_DISRUPTION_BUDGETS, watc
 
 
 def start_watches(namespaces: list[str] | None, loop: asyncio.AbstractEventLoop,
-                  timeout: int) -> list[watch.Reflector]:
+                  timeout: int, kube: Kube) -> list[watch.Reflector]:
     """The children's and pods' watches (``namespaces`` None: cluster-wide). They
     keep the cache on their own threads, in stream order, and queue the owner on
-    ``loop``, where the controller lives."""
+    ``loop``, where the controller lives. And the namespaces' watch, which tells
+    ``kube`` which ones are being deleted before their contents go."""
     cache: WatchCache = _state["cache"]
 
     def child(event_type: str, body: dict[str, Any]) -> None:
@@ -237,10 +238,14 @@ def start_watches(namespaces: list[str] | None, loop: asyncio.AbstractEventLoop,
         loop.call_soon_threadsafe(_owner_changed, meta.get("namespace"),
                                   meta.get("labels") or {})
 
-    api = _api_client(len(WATCHED) * len(namespaces or [None]))  # one connection each
+    api = _api_client(len(WATCHED) * len(namespaces or [None]) + 1)  # one connection each
     return [watch.Reflector(api, kind, namespace, MANAGED_SELECTOR,
                             pod if kind is watch.PODS else child, timeout=timeout).start()
-            for namespace in namespaces or [None] for kind in WATCHED]
+            for namespace in namespaces or [None] for kind in WATCHED] + [
+        watch.Reflector(api, watch.NAMESPACES, None, "", kube.observe_namespace,
+                        timeout=timeout,
+                        optional="a namespace being deleted is known from refused writes")
+        .start()]
 
 
 @kopf.on.event("", "v1", "configmaps")

@@ -139,6 +139,14 @@ def _namespace_terminating(body: bytes | None) -> bool:
     return any(isinstance(c, dict) and c.get("reason") == "NamespaceTerminating" for c in causes)
 
 
+def _namespace_of(path: str) -> str | None:
+    """The namespace of a namespaced REST path, else None."""
+    if "/namespaces/" not in path:
+        return None
+    rest = path.split("/namespaces/", 1)[1]
+    return rest.split("/", 1)[0].split("?", 1)[0] or None
+
+
 def duplicate_list_keys(obj: Any) -> bool:
     """Whether a list that server-side apply keys by item (``_LIST_KEYS``) holds two
     items with one key, e.g. two env vars named alike. A POST accepts that body, but
@@ -223,15 +231,37 @@ class Kube:
         self._service_monitors_checked = 0.0
         # Namespaces the API server said are being deleted -> when it said so.
         self._terminating: dict[str, float] = {}
+        # Namespaces the namespace watch shows being deleted (observe_namespace).
+        self._deleting: set[str] = set()
 
     #: How long a namespace the API server called terminating is taken as such without
     #: asking again (a namespace of that name may be created anew after it is gone).
     TERMINATING_MEMORY = 30.0
 
-    def namespace_terminating(self, namespace: str) -> bool:
-        """Whether a write into ``namespace`` was refused as "being terminated" within
-        the last TERMINATING_MEMORY seconds."""
+    def observe_namespace(self, event_type: str, namespace: dict) -> None:
+        """A namespace watch event: one being deleted (a deletionTimestamp, phase
+        Terminating) is known as such before anything in it is, so no write goes into
+        it; one that is gone, or new under the same name, is open again."""
+        meta = namespace.get("metadata") or {}
+        name = meta.get("name")
+        if not name:
+            return
+        deleting = event_type != "DELETED" and bool(
+            meta.get("deletionTimestamp")
+            or (namespace.get("status") or {}).get("phase") == "Terminating")
         with self._lock:
+            if deleting:
+                self._deleting.add(name)
+            else:
+                self._deleting.discard(name)
+
+    def namespace_terminating(self, namespace: str) -> bool:
+        """Whether ``namespace`` is being deleted: the namespace watch says so, or a
+        write into it was refused as "being terminated" within the last
+        TERMINATING_MEMORY seconds (an operator whose role may not watch namespaces)."""
+        with self._lock:
+            if namespace in self._deleting:
+                return True
             said = self._terminating.get(namespace)
             if said is not None and time.monotonic() - said >= self.TERMINATING_MEMORY:
                 del self._terminating[namespace]
@@ -248,10 +278,17 @@ class Kube:
         A write (any verb but GET) is sent only while ``may_write`` allows it; the
         leader election's own Lease requests pass ``gated=False``.
         """
-        if gated and verb.lower() != "get" and self.may_write is not None \
-                and not self.may_write():
-            metrics.WRITES_FENCED.inc()
-            raise NotLeader(f"{verb} {path}: not the leader; write not sent")
+        if gated and verb.lower() != "get":
+            if self.may_write is not None and not self.may_write():
+                metrics.WRITES_FENCED.inc()
+                raise NotLeader(f"{verb} {path}: not the leader; write not sent")
+            # Everything in a namespace being deleted goes with it: a status, an Event
+            # or a re-created child written into it would fight the deletion.
+            namespace = _namespace_of(path)
+            if namespace is not None and self.namespace_terminating(namespace):
+                raise NamespaceTerminating(
+                    f"{verb} {path}: namespace {namespace} is being deleted; write not sent",
+                    403)
         metrics.API_REQUESTS.labels(verb=verb.lower()).inc()
         method, url, headers, body, post = self.api.param_serialize(
             verb.upper(),
@@ -274,7 +311,7 @@ class Kube:
         if resp.status >= 400:
             message = _api_message(data)
             if resp.status == 403 and _namespace_terminating(data):
-                namespace = path.split("/namespaces/", 1)[-1].split("/", 1)[0]
+                namespace = _namespace_of(path) or ""
                 with self._lock:
                     self._terminating[namespace] = time.monotonic()
                 raise NamespaceTerminating(f"{verb} {path}: {message}", resp.status)

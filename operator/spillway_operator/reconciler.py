@@ -407,6 +407,7 @@ class Reconciler:
         patch = merge_patch(live, to_wire(status), keep=AUTOSCALER_FIELDS)
         if not patch:
             return None
+        log.debug("%s/%s: status patch %s", owner.namespace, owner.name, patch)
         try:
             written = self.kube.patch_status(owner.namespace, owner.name, patch) or {}
         except ApiException as exc:

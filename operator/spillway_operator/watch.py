@@ -56,6 +56,7 @@ DEPLOYMENTS = Kind("apps/v1", "Deployment", "deployments")
 SERVICES = Kind("v1", "Service", "services")
 POD_DISRUPTION_BUDGETS = Kind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets")
 PODS = Kind("v1", "Pod", "pods")
+NAMESPACES = Kind("v1", "Namespace", "namespaces")
 
 
 class Gone(Exception):
@@ -64,6 +65,10 @@ class Gone(Exception):
 
 class WatchFailed(Exception):
     """Any other failure of a list or watch: retried after a back-off."""
+
+
+class Forbidden(WatchFailed):
+    """403: the operator's role does not grant this list or watch."""
 
 
 def lines(chunks: Iterable[bytes]) -> Iterator[bytes]:
@@ -91,7 +96,10 @@ class Reflector:
 
     def __init__(self, api: client.ApiClient, kind: Kind, namespace: str | None,
                  selector: str, deliver: Deliver, *, timeout: int = 300,
-                 page_size: int = 500):
+                 page_size: int = 500, optional: str | None = None):
+        """``optional``: what the operator does without this watch; a role that does
+        not grant it (403) ends the watch with that line instead of retrying for ever."""
+        self.optional = optional
         self.api, self.kind, self.namespace = api, kind, namespace
         self.selector, self.deliver = selector, deliver
         self.timeout, self.page_size = timeout, page_size
@@ -133,6 +141,15 @@ class Reflector:
                          self._name(), self.version)
                 self.version = None
                 continue
+            except Forbidden as exc:
+                if self.optional is None:
+                    healthy = False
+                    log.warning("%s: %s", self._name(), exc)
+                else:
+                    log.info("%s: not granted by the operator's role; %s", self._name(),
+                             self.optional)
+                    self.synced.set()
+                    return
             except WatchFailed as exc:
                 healthy = False
                 log.warning("%s: %s", self._name(), exc)
@@ -149,7 +166,8 @@ class Reflector:
         return f"watch {self.kind.plural} in {self.namespace or 'all namespaces'}"
 
     def _open(self, query: dict[str, Any], read_timeout: float) -> urllib3.HTTPResponse:
-        query = {"labelSelector": self.selector, **query}
+        if self.selector:
+            query = {"labelSelector": self.selector, **query}
         method, url, headers, body, post = self.api.param_serialize(
             "GET", self.kind.path(self.namespace), query_params=list(query.items()),
             header_params={"Accept": "application/json"}, auth_settings=["BearerToken"])
@@ -163,7 +181,8 @@ class Reflector:
             raise Gone()
         if resp.status >= 400:
             text = resp.read().decode("utf-8", "replace")
-            raise WatchFailed(f"HTTP {resp.status}: {' '.join(text.split())[:300]}")
+            error = Forbidden if resp.status == 403 else WatchFailed
+            raise error(f"HTTP {resp.status}: {' '.join(text.split())[:300]}")
         return resp.response
 
     def _list(self) -> None:

@@ -205,10 +205,10 @@ def test_chart_crd_is_exactly_the_generated_crd(helm):
 
 
 def test_rbac_rules_are_exactly_what_the_operator_calls(helm):
-    # Cluster-wide (default): one ClusterRole, no Role but the Lease's, no namespaces.
+    # Cluster-wide (default): one ClusterRole, no Role but the Lease's.
     docs = render(helm, "spillway-system")
     (role,) = by_kind(docs, "ClusterRole")
-    assert rule_set(role["rules"]) == NAMESPACED_RULES | CRD_READS
+    assert rule_set(role["rules"]) == NAMESPACED_RULES | CRD_READS | NAMESPACE_READS
     roles, lease_role = split_lease_role(docs, "Role")
     assert not roles
     assert lease_role["metadata"]["namespace"] == "spillway-system"
@@ -499,7 +499,7 @@ def test_operator_runs_as_the_chart_service_account(helm, cluster, api, namespac
     else:
         role = json.loads(cluster.kubectl("get", "clusterrole", f"{RELEASE}-{release_ns}", "-o",
                                           "json"))
-        assert rule_set(role["rules"]) == NAMESPACED_RULES | CRD_READS
+        assert rule_set(role["rules"]) == NAMESPACED_RULES | CRD_READS | NAMESPACE_READS
 
     sa_user = f"system:serviceaccount:{release_ns}:{RELEASE}"
     # Granted: what the operator does.
@@ -513,6 +513,7 @@ def test_operator_runs_as_the_chart_service_account(helm, cluster, api, namespac
                ["patch", "pods", "-n", work],
                ["patch", "poddisruptionbudgets.policy", "-n", work],
                ["watch", "customresourcedefinitions.apiextensions.k8s.io"],
+               ["list", "namespaces"], ["watch", "namespaces"],
                *[[v, "leases.coordination.k8s.io", "-n", release_ns]
                  for v in ("get", "create", "update")]]
     # Denied: everything else, including what a looser role would hand out.
@@ -543,14 +544,12 @@ def test_operator_runs_as_the_chart_service_account(helm, cluster, api, namespac
               ["update", "leases.coordination.k8s.io", "-n", work],
               ["get", "leases.coordination.k8s.io", "-n", "kube-system"]]
     if namespaced:
-        granted += [["list", "namespaces"], ["watch", "namespaces"]]
         denied += [["get", "secrets", "-n", release_ns], ["get", "secrets", "-n", "default"],
                    ["patch", "deployments.apps", "-n", "default"],
                    ["list", "inferencedeployments.spillway.dev", "-n", "default"],
                    ["get", "secrets", "-A"]]
     else:
         granted += [["get", "secrets", "-n", "default"], ["patch", "deployments.apps", "-A"]]
-        denied += [["list", "namespaces"], ["watch", "namespaces"]]
     for args in granted:
         assert _can_i(cluster, sa_user, *args), args
     for args in denied:
@@ -648,6 +647,7 @@ def test_operator_runs_as_the_chart_service_account(helm, cluster, api, namespac
     scope = work if namespaced else "all namespaces"
     for plural in ("deployments", "services", "poddisruptionbudgets", "pods"):
         assert re.search(rf"watch {plural} in {scope}: listed \d+, watching", logtext), plural
+    assert re.search(r"watch namespaces in all namespaces: listed \d+, watching", logtext)
     assert ("Starting the watch-stream for namespaces.v1" in logtext) == namespaced
     if namespaced:  # the autoscaler's write went through this ServiceAccount
         assert re.search(rf'"PATCH /apis/{GROUP}/{VERSION}/namespaces/{work}/{PLURAL}/gemma/scale'

@@ -172,3 +172,57 @@ def test_a_compacted_version_lists_again_and_reports_what_vanished(api, namespac
         seen.wait_for(lambda ev: ev[-1][:2] == ("ADDED", "later"))
     finally:
         r.stop(timeout=10)
+
+
+def test_an_optional_watch_the_role_does_not_grant_ends_with_one_line(cluster, caplog):
+    """The namespaces' watch is optional (rbac.clusterScopedReads: false grants none):
+    a 403 ends it with one line saying what the operator does instead, where a required
+    watch would retry for ever."""
+    from kubernetes import config
+
+    nobody = config.new_client_from_config(config_file=str(cluster.config.kubeconfig))
+    nobody.set_default_header("Impersonate-User", "spillway-test-nobody")
+    seen = Recorder()
+    caplog.set_level("INFO", logger="spillway.watch")
+    r = watch.Reflector(nobody, watch.NAMESPACES, None, "", seen, timeout=2,
+                        optional="learned from refused writes").start()
+    try:
+        assert r.synced.wait(20)
+        r._thread.join(10)
+        assert not r._thread.is_alive() and seen.events == []
+        lines = [rec.getMessage() for rec in caplog.records if rec.name == "spillway.watch"]
+        assert lines == ["watch namespaces in all namespaces: not granted by the operator's "
+                         "role; learned from refused writes"], lines
+    finally:
+        r.stop(timeout=10)
+
+
+def test_the_namespaces_watch_sees_a_deletion_before_its_contents_go(api, cluster):
+    """What Kube.observe_namespace is told: a namespace being deleted arrives as a
+    MODIFIED event with a deletionTimestamp and phase Terminating, while an object in
+    it (held by a finalizer in case the controller is quick) is still there."""
+    from spillway_operator.kube import Kube
+
+    core = client.CoreV1Api(api)
+    ns = f"ns-watch-{int(time.time() * 1000) % 10**8}"
+    kube = Kube(api)
+    r = watch.Reflector(api, watch.NAMESPACES, None, "", kube.observe_namespace,
+                        timeout=5).start()
+    try:
+        assert r.synced.wait(20)
+        core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=ns)))
+        core.create_namespaced_config_map(ns, client.V1ConfigMap(
+            metadata=client.V1ObjectMeta(name="held", finalizers=["spillway.dev/test-hold"])))
+        time.sleep(1)
+        assert not kube.namespace_terminating(ns)
+        core.delete_namespace(ns)
+        deadline = time.monotonic() + 20
+        while not kube.namespace_terminating(ns) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert kube.namespace_terminating(ns)
+        # Known as going while its contents are still there (the namespace controller
+        # had not even marked the ConfigMap for deletion yet in the runs here).
+        assert core.read_namespaced_config_map("held", ns).metadata.name == "held"
+    finally:
+        core.patch_namespaced_config_map("held", ns, {"metadata": {"finalizers": None}})
+        r.stop(timeout=10)

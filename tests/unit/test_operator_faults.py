@@ -153,3 +153,44 @@ def test_a_terminating_namespace_is_forgotten_after_a_while(monkeypatch):
     assert kube.namespace_terminating("gone")
     now[0] += 1
     assert not kube.namespace_terminating("gone") and "gone" not in kube._terminating
+
+
+def test_no_write_goes_into_a_namespace_the_watch_shows_being_deleted():
+    """The namespace watch's news closes the namespace to every write (statuses,
+    Events, children) before anything in it is gone, and opens it again when it is
+    gone or a new one takes its name. Reads still go."""
+    import pytest
+    from kubernetes import client
+
+    from spillway_operator.kube import Kube, NamespaceTerminating
+
+    sent: list[str] = []
+
+    class Api(client.ApiClient):  # counts what would reach the API server
+        def call_api(self, method, url, *args, **kwargs):
+            sent.append(f"{method} {url}")
+            raise OSError("not sent anywhere in this test")
+
+    kube = Kube(Api())
+    ns = {"metadata": {"name": "team-a"}, "status": {"phase": "Active"}}
+    kube.observe_namespace("ADDED", ns)
+    assert not kube.namespace_terminating("team-a")
+    kube.observe_namespace("MODIFIED", {"metadata": {"name": "team-a",
+                                                     "deletionTimestamp": "2026-01-01T00:00:00Z"},
+                                        "status": {"phase": "Terminating"}})
+    assert kube.namespace_terminating("team-a") and not kube.namespace_terminating("team-b")
+    for verb in ("patch", "post", "put", "delete"):
+        with pytest.raises(NamespaceTerminating, match="team-a is being deleted"):
+            kube.request(verb, "/apis/spillway.dev/v1alpha1/namespaces/team-a/"
+                         "inferencedeployments/chat/status", body={})
+    assert sent == []
+    with pytest.raises(Exception, match="unreachable"):  # a read is sent
+        kube.request("get", "/api/v1/namespaces/team-a/pods")
+    assert len(sent) == 1
+    kube.observe_namespace("DELETED", {"metadata": {"name": "team-a"}})
+    assert not kube.namespace_terminating("team-a")
+    kube.observe_namespace("ADDED", {"metadata": {"name": "team-a",
+                                                  "deletionTimestamp": "x"}})
+    assert kube.namespace_terminating("team-a")
+    kube.observe_namespace("ADDED", ns)  # listed again after a 410: a new namespace
+    assert not kube.namespace_terminating("team-a")

@@ -126,16 +126,17 @@ Events, pods/exec, pods/log, nodes, and any write to the InferenceDeployment's s
 Cluster-scoped reads kopf makes (rbac.clusterScopedReads):
 - customresourcedefinitions list, watch: kopf re-scans the API when a CRD changes, so
   an operator started before its CRD was established still finds InferenceDeployments.
-- namespaces list, watch (namespaced mode only): kopf resolves the -n namespaces against
-  the cluster's namespaces and follows their creation; in --all-namespaces mode it does not.
+- namespaces list, watch: the operator's own watch of namespaces, so that nothing is
+  written into one being deleted (no status, Event or re-created child fights the
+  deletion); in namespaced mode kopf also resolves the -n namespaces against them and
+  follows their creation. Without it (clusterScopedReads: false) a namespace being
+  deleted is learned from the API server's refusal of a create in it.
 */}}
 {{- define "spillway.clusterReadRules" -}}
 - apiGroups: ["apiextensions.k8s.io"]
   resources: ["customresourcedefinitions"]
   verbs: ["list", "watch"]
-{{- if .Values.watchNamespaces }}
 - apiGroups: [""]
   resources: ["namespaces"]
   verbs: ["list", "watch"]
-{{- end }}
 {{- end }}
