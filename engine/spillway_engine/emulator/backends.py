@@ -118,15 +118,21 @@ def backend_path(attention_backend: str | None) -> str:
         ) from None
 
 
-def construct_backend_path(attention_backend: str | None, kv_cache_dtype: str) -> str | None:
+def construct_backend_path(
+    attention_backend: str | None, kv_cache_dtype: str, has_sink: bool = False
+) -> str | None:
     """The backend class the layers must be *constructed* with, or None for any.
 
     MLA layers need an MLA backend at construction. FlashAttention's impl needs CUDA
-    for an FP8 KV cache; Triton has the same 16-token rule and takes it.
+    for an FP8 KV cache and for attention sinks (gpt-oss): vLLM 0.33.0 imports
+    ``flash_attn_supports_sinks`` only where its CUDA FlashAttention kernels load, so
+    on a CPU ``FlashAttentionImpl`` with sinks raises ``NameError``. Triton has the
+    same 16-token rule and constructs with both; the layers are then given the plan's
+    backend (:func:`give_planned_backends`) before any block size or spec is read.
     """
     if attention_backend in MLA_BACKENDS:
         return BACKEND_PATHS[attention_backend]
-    if kv_cache_dtype != "auto":
+    if kv_cache_dtype != "auto" or has_sink:
         return AttentionBackendEnum.TRITON_ATTN.get_path()
     return None
 

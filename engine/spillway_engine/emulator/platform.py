@@ -154,7 +154,8 @@ class EmulatedGpuPlatform(Platform):
 
         gpu = planned_gpu()
         dtype = str(getattr(attn_selector_config, "kv_cache_dtype", None) or "auto")
-        return construct_backend_path(gpu["attention_backend"], dtype) or backend_path(
+        sink = bool(getattr(attn_selector_config, "has_sink", False))
+        return construct_backend_path(gpu["attention_backend"], dtype, sink) or backend_path(
             gpu["attention_backend"]
         )
 
