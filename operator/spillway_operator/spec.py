@@ -16,6 +16,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
+from spillway_engine.launcher import vllm_cli
 from spillway_engine.launcher.serve import PROTECTED_FLAGS, PROTECTED_SHORT_FLAGS, refused_flag
 from spillway_operator.imageref import CEL_CHECKS as IMAGE_CEL_CHECKS
 from spillway_operator.imageref import IMAGE_MAX_LENGTH, image_reference_error
@@ -351,10 +352,18 @@ class EngineSpec(_Model):
     @field_validator("extra_args")
     @classmethod
     def _no_plan_owned_flags(cls, args: list[str]) -> list[str]:
+        """Plan-owned flags first (their own message), then what vLLM's parser would
+        refuse where the launcher puts them (vllm_cli.refusal: vLLM's own message)."""
         for token in args:
             hit = refused_flag(token)
             if hit:
                 raise ValueError(f"{token!r} is refused: {hit[0]} is set by {hit[1]}")
+        refused = vllm_cli.refusal(args)
+        if refused is not None:
+            raise ValueError(
+                f"vllm serve {vllm_cli.load_table()['vllm_version']} would not start with "
+                f"them: {vllm_cli.one_line(refused)}"
+            )
         return args
 
 
@@ -590,6 +599,36 @@ def _extra_arg_rule() -> dict[str, str]:
     }
 
 
+def _vllm_option_rule() -> dict[str, str]:
+    """vllm serve's own refusal of a long option it does not have, per item
+    (``vllm_cli.unknown_long_flag``, from the committed table of vLLM's options): the
+    name before '=' and the first '.', '_' read as '-' as vLLM does, must be one of its
+    option names or a prefix of one (argparse's abbreviations). Items with a space are
+    positionals to argparse and left to the operator's full check, as is all context.
+
+    The prefixes are two map literals (``vllm_cli.prefix_tables``; a literal costs the
+    CEL budget a constant): those shared by several names, and each other name under
+    its shortest prefix no other name has, tried at each length such a prefix has."""
+    shared, unique = vllm_cli.prefix_tables()
+    shared_map = "{" + ",".join(f'"{p}":1' for p in shared) + "}"
+    unique_map = "{" + ",".join(f'"{k}":"{n}"' for k, n in unique.items()) + "}"
+    lengths = "[" + ",".join(str(n) for n in sorted({len(k) for k in unique})) + "]"
+    # [x].all(v, ...) binds v to x once (no cel.bind needed)
+    key = "self.split('=')[0].split('.')[0].replace('_', '-')"
+    known = (
+        f"n in {shared_map} || [{unique_map}].all(u, {lengths}.exists(l, size(n) >= l && "
+        "n.substring(0, l) in u && u[n.substring(0, l)].startsWith(n)))"
+    )
+    shown = "(size(self) > 80 ? self.substring(0, 80) + '...' : self)"
+    version = vllm_cli.load_table()["vllm_version"]
+    return {
+        "rule": f"!self.startsWith('--') || self.contains(' ') || [{key}].all(k, size(k) <= 2 "
+        f"|| [k.substring(2)].all(n, {known}))",
+        "messageExpression": f"'engine.extraArgs: ' + {shown} + ' is not an option of vllm "
+        f"serve {version}, which would exit 2: unrecognized arguments: ' + {shown}",
+    }
+
+
 def _env_rule() -> dict[str, str]:
     prefixes = " || ".join(f"self.name.startsWith('{p}')" for p in RESERVED_ENV_PREFIXES)
     return {
@@ -625,7 +664,7 @@ CEL_RULES: dict[str, list[dict[str, str]]] = {
         cel("!self.name.endsWith('.git')", "model.name: a model id cannot end in .git", ".name"),
     ],
     "spec.engine.image": [cel(rule, f"engine.image: {why}") for rule, why in IMAGE_CEL_CHECKS],
-    "spec.engine.extraArgs[]": [_extra_arg_rule()],
+    "spec.engine.extraArgs[]": [_extra_arg_rule(), _vllm_option_rule()],
     "spec.engine.speculative": [
         cel(
             "self.method == 'mtp' ? !has(self.model) : has(self.model)",

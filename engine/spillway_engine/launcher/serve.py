@@ -61,7 +61,7 @@ from pathlib import Path
 from typing import Any
 
 from spillway_engine import emulator
-from spillway_engine.launcher import drain, preflight
+from spillway_engine.launcher import drain, preflight, vllm_cli
 from spillway_engine.launcher.plugin import (
     ENTRY_POINT_GROUP,
     ENTRY_POINT_NAME,
@@ -310,6 +310,9 @@ def _is_number(token: str) -> bool:
 
 
 def check_extra_args(extra_args: Sequence[str]) -> None:
+    """Refuse plan-owned flags, then what vLLM's own parser would refuse at the end of
+    the command (:func:`spillway_engine.launcher.vllm_cli.refusal`: unknown flags, a
+    flag without its value, stray positionals... with vLLM's message)."""
     for token in extra_args:
         hit = refused_flag(token)
         if hit is not None:
@@ -317,6 +320,12 @@ def check_extra_args(extra_args: Sequence[str]) -> None:
             raise EngineCliError(
                 f"extra argument {token!r} is refused: {flag} is set by {owner}"
             )
+    refused = vllm_cli.refusal(extra_args)
+    if refused is not None:
+        raise EngineCliError(
+            f"extra arguments {shlex.join(extra_args)} are refused: vllm serve {VLLM_VERSION} "
+            f"would not start with them: {vllm_cli.one_line(refused)}"
+        )
 
 
 # ------------------------------------------------------------------ the command
