@@ -107,3 +107,31 @@ def test_the_module_imports_no_vllm_or_torch():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_the_emulator_plugs_its_link_and_counters_into_the_offloader(monkeypatch):
+    """The offloader never imports the emulator: the emulator's platform plug-in, which
+    vLLM calls in every process, installs the modelled host link and its counter."""
+    from spillway_engine import emulator
+    from spillway_engine.emulator import platform
+    from spillway_engine.offloader import spec, stand_in
+
+    monkeypatch.setattr(stand_in, "host_link", None)
+    monkeypatch.setattr(stand_in, "counters", ())
+    monkeypatch.delenv(emulator.ENV_EMULATE, raising=False)
+    monkeypatch.delenv("SPILLWAY_PLAN", raising=False)
+    assert emulator.platform_plugin() is None
+    assert stand_in.link_seconds() is None and spec.stand_in_metric_definitions() == {}
+
+    monkeypatch.setenv(emulator.ENV_EMULATE, "1")
+    monkeypatch.setenv(emulator.ENV_GPU, "h100")
+    platform.planned_gpu.cache_clear()
+    assert emulator.platform_plugin() == emulator.PLATFORM_QUALNAME
+    assert list(spec.stand_in_metric_definitions()) == ["spillway_emulator_kv_mismatch"]
+    monkeypatch.setenv(emulator.ENV_SPEED, "0")
+    assert stand_in.link_seconds() is None  # speed 0: copies finish at once
+    monkeypatch.setenv(emulator.ENV_SPEED, "2")
+    link = stand_in.link_seconds()
+    assert link is not None
+    assert link(2**30) == pytest.approx(2 * lat.transfer_s(2**30, lat.gpu_profile("h100")))
+    platform.planned_gpu.cache_clear()

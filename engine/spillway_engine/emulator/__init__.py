@@ -51,8 +51,23 @@ def emulation_requested(env: dict[str, str] | None = None) -> bool:
 
 
 def platform_plugin() -> str | None:
-    """``vllm.platform_plugins`` entry: the emulated platform, only when asked for."""
-    return PLATFORM_QUALNAME if emulation_requested() else None
+    """``vllm.platform_plugins`` entry: the emulated platform, only when asked for.
+    vLLM calls it in every process before the platform is used, so this is where the
+    emulator plugs its link model and counters into the offloader (which never
+    imports the emulator)."""
+    if not emulation_requested():
+        return None
+    from spillway_engine.metrics import EMULATOR_KV_MISMATCH
+    from spillway_engine.offloader import stand_in
+
+    stand_in.install(_modelled_host_link, (EMULATOR_KV_MISMATCH,))
+    return PLATFORM_QUALNAME
+
+
+def _modelled_host_link():  # imported when a worker asks: the platform module is heavy
+    from spillway_engine.emulator.platform import modelled_host_link
+
+    return modelled_host_link()
 
 
 def emulator_env(

@@ -26,7 +26,8 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.cpu.common import CPUOffloadingInfo
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
-from spillway_engine.metrics import EMULATOR_KV_MISMATCH, POOL_METRICS
+from spillway_engine.metrics import POOL_METRICS
+from spillway_engine.offloader import stand_in
 from spillway_engine.offloader.geometry import ConnectorGeometry, contract_runs
 from spillway_engine.offloader.host_layout import HostLayout
 from spillway_engine.offloader.manager import make_manager_class
@@ -42,14 +43,10 @@ def pool_metric_definitions() -> dict[str, OffloadingMetricMetadata]:
     return {m.name: kinds[m.kind](documentation=m.help) for m in POOL_METRICS}
 
 
-def emulator_metric_definitions() -> dict[str, OffloadingMetricMetadata]:
-    """The emulated GPU's page check, exported only where a GPU is emulated."""
-    from spillway_engine.emulator import emulation_requested
-
-    if not emulation_requested():
-        return {}
-    help_text = EMULATOR_KV_MISMATCH.help
-    return {EMULATOR_KV_MISMATCH.name: OffloadingCounterMetadata(documentation=help_text)}
+def stand_in_metric_definitions() -> dict[str, OffloadingMetricMetadata]:
+    """The counters a stand-in GPU installed (the emulated GPU's page check); none on
+    a real GPU."""
+    return {m.name: OffloadingCounterMetadata(documentation=m.help) for m in stand_in.counters}
 
 
 def host_info(config: Any, layout: HostLayout) -> CPUOffloadingInfo:
@@ -81,7 +78,7 @@ class SpillwayHostSpec(OffloadingSpec):
         return {
             **CPUOffloadingSpec.build_metric_definitions(extra_config),
             **pool_metric_definitions(),
-            **emulator_metric_definitions(),
+            **stand_in_metric_definitions(),
         }
 
     @classmethod
@@ -129,7 +126,7 @@ class SpillwayHostSpec(OffloadingSpec):
             )
             try:
                 worker: OffloadingWorker = SpillwayHostWorker(
-                    kv_caches, self.layout, pool, release=cleanup, link_s=_emulated_link()
+                    kv_caches, self.layout, pool, release=cleanup, link_s=stand_in.link_seconds()
                 )
             except Exception:
                 cleanup()
@@ -138,17 +135,6 @@ class SpillwayHostSpec(OffloadingSpec):
                 worker = ContractingWorker(worker, self.layout, self.geometry.expansion)
             self._worker = worker
         return self._worker
-
-
-def _emulated_link() -> Any:
-    """On an emulated GPU timed at a speed factor: its modelled host link (else None)."""
-    from spillway_engine.emulator import emulation_requested
-
-    if not emulation_requested():
-        return None
-    from spillway_engine.emulator.platform import modelled_host_link
-
-    return modelled_host_link()
 
 
 def contract_gpu_spec(
