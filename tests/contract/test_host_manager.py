@@ -346,6 +346,8 @@ def test_single_group_pool_is_indistinguishable_from_vllm(
         vllm, spillway = driver.step(op, picks, flag)
         assert vllm == spillway, f"step {step}: {op} {picks} {flag}"
         assert used_slots(managers[0]) == used_slots(managers[1]), f"step {step}"
+        # one unit a key: the evictable units are vLLM's count of evictable chunks
+        assert managers[1].evictable_units == managers[0]._num_evictable_cache_chunks, step
     assert events(managers[0]) == events(managers[1])
 
 
@@ -413,7 +415,7 @@ def test_multi_group_pool_invariants(ops, num_units, units, threshold, policy):
             announced.clear()  # vLLM announces a reset as "all blocks cleared", not per key
         replay()
         assert announced == {k for k, ready in after.items() if ready}, where
-        assert manager._policy.units == sum(
+        assert manager.evictable_units == sum(
             manager.units_of(k)
             for k in after
             if after[k] and k not in {p for keys, _ in driver.loads for p in keys}

@@ -45,49 +45,55 @@ class _StoreRefused(Exception):
 
 
 class _EvictableUnits:
-    """vLLM's cache policy, plus a count of the units its evictable keys hold.
-
-    The manager calls ``mark_evictable`` / ``mark_non_evictable`` on every ref-count
-    change to or from 0, so the count is exact; it lets a store be refused before
+    """The units held by evictable keys (ref_cnt 0), so a store can be refused before
     anything is evicted.
+
+    The count lives in the manager, not in a wrapper around the policy: ``self._policy``
+    stays vLLM's own policy object, so ``isinstance`` holds and whatever vLLM (or an
+    operator) reads or writes on it (ARC's ``target_t1_size``) is the policy's own.
+    A key's ref_cnt changes to or from 0 only inside vLLM's ``_prepare_load``,
+    ``complete_load`` and ``complete_store``, and the key leaves the pool only through
+    Spillway's eviction (``_make_room``) or ``reset_cache``; each is overridden here to
+    move the count by the units of the distinct keys that changed, so it stays exact
+    (the property test in tests/contract/test_host_manager.py checks it).
+
+    Mixed in before vLLM's ``CPUOffloadingManager``, like :class:`_UnitSlots`.
     """
 
-    def __init__(self, policy: Any, units_of: Any):
-        self._policy = policy
-        self._units_of = units_of
-        self.units = 0
+    def _idle_units(self, keys: Iterable[OffloadKey]) -> int:
+        """Units of the distinct ``keys`` held in the pool with ref_cnt 0."""
+        total = 0
+        for key in dict.fromkeys(keys):
+            chunk = self._policy.get(key)
+            if chunk is not None and chunk.ref_cnt == 0:
+                total += self.units_of(key)
+        return total
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._policy, name)
+    def _prepare_load(
+        self, keys: Collection[OffloadKey], req_context: ReqContext, *, record_access: bool
+    ) -> Any:
+        pinned = self._idle_units(keys)  # these go ref_cnt 0 -> 1
+        spec = super()._prepare_load(keys, req_context, record_access=record_access)
+        self.evictable_units -= pinned
+        return spec
 
-    def mark_evictable(self, key: OffloadKey) -> None:
-        self._policy.mark_evictable(key)
-        self.units += self._units_of(key)
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        super().complete_load(keys, req_context)
+        # every key had ref_cnt > 0 (vLLM asserts it); those now at 0 went 1 -> 0
+        self.evictable_units += self._idle_units(keys)
 
-    def mark_non_evictable(self, key: OffloadKey) -> None:
-        self._policy.mark_non_evictable(key)
-        self.units -= self._units_of(key)
-
-    def insert(self, key: OffloadKey, chunk: ChunkStatus, req_context: ReqContext) -> None:
-        self._policy.insert(key, chunk, req_context)
-        if chunk.ref_cnt == 0:
-            self.units += self._units_of(key)
-
-    def remove(self, key: OffloadKey) -> None:
-        chunk = self._policy.get(key)
-        if chunk is not None and chunk.ref_cnt == 0:
-            self.units -= self._units_of(key)
-        self._policy.remove(key)
-
-    def evict(self, n: int, protected: set[OffloadKey]) -> Any:
-        evicted = self._policy.evict(n, protected)
-        for key, _ in evicted or ():
-            self.units -= self._units_of(key)
-        return evicted
-
-    def clear(self) -> None:
-        self._policy.clear()
-        self.units = 0
+    def complete_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
+    ) -> None:
+        stored = 0
+        if success:  # pending keys (ref_cnt -1) become ready at ref_cnt 0
+            for key in dict.fromkeys(keys):
+                chunk = self._policy.get(key)
+                if chunk is not None and not chunk.is_ready:
+                    stored += self.units_of(key)
+        # a failed store removes pending keys, which were never evictable
+        super().complete_store(keys, req_context, success)
+        self.evictable_units += stored
 
 
 class _UnitSlots:
@@ -109,6 +115,7 @@ class _UnitSlots:
         self._next_handle = 0
         # current pool gauges
         self.used_units = 0
+        self.evictable_units = 0
         self.stored_bytes = 0
         self.keys_per_group = dict.fromkeys(self._group_units, 0)
 
@@ -222,7 +229,7 @@ class _Eviction:
             chunk = self._policy.get(key)
             if chunk is not None and chunk.ref_cnt == 0:
                 offered_idle += self.units_of(key)
-        if short > self._policy.units - offered_idle:
+        if short > self.evictable_units - offered_idle:
             raise _StoreRefused
         # As many keys as surely needed in one call (vLLM's single call when every
         # key takes the same units), then one at a time until the units are free.
@@ -232,7 +239,9 @@ class _Eviction:
             assert evicted, "evictable units were counted but could not be evicted"
             self._num_evictable_cache_chunks -= len(evicted)
             for key, chunk in evicted:
-                short -= len(self._units[chunk.chunk_id])
+                units = len(self._units[chunk.chunk_id])
+                short -= units
+                self.evictable_units -= units
                 self._free_chunk(chunk)
                 self._store_evicted.append(key)
                 if self._group_idx(key) == self.anchor_group:
@@ -291,7 +300,7 @@ def make_manager_class() -> type:
     from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
     from vllm.v1.kv_offload.cpu.policies.base import ChunkStatus
 
-    class SpillwayHostManager(_Eviction, _UnitSlots, CPUOffloadingManager):
+    class SpillwayHostManager(_Eviction, _EvictableUnits, _UnitSlots, CPUOffloadingManager):
         _group_idx = staticmethod(get_offload_group_idx)
         _load_store_spec = CPULoadStoreSpec
         _offload_metrics = CPUOffloadingMetrics
@@ -306,7 +315,6 @@ def make_manager_class() -> type:
             min_units = min(self._group_units.values())
             # The policy and vLLM's bookkeeping count keys; at most this many fit.
             super().__init__(num_chunks=layout.num_units // min_units, **kwargs)
-            self._policy = _EvictableUnits(self._policy, self.units_of)
             self._max_units = max(self._group_units.values())
             self._empty_slots()
             #: the store being prepared: its offer (never evicted for it) and evictions
