@@ -49,13 +49,16 @@ class _EvictableUnits:
     anything is evicted.
 
     The count lives in the manager, not in a wrapper around the policy: ``self._policy``
-    stays vLLM's own policy object, so ``isinstance`` holds and whatever vLLM (or an
-    operator) reads or writes on it (ARC's ``target_t1_size``) is the policy's own.
-    A key's ref_cnt changes to or from 0 only inside vLLM's ``_prepare_load``,
-    ``complete_load`` and ``complete_store``, and the key leaves the pool only through
-    Spillway's eviction (``_make_room``) or ``reset_cache``; each is overridden here to
-    move the count by the units of the distinct keys that changed, so it stays exact
-    (the property test in tests/contract/test_host_manager.py checks it).
+    stays vLLM's own policy object, so ``isinstance`` holds and whatever vLLM (or a
+    test) reads or writes on it (ARC's ``target_t1_size``) is the policy's own. (A
+    subclass of each policy class would also pass ``isinstance``, but changes the
+    object's class and sees the policy's calls to itself.) A key's ref_cnt changes to
+    or from 0 only inside vLLM's ``_prepare_load`` (also the tiering manager's path),
+    ``complete_load`` and ``complete_store``, and a key leaves the pool evictable only
+    through Spillway's eviction (``_make_room``; vLLM's ``prepare_store`` never evicts
+    itself, see ``_get_num_free_chunks``) or ``reset_cache``. Each is overridden to move
+    the count by the units of the distinct keys that changed, so it stays exact (the
+    property tests in tests/contract/test_host_manager.py check it every step).
 
     Mixed in before vLLM's ``CPUOffloadingManager``, like :class:`_UnitSlots`.
     """
