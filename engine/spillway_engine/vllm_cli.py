@@ -40,7 +40,7 @@ value format; combinations vLLM's ``validate_parsed_serve_args`` and engine conf
 refuse.
 
 The table (``vllm_serve_args.json`` beside this file) is generated from vLLM's real
-parser: ``python -m spillway_engine.launcher.vllm_cli --write`` (needs vLLM; sets
+parser: ``python -m spillway_engine.vllm_cli --write`` (needs vLLM; sets
 ``VLLM_TARGET_DEVICE=cpu`` unless set). ``tests/contract/test_vllm_cli.py`` checks it
 equals what vLLM 0.33.0 builds and that :func:`refusal` agrees with vLLM's parser.
 """
@@ -59,7 +59,7 @@ from pathlib import Path
 from typing import Any
 
 TABLE_FILE = Path(__file__).with_name("vllm_serve_args.json")
-WRITE_COMMAND = "python -m spillway_engine.launcher.vllm_cli --write"
+WRITE_COMMAND = "python -m spillway_engine.vllm_cli --write"
 
 #: What the launcher's command has before the extra arguments, as far as a verdict can
 #: tell: the model, then options that have taken their values (it ends ``--host H
@@ -489,7 +489,7 @@ def dump_table(table: dict[str, Any]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m spillway_engine.launcher.vllm_cli",
+        prog="python -m spillway_engine.vllm_cli",
         description="Write or check the committed vllm serve argument table (needs vLLM).",
     )
     parser.add_argument("--write", action="store_true", help=f"rewrite {TABLE_FILE.name}")

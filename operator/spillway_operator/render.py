@@ -16,6 +16,7 @@ from typing import Any
 from spillway_engine.launcher.drain import READY_PATH
 from spillway_engine.planner.plan import Plan
 from spillway_engine.quantity import format_bytes, parse_bytes
+from spillway_engine.seam import ENGINE_OPTIONS_FILE, PLAN_FILE, EngineOptions
 from spillway_operator import disruption, rollout
 from spillway_operator.cache import Memo
 from spillway_operator.spec import (
@@ -30,8 +31,6 @@ from spillway_operator.spec import (
 FIELD_MANAGER = "spillway"
 ENGINE_PORT = 8000
 PLAN_MOUNT = "/etc/spillway/plan"
-PLAN_FILE = "plan.json"
-ENGINE_FILE = "engine.json"
 MODEL_CACHE = "/models-cache"
 # Default host memory a pod may use per GPU when the spec gives no memory limit:
 # a GPU server has roughly 2 TiB for 8 GPUs; 192 GiB per GPU leaves room for the
@@ -125,20 +124,20 @@ def plan_hash(plan: Plan) -> str:
     return _plan_text(plan)[1]
 
 
-def engine_options(spec: InferenceDeploymentSpec) -> dict[str, Any]:
+def engine_options(spec: InferenceDeploymentSpec) -> EngineOptions:
     """Serving options the engine reads beside the plan (never secrets)."""
-    return {
-        "model": spec.model.name,
-        "revision": spec.model.revision,
-        "served_model_name": spec.model.served_model_name or spec.model.name,
-        "weights_path": spec.weights.pvc.path if spec.weights.pvc else None,
-        "gpu_memory_utilization": spec.engine.gpu_memory_utilization,
-        "dtype": spec.engine.dtype.value,
-        "eviction_policy": spec.offload.eviction_policy.value,
-        "offload_enabled": spec.offload.enabled,
-        "kv_events": spec.engine.kv_events.enabled,
-        "extra_args": list(spec.engine.extra_args),
-    }
+    return EngineOptions(
+        model=spec.model.name,
+        revision=spec.model.revision,
+        served_model_name=spec.model.served_model_name or spec.model.name,
+        weights_path=spec.weights.pvc.path if spec.weights.pvc else None,
+        gpu_memory_utilization=spec.engine.gpu_memory_utilization,
+        dtype=spec.engine.dtype.value,
+        eviction_policy=spec.offload.eviction_policy.value,
+        offload_enabled=spec.offload.enabled,
+        kv_events=spec.engine.kv_events.enabled,
+        extra_args=tuple(spec.engine.extra_args),
+    )
 
 
 def plan_configmap(owner: Owner, spec: InferenceDeploymentSpec, plan: Plan) -> dict[str, Any]:
@@ -147,7 +146,7 @@ def plan_configmap(owner: Owner, spec: InferenceDeploymentSpec, plan: Plan) -> d
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": _meta(owner, f"{owner.name}-plan"),
-        "data": {PLAN_FILE: plan_json(plan), ENGINE_FILE: _json(engine_options(spec))},
+        "data": {PLAN_FILE: plan_json(plan), ENGINE_OPTIONS_FILE: engine_options(spec).to_json()},
     }
 
 

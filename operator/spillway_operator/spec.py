@@ -16,8 +16,12 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
-from spillway_engine.launcher import vllm_cli
-from spillway_engine.launcher.serve import PROTECTED_FLAGS, PROTECTED_SHORT_FLAGS, refused_flag
+from spillway_engine import vllm_cli
+from spillway_engine.seam import (
+    PROTECTED_FLAGS,
+    PROTECTED_SHORT_FLAGS,
+    extra_args_refusal,
+)
 from spillway_operator.imageref import CEL_CHECKS as IMAGE_CEL_CHECKS
 from spillway_operator.imageref import IMAGE_MAX_LENGTH, image_reference_error
 
@@ -352,18 +356,11 @@ class EngineSpec(_Model):
     @field_validator("extra_args")
     @classmethod
     def _no_plan_owned_flags(cls, args: list[str]) -> list[str]:
-        """Plan-owned flags first (their own message), then what vLLM's parser would
-        refuse where the launcher puts them (vllm_cli.refusal: vLLM's own message)."""
-        for token in args:
-            hit = refused_flag(token)
-            if hit:
-                raise ValueError(f"{token!r} is refused: {hit[0]} is set by {hit[1]}")
-        refused = vllm_cli.refusal(args)
+        """What the launcher refuses (seam.extra_args_refusal): plan-owned flags, then
+        what vLLM's parser would refuse where the launcher puts them, with its message."""
+        refused = extra_args_refusal(args)
         if refused is not None:
-            raise ValueError(
-                f"vllm serve {vllm_cli.load_table()['vllm_version']} would not start with "
-                f"them: {vllm_cli.one_line(refused)}"
-            )
+            raise ValueError(refused)
         return args
 
 

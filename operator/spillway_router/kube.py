@@ -43,13 +43,15 @@ def deployment_from_configmap(cm: Mapping[str, Any]) -> DeploymentInfo:
     """The served model name and routing profile from ``<name>-plan``'s data. Raises
     ValueError (PlanReadError is one) when it holds no usable plan."""
     from spillway_engine.planner.plan import read_plan
+    from spillway_engine.seam import ENGINE_OPTIONS_FILE, PLAN_FILE, parse_engine_options
 
     data = cm.get("data") or {}
-    engine = json.loads(data.get("engine.json") or "{}")
-    plan = read_plan(data.get("plan.json") or "", "plan ConfigMap")
-    model = engine.get("served_model_name") or engine.get("model")
-    if not isinstance(model, str) or not model:
-        raise ValueError("engine.json names no model")
+    engine = parse_engine_options(json.loads(data.get(ENGINE_OPTIONS_FILE) or "{}"),
+                                  ENGINE_OPTIONS_FILE)
+    plan = read_plan(data.get(PLAN_FILE) or "", "plan ConfigMap")
+    model = engine.served_model_name or engine.model
+    if not model:
+        raise ValueError(f"{ENGINE_OPTIONS_FILE} names no model")
     return DeploymentInfo(model, profile_from_plan(plan))
 
 

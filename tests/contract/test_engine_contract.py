@@ -48,8 +48,8 @@ from vllm.v1.metrics.loggers import PrometheusStatLogger
 
 from spillway_engine.launcher import plan_check, plugin, serve
 from spillway_engine.launcher.plan_check import PlanMismatch
-from spillway_engine.launcher.serve import EngineOptions
 from spillway_engine.planner.plan import Plan, PlanRequest, make_plan
+from spillway_engine.seam import EngineOptions
 
 from .conftest import LayoutCache, load_model
 from .vllm_harness import Case, VllmLayout

@@ -1,5 +1,5 @@
 """The committed ``vllm serve`` argument table and its checker against vLLM 0.33.0's
-real parser (``spillway_engine.launcher.vllm_cli``).
+real parser (``spillway_engine.vllm_cli``).
 
 (a) the table equals what vLLM's parser holds, so it cannot drift; (b) random extra
 argument lists, placed where the launcher places them (``build_command``), get the
@@ -24,9 +24,11 @@ import pytest
 from hypothesis import HealthCheck, event, given, reject, settings
 from hypothesis import strategies as st
 
-from spillway_engine.launcher import serve, vllm_cli
-from spillway_engine.launcher.serve import EngineCliError, EngineOptions, refused_flag
+from spillway_engine import vllm_cli
+from spillway_engine.launcher import serve
+from spillway_engine.launcher.serve import EngineCliError
 from spillway_engine.planner.plan import PlanRequest, make_plan
+from spillway_engine.seam import EngineOptions, refused_flag
 from spillway_engine.vllm_pins import VLLM_VERSION
 
 from .conftest import load_model

@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kubernetes import client
 
-from spillway_engine.launcher import vllm_cli
-from spillway_engine.launcher.serve import refused_flag
+from spillway_engine import vllm_cli
+from spillway_engine.seam import refused_flag
 from spillway_operator.spec import GROUP, PLURAL, VERSION
 from tests.helpers import wait_for
 from tests.integration.test_hostile import kubectl_apply

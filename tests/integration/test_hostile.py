@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 from kubernetes import client
 
 from e2e.cluster.controlplane import locate_binaries
-from spillway_engine.launcher.serve import PROTECTED_FLAGS, PROTECTED_SHORT_FLAGS, refused_flag
-from spillway_engine.launcher.vllm_cli import unknown_long_flag
+from spillway_engine.seam import PROTECTED_FLAGS, PROTECTED_SHORT_FLAGS, refused_flag
+from spillway_engine.vllm_cli import unknown_long_flag
 from spillway_operator.spec import GROUP, PLURAL, VERSION
 from tests.helpers import wait_for
 from tests.integration.test_operator import Env, infdep, model_configmap

@@ -26,8 +26,9 @@ from spillway_engine.launcher.plan_check import (
     effective_plan,
     format_table,
 )
-from spillway_engine.launcher.serve import EngineCliError, EngineOptions, build_command, main
+from spillway_engine.launcher.serve import EngineCliError, build_command, main
 from spillway_engine.planner.plan import Plan, PlanReadError, PlanRequest, make_plan, read_plan
+from spillway_engine.seam import EngineOptions, EngineOptionsError, parse_engine_options
 from spillway_engine.vllm_pins import VLLM_VERSION
 
 from .planner_fixtures import load_model
@@ -859,10 +860,10 @@ def test_events_bind_the_pods_ip(pod_ip, host, bound):
 
 def test_options_read_kv_events(tmp_path):
     path = tmp_path / "engine.json"
-    assert serve.parse_engine_options({"model": "m"}, path).kv_events is True
-    assert serve.parse_engine_options({"model": "m", "kv_events": False}, path).kv_events is False
-    with pytest.raises(EngineCliError, match="kv_events must be true or false"):
-        serve.parse_engine_options({"model": "m", "kv_events": "yes"}, path)
+    assert parse_engine_options({"model": "m"}, path).kv_events is True
+    assert parse_engine_options({"model": "m", "kv_events": False}, path).kv_events is False
+    with pytest.raises(EngineOptionsError, match="kv_events must be true or false"):
+        parse_engine_options({"model": "m", "kv_events": "yes"}, path)
 
 
 def test_serve_binds_events_on_the_pod_ip(tmp_path, capsys, monkeypatch):

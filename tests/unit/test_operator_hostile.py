@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from spillway_engine.launcher.serve import PROTECTED_FLAGS, PROTECTED_SHORT_FLAGS, refused_flag
-from spillway_engine.launcher.vllm_cli import one_line, refusal
+from spillway_engine.seam import PROTECTED_FLAGS, PROTECTED_SHORT_FLAGS, refused_flag
+from spillway_engine.vllm_cli import one_line, refusal
 from spillway_operator import crd, reconciler
 from spillway_operator.spec import (
     MODEL_ID_PATTERN,

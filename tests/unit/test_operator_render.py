@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from spillway_engine.planner.model_config import load_local
 from spillway_engine.planner.plan import Plan, make_plan
 from spillway_engine.quantity import format_bytes, parse_bytes
+from spillway_engine.seam import PLAN_FILE
 from spillway_operator import render
 from spillway_operator.kube import Kube, contains, resource_path
 from spillway_operator.reconciler import plan_request
@@ -61,7 +62,7 @@ def test_token_is_referenced_never_copied():
     env = dep["spec"]["template"]["spec"]["containers"][0]["env"]
     hf = next(e for e in env if e["name"] == "HF_TOKEN")
     assert hf == {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "tok"}}}
-    assert "tok" not in str(engine_options(spec).values())
+    assert "tok" not in engine_options(spec).to_json()
 
 
 def test_user_affinity_terms_all_require_the_gpu_product():
@@ -89,7 +90,7 @@ def test_auto_host_memory_fits_the_memory_limit():
 def test_configmap_holds_the_plan_json_sorted_as_the_engine_reads_it():
     spec = spec_of()
     plan = plan_for(spec)
-    text = render.plan_configmap(OWNER, spec, plan)["data"][render.PLAN_FILE]
+    text = render.plan_configmap(OWNER, spec, plan)["data"][PLAN_FILE]
     assert text == json.dumps(plan.model_dump(mode="json"), indent=2, sort_keys=True)
     assert Plan.model_validate_json(text) == plan
 
@@ -213,18 +214,19 @@ def test_pods_publish_kv_events_on_their_own_ip_unless_switched_off():
     env = template["spec"]["containers"][0]["env"]
     pod_ip = next(e for e in env if e["name"] == "SPILLWAY_POD_IP")
     assert pod_ip["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
-    assert engine_options(spec)["kv_events"] is True
+    assert engine_options(spec).kv_events is True
     off = spec_of(engine={"kvEvents": {"enabled": False}})
     dep = render.deployment(OWNER, off, plan_for(off))
     assert dep["spec"]["template"]["metadata"]["annotations"]["spillway.dev/kv-events"] == "off"
-    assert engine_options(off)["kv_events"] is False
+    assert engine_options(off).kv_events is False
 
 
 def test_speculative_spec_reaches_the_plan_and_the_engine_command():
     """engine.speculative -> the planner (with the drafter's config.json) -> the plan
     ConfigMap -> the engine's --speculative-config, drafter layers in the plan's groups."""
-    from spillway_engine.launcher.serve import EngineOptions, build_command
+    from spillway_engine.launcher.serve import build_command
     from spillway_engine.planner.plan import read_plan
+    from spillway_engine.seam import EngineOptions
 
     frontier = MODELS.parents[1] / "contract" / "frontier_configs"
     spec = InferenceDeploymentSpec.model_validate({

@@ -1,5 +1,5 @@
 """The checker of extra arguments against vLLM 0.33.0's ``vllm serve`` parser
-(``spillway_engine.launcher.vllm_cli``), without vLLM: its verdicts and messages, the
+(``spillway_engine.vllm_cli``), without vLLM: its verdicts and messages, the
 launcher and the spec model refusing with them, and the CRD rule built from the same
 table. tests/contract/test_vllm_cli.py holds them against vLLM's real parser."""
 
@@ -13,9 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from spillway_engine.launcher import vllm_cli
-from spillway_engine.launcher.serve import EngineCliError, EngineOptions, build_command
+from spillway_engine import vllm_cli
+from spillway_engine.launcher.serve import EngineCliError, build_command
 from spillway_engine.planner.plan import PlanRequest, make_plan
+from spillway_engine.seam import EngineOptions
 from spillway_engine.vllm_pins import VLLM_VERSION
 from spillway_operator.spec import CEL_RULES, EngineSpec
 
@@ -30,7 +31,8 @@ def test_the_table_is_vllm_0_33_0s_and_package_data():
     table = vllm_cli.load_table()
     assert table["vllm_version"] == VLLM_VERSION
     assert table["prog"] == "vllm serve" and table["allow_abbrev"] is True
-    assert vllm_cli.TABLE_FILE.parent.name == "launcher" and vllm_cli.TABLE_FILE.suffix == ".json"
+    assert vllm_cli.TABLE_FILE.parent.name == "spillway_engine"
+    assert vllm_cli.TABLE_FILE.suffix == ".json"
     names = vllm_cli.long_option_names()
     assert len(names) == len(set(names)) > 400
     assert {"max-num-seqs", "no-enforce-eager", "disable-log-stats", "kv-events-config"} <= set(
