@@ -201,3 +201,55 @@ def write_model(model_dir: Path, config: dict[str, Any]) -> Path:
     )
     write_tokenizer(model_dir, config["vocab_size"])
     return model_dir
+
+
+#: Per-layer lists and index lists a shrunk config keeps consistent with its layers.
+_LAYER_INDEX_LISTS = ("full_attn_layers", "kda_layers", "no_rope_layers", "mlp_only_layers")
+_LAYER_INDEX_STRINGS = ("moe_layers_enum",)
+
+
+def shrink_config(config: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """A real config.json cut to its first ``num_layers`` layers, with this module's
+    tokenizer (vocabulary, special token ids) and no weight quantisation (its kernels
+    need CUDA; the KV cache does not depend on it).
+
+    Per-layer lists (``layer_types``, ``compress_ratios``, with any MTP entries after
+    the decoder's) and patterns (``hybrid_override_pattern``) are cut to the kept
+    layers, lists of layer indices (Kimi-Linear's, 1-based there) and Step-3.5's
+    ``moe_layers_enum`` filtered to them. A multimodal config's ``text_config`` is cut
+    the same way. Widths are kept: the model is built on the meta device, so they cost
+    nothing but the KV bytes per token.
+    """
+    out = json.loads(json.dumps(config))
+    out.pop("quantization_config", None)
+    text = out.get("text_config")
+    target = text if isinstance(text, dict) else out
+    _shrink_layers(target, num_layers)
+    for cfg in {id(out): out, id(target): target}.values():
+        cfg["vocab_size"] = VOCAB_SIZE
+        cfg["bos_token_id"], cfg["eos_token_id"], cfg["pad_token_id"] = 1, 2, 0
+    out.setdefault("torch_dtype", "bfloat16")
+    return out
+
+
+def _shrink_layers(cfg: dict[str, Any], num_layers: int) -> None:
+    total = cfg["num_hidden_layers"]
+    extra = int(cfg.get("num_nextn_predict_layers") or 0)
+    for key, value in list(cfg.items()):
+        if isinstance(value, list) and key not in _LAYER_INDEX_LISTS and (
+            total <= len(value) <= total + extra
+        ):
+            cfg[key] = value[:num_layers] + value[total:]  # MTP entries stay
+        elif isinstance(value, str) and key == "hybrid_override_pattern":
+            cfg[key] = value[:num_layers]
+    linear = cfg.get("linear_attn_config")
+    for holder in (cfg, linear if isinstance(linear, dict) else {}):
+        for key in _LAYER_INDEX_LISTS:
+            if isinstance(holder.get(key), list) and key != "mlp_only_layers":
+                base = 1 if holder is linear else 0
+                holder[key] = [i for i in holder[key] if i < num_layers + base]
+    for key in _LAYER_INDEX_STRINGS:
+        if isinstance(cfg.get(key), str):
+            kept = [i for i in cfg[key].split(",") if i.strip() and int(i) < num_layers]
+            cfg[key] = ",".join(kept)
+    cfg["num_hidden_layers"] = num_layers

@@ -25,9 +25,11 @@ What it does, step by step (the GPU worker's duties, emulated):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +60,7 @@ from vllm.v1.worker.gpu_worker import init_worker_distributed_environment
 from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
 from vllm.v1.worker.utils import allocate_kv_cache
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
+from vllm.v1.worker.workspace import init_workspace_manager
 
 from spillway_engine.emulator import ENV_MODEL_PARAMS, ENV_SPEED
 from spillway_engine.emulator.backends import give_planned_backends, layer_kv_cache_specs
@@ -91,6 +94,32 @@ def mix64(*values: int) -> int:
         h = (h ^ (h >> 27)) * 0x94D049BB133111EB & _MASK
         h ^= h >> 31
     return h
+
+
+class _NoCudaStream:
+    """Stands in for ``torch.cuda.Stream`` / ``Event`` while the model is built: some
+    model classes (DeepSeek-V4's) create side streams in ``__init__`` to overlap
+    kernels at run time; with no forward pass they are never used, and without a CUDA
+    driver creating one raises."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __getattr__(self, name: str) -> Any:
+        return lambda *args, **kwargs: None
+
+
+@contextlib.contextmanager
+def _cuda_streams_stood_in() -> Iterator[None]:
+    if torch.cuda.is_available():
+        yield
+        return
+    saved = torch.cuda.Stream, torch.cuda.Event
+    torch.cuda.Stream, torch.cuda.Event = _NoCudaStream, _NoCudaStream  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        torch.cuda.Stream, torch.cuda.Event = saved  # type: ignore[misc]
 
 
 @dataclass
@@ -181,12 +210,15 @@ class EmulatedGpuWorker(WorkerBase):
             self.local_rank,
             backend="gloo",
         )
+        # As the GPU worker does before it builds the model: sparse MLA's impl
+        # (DeepSeek-V3.2, GLM-5) reserves its prefill workspace when a layer is built.
+        init_workspace_manager(self.device)
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
         vc = self.vllm_config
         with set_current_vllm_config(vc):
             model_cls, _ = get_model_architecture(vc.model_config)
-            with torch.device("meta"):
+            with torch.device("meta"), _cuda_streams_stood_in():
                 self.model = model_cls(vllm_config=vc, prefix="")
         self._layers = get_layers_from_vllm_config(vc, AttentionLayerBase)
         gpu = planned_gpu()
