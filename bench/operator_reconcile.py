@@ -52,7 +52,6 @@ from spillway_engine.planner.model_config import load_local
 from spillway_engine.planner.plan import make_plan
 from spillway_operator import render
 from spillway_operator.kube import Kube, resource_path
-from spillway_operator.reconciler import plan_request
 from spillway_operator.spec import GROUP, PLURAL, VERSION, InferenceDeploymentSpec
 
 CONFIG = REPO_ROOT / "tests" / "fixtures" / "models" / "llama-3.2-1b.json"
@@ -140,7 +139,7 @@ def floor(api: client.ApiClient, count: int, apply: bool = False) -> Row:
     create, which costs the API server more than a POST."""
     ns = make_namespace(api, "floor")
     spec = InferenceDeploymentSpec.model_validate(SPEC)
-    plan = make_plan(load_local(CONFIG), plan_request(spec))
+    plan = make_plan(load_local(CONFIG), spec.plan_request())
     kube = Kube(api)
 
     def children(i: int) -> list[dict]:

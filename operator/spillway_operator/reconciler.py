@@ -25,8 +25,7 @@ from spillway_engine.planner.model_config import (
     load_hub,
     parse_config_text,
 )
-from spillway_engine.planner.plan import Plan, PlanRefused, PlanRequest, make_plan
-from spillway_engine.quantity import parse_bytes
+from spillway_engine.planner.plan import Plan, PlanRefused, make_plan
 from spillway_operator import metrics, render, rollout
 from spillway_operator.cache import Memo
 from spillway_operator.kube import Kube, NamespaceTerminating, Rejected, TemporaryError
@@ -71,41 +70,6 @@ class ConfigUnavailable(TemporaryError):
 class ConfigInvalid(Exception):
     """config.json was read but is not usable, or the hub answered that it has none
     to give (not found, gated, refused): the user must change something."""
-
-
-def plan_request(spec: InferenceDeploymentSpec) -> PlanRequest:
-    """What the planner needs from the spec."""
-    off = spec.offload
-    host = None if off.host_memory == "auto" else parse_bytes(off.host_memory,
-                                                              what="offload.hostMemory")
-    return PlanRequest(
-        model_name=spec.model.name,
-        tensor_parallel_size=spec.engine.tensor_parallel_size,
-        pipeline_parallel_size=spec.engine.pipeline_parallel_size,
-        data_parallel_size=spec.engine.data_parallel_size,
-        kv_cache_dtype=spec.engine.kv_cache_dtype.value,
-        max_model_len=spec.engine.max_model_len,
-        blocks_per_chunk=off.blocks_per_chunk,
-        chunk_block_size_tokens=off.chunk_tokens,
-        cpu_memory_bytes=host,
-        host_memory_scope=off.host_memory_scope.value.lower(),
-        memory_limit_bytes=render.memory_limit_bytes(spec) if host is None else None,
-        offloader=off.offloader.value,
-        gpu=spec.resources.gpu_product.value.lower(),
-        **_speculative_request(spec),
-    )
-
-
-def _speculative_request(spec: InferenceDeploymentSpec) -> dict[str, Any]:
-    """engine.speculative as the planner's request fields (none without it)."""
-    speculative = spec.engine.speculative
-    if speculative is None:
-        return {}
-    return {
-        "speculative_method": speculative.method.value,
-        "num_speculative_tokens": speculative.num_speculative_tokens,
-        "speculative_model": None if speculative.model is None else speculative.model.name,
-    }
 
 
 class ConfigResolver:
@@ -198,7 +162,7 @@ def make_plan_safely(
 ) -> Plan:
     """make_plan, with any exception it does not foresee turned into PlanCrashed."""
     try:
-        return make_plan(config, plan_request(spec), draft_config)
+        return make_plan(config, spec.plan_request(), draft_config)
     except PlanRefused:
         raise
     except Exception as exc:  # the reconciler logs its traceback once per object
@@ -269,7 +233,7 @@ class Reconciler:
               draft: dict[str, Any] | None) -> Plan:
         """make_plan_safely, kept by its inputs. The entry holds the configs too, so no
         other dict can take their ids while it lives."""
-        key = (id(config), id(draft), plan_request(spec))
+        key = (id(config), id(draft), spec.plan_request())
         if (hit := self._plans.get(key)) is not None:
             return hit[2]
         plan = make_plan_safely(config, spec, draft)

@@ -32,10 +32,6 @@ FIELD_MANAGER = "spillway"
 ENGINE_PORT = 8000
 PLAN_MOUNT = "/etc/spillway/plan"
 MODEL_CACHE = "/models-cache"
-# Default host memory a pod may use per GPU when the spec gives no memory limit:
-# a GPU server has roughly 2 TiB for 8 GPUs; 192 GiB per GPU leaves room for the
-# node's own daemons.
-DEFAULT_MEMORY_PER_GPU = 192 * 2**30
 DEFAULT_CPU_PER_GPU = 4
 
 # GPU Feature Discovery's nvidia.com/gpu.product values for each product.
@@ -175,13 +171,6 @@ def service_monitor(owner: Owner) -> dict[str, Any]:
             "endpoints": [{"port": "http", "path": "/metrics", "interval": "15s"}],
         },
     }
-
-
-def memory_limit_bytes(spec: InferenceDeploymentSpec) -> int:
-    """The pod memory limit the planner fits the pool into when hostMemory is auto."""
-    if spec.offload.memory_limit:
-        return parse_bytes(spec.offload.memory_limit, what="offload.memoryLimit")
-    return DEFAULT_MEMORY_PER_GPU * spec.gpus_per_pod
 
 
 def _node_affinity(spec: InferenceDeploymentSpec) -> dict[str, Any]:

@@ -17,6 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic.alias_generators import to_camel
 
 from spillway_engine import vllm_cli
+from spillway_engine.planner.plan import PlanRequest
+from spillway_engine.quantity import parse_bytes
 from spillway_engine.seam import (
     PROTECTED_FLAGS,
     PROTECTED_SHORT_FLAGS,
@@ -24,6 +26,11 @@ from spillway_engine.seam import (
 )
 from spillway_operator.imageref import CEL_CHECKS as IMAGE_CEL_CHECKS
 from spillway_operator.imageref import IMAGE_MAX_LENGTH, image_reference_error
+
+# Default host memory a pod may use per GPU when the spec gives no memory limit:
+# a GPU server has roughly 2 TiB for 8 GPUs; 192 GiB per GPU leaves room for the
+# node's own daemons.
+DEFAULT_MEMORY_PER_GPU = 192 * 2**30
 
 GROUP = "spillway.dev"
 VERSION = "v1alpha1"
@@ -561,6 +568,41 @@ class InferenceDeploymentSpec(_Model):
     def gpus_per_pod(self) -> int:
         e = self.engine
         return e.tensor_parallel_size * e.pipeline_parallel_size * e.data_parallel_size
+
+    @property
+    def memory_limit_bytes(self) -> int:
+        """The pod memory limit the planner fits the pool into when hostMemory is auto."""
+        if self.offload.memory_limit:
+            return parse_bytes(self.offload.memory_limit, what="offload.memoryLimit")
+        return DEFAULT_MEMORY_PER_GPU * self.gpus_per_pod
+
+    def plan_request(self) -> PlanRequest:
+        """What the planner needs from the spec (the spec's one way into the plan)."""
+        off = self.offload
+        host = None if off.host_memory == "auto" else parse_bytes(off.host_memory,
+                                                                  what="offload.hostMemory")
+        speculative = self.engine.speculative
+        return PlanRequest(
+            model_name=self.model.name,
+            tensor_parallel_size=self.engine.tensor_parallel_size,
+            pipeline_parallel_size=self.engine.pipeline_parallel_size,
+            data_parallel_size=self.engine.data_parallel_size,
+            kv_cache_dtype=self.engine.kv_cache_dtype.value,
+            max_model_len=self.engine.max_model_len,
+            blocks_per_chunk=off.blocks_per_chunk,
+            chunk_block_size_tokens=off.chunk_tokens,
+            cpu_memory_bytes=host,
+            host_memory_scope=off.host_memory_scope.value.lower(),
+            memory_limit_bytes=self.memory_limit_bytes if host is None else None,
+            offloader=off.offloader.value,
+            gpu=self.resources.gpu_product.value.lower(),
+            **({} if speculative is None else {
+                "speculative_method": speculative.method.value,
+                "num_speculative_tokens": speculative.num_speculative_tokens,
+                "speculative_model": None if speculative.model is None
+                else speculative.model.name,
+            }),
+        )
 
 
 def _cel_strings(items: Any) -> str:

@@ -32,7 +32,6 @@ from kubernetes import client
 from e2e.simfleet import SimulatorFleet
 from spillway_engine.emulator.tiny import gemma3_config, qwen3_next_config, write_model
 from spillway_engine.planner.plan import make_plan
-from spillway_operator.reconciler import plan_request
 from spillway_operator.spec import GROUP, PLURAL, VERSION, InferenceDeploymentSpec
 from tests.helpers import fresh_namespace, wait_for
 
@@ -68,8 +67,8 @@ def _spec(model: str, replicas: int, kv_bytes: int, **offload: Any) -> dict[str,
 
 
 def _kv_bytes(config: dict[str, Any], blocks: int) -> int:
-    plan = make_plan(config, plan_request(InferenceDeploymentSpec.model_validate(
-        _spec("x", 1, 1 << 20))))
+    plan = make_plan(config, InferenceDeploymentSpec.model_validate(
+        _spec("x", 1, 1 << 20)).plan_request())
     return blocks * sum(g.bytes_per_block for g in plan.kv_groups)
 
 
@@ -197,7 +196,7 @@ def test_a_pod_with_a_wrong_plan_exits_and_the_deployment_says_why(
         metadata=client.V1ObjectMeta(name="swa"), data={"config.json": json.dumps(config)}))
     spec = _spec("swa", 1, _kv_bytes(config, blocks))
     _create(custom, ns, "stale", spec)
-    request = plan_request(InferenceDeploymentSpec.model_validate(spec))
+    request = InferenceDeploymentSpec.model_validate(spec).plan_request()
     bigger = request.model_copy(update={"cpu_memory_bytes": 2 * request.cpu_memory_bytes})
     stale = json.loads(make_plan(config, bigger).model_dump_json())
 

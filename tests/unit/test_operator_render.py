@@ -17,7 +17,6 @@ from spillway_engine.quantity import format_bytes, parse_bytes
 from spillway_engine.seam import PLAN_FILE
 from spillway_operator import render
 from spillway_operator.kube import Kube, contains, resource_path
-from spillway_operator.reconciler import plan_request
 from spillway_operator.render import engine_options
 from spillway_operator.spec import InferenceDeploymentSpec
 
@@ -26,7 +25,7 @@ OWNER = render.Owner("chat", "team-a", "uid-123")
 
 
 def plan_for(spec: InferenceDeploymentSpec, fixture="gemma-3-1b-it.json") -> Plan:
-    return make_plan(load_local(MODELS / fixture), plan_request(spec))
+    return make_plan(load_local(MODELS / fixture), spec.plan_request())
 
 
 def spec_of(**fields) -> InferenceDeploymentSpec:
@@ -236,7 +235,7 @@ def test_speculative_spec_reaches_the_plan_and_the_engine_command():
             "model": {"name": "Qwen/Qwen3-0.6B"}}},
         "offload": {"hostMemory": "16Gi"},
     })
-    request = plan_request(spec)
+    request = spec.plan_request()
     assert (request.speculative_method, request.num_speculative_tokens,
             request.speculative_model) == ("draft_model", 4, "Qwen/Qwen3-0.6B")
     plan = make_plan(load_local(frontier / "qwen3-8b.json"), request,
