@@ -56,12 +56,11 @@ import shlex
 import shutil
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from spillway_engine import emulator
-from spillway_engine.launcher import drain, preflight, vllm_cli
+from spillway_engine.launcher import drain, preflight
 from spillway_engine.launcher.plugin import (
     ENTRY_POINT_GROUP,
     ENTRY_POINT_NAME,
@@ -71,12 +70,19 @@ from spillway_engine.launcher.plugin import (
 from spillway_engine.launcher.shm_cleanup import free_leftovers, shm_dir
 from spillway_engine.launcher.termination import write_termination_message
 from spillway_engine.planner.plan import Plan, PlanReadError, read_plan
+from spillway_engine.seam import (
+    ENGINE_OPTIONS_FILE,
+    EngineOptions,
+    EngineOptionsError,
+    canonical_flag,
+    extra_args_refusal,
+    parse_engine_options,
+)
 from spillway_engine.vllm_pins import UPSTREAM_CONNECTOR, VLLM_VERSION
 
 PROG = "spillway-engine"
 EXIT_USAGE = 2
 EXIT_PREFLIGHT = 3
-ENGINE_OPTIONS_FILE = "engine.json"
 ENV_ENGINE_OPTIONS = "SPILLWAY_ENGINE_OPTIONS"
 #: the pod's IP (downward API ``status.podIP``), which the KV-event publisher binds
 ENV_POD_IP = "SPILLWAY_POD_IP"
@@ -138,194 +144,21 @@ def load_plan(path: str | Path) -> Plan:
 # ------------------------------------------------------------------ engine options
 
 
-@dataclass(frozen=True)
-class EngineOptions:
-    """``engine.json``: serving options the operator writes beside the plan."""
-
-    model: str | None = None
-    revision: str | None = None
-    served_model_name: str | None = None
-    weights_path: str | None = None
-    gpu_memory_utilization: float | None = None
-    dtype: str | None = None
-    eviction_policy: str | None = None
-    offload_enabled: bool = True
-    kv_events: bool = True
-    extra_args: tuple[str, ...] = field(default_factory=tuple)
-
-
-def _opt(data: Mapping[str, Any], key: str, kind: type | tuple[type, ...], path: Path) -> Any:
-    value = data.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) and kind is not bool:
-        raise EngineCliError(f"engine options {path}: {key} must be {_kind_name(kind)}")
-    if not isinstance(value, kind):
-        raise EngineCliError(f"engine options {path}: {key} must be {_kind_name(kind)}")
-    return value
-
-
-def _kind_name(kind: type | tuple[type, ...]) -> str:
-    names = {str: "a string", bool: "true or false", float: "a number", int: "a number"}
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    return names.get(kinds[0], kinds[0].__name__)
-
-
-def parse_engine_options(data: Any, path: Path) -> EngineOptions:
-    if not isinstance(data, Mapping):
-        raise EngineCliError(f"engine options {path} is not a JSON object")
-    extra = data.get("extra_args") or []
-    if not isinstance(extra, list) or not all(isinstance(a, str) for a in extra):
-        raise EngineCliError(f"engine options {path}: extra_args must be a list of strings")
-    util = _opt(data, "gpu_memory_utilization", (int, float), path)
-    if util is not None and not 0 < util <= 1:
-        raise EngineCliError(
-            f"engine options {path}: gpu_memory_utilization must be in (0, 1], got {util}"
-        )
-    enabled = _opt(data, "offload_enabled", bool, path)
-    kv_events = _opt(data, "kv_events", bool, path)
-    options = EngineOptions(
-        model=_opt(data, "model", str, path),
-        revision=_opt(data, "revision", str, path),
-        served_model_name=_opt(data, "served_model_name", str, path),
-        weights_path=_opt(data, "weights_path", str, path),
-        gpu_memory_utilization=None if util is None else float(util),
-        dtype=_opt(data, "dtype", str, path),
-        eviction_policy=_opt(data, "eviction_policy", str, path),
-        offload_enabled=True if enabled is None else enabled,
-        kv_events=True if kv_events is None else kv_events,
-        extra_args=tuple(extra),
-    )
-    if not (options.model or options.weights_path):
-        raise EngineCliError(f"engine options {path}: give model or weights_path")
-    return options
-
-
 def load_engine_options(path: str | Path) -> EngineOptions:
     path = Path(path)
-    return parse_engine_options(_read_json(path, "engine options"), path)
-
-
-# ------------------------------------------------------------ refused extra args
-
-_PARALLEL = "the plan's parallelism (re-plan with another size)"
-_GEOMETRY = "the planned KV geometry (re-plan instead)"
-_OFFLOAD = "the plan's offload connector config (set offload options in the spec)"
-_LAUNCHER = "spillway-engine serve (set it in engine.json / the spec)"
-
-#: Long flags (dashes, no ``--no-`` prefix) that only the plan or the launcher may set.
-PROTECTED_FLAGS: dict[str, str] = {
-    "--tensor-parallel-size": _PARALLEL,
-    "--pipeline-parallel-size": _PARALLEL,
-    "--data-parallel-size": _PARALLEL,
-    "--data-parallel-size-local": _PARALLEL,
-    "--decode-context-parallel-size": _PARALLEL,
-    "--prefill-context-parallel-size": _PARALLEL,
-    "--dcp-kv-cache-interleave-size": _PARALLEL,
-    "--cp-kv-cache-interleave-size": _PARALLEL,
-    "--distributed-executor-backend": _PARALLEL,
-    "--nnodes": _PARALLEL,
-    "--max-model-len": _GEOMETRY,
-    "--kv-cache-dtype": _GEOMETRY,
-    "--kv-cache-dtype-skip-layers": _GEOMETRY,
-    "--block-size": _GEOMETRY,
-    "--enable-prefix-caching": _GEOMETRY,
-    "--disable-prefix-caching": _GEOMETRY,
-    "--prefix-match-unit": _GEOMETRY,
-    "--prefix-cache-retention-interval": _GEOMETRY,
-    "--enable-hybrid-kv-cache-manager": _GEOMETRY,
-    "--disable-hybrid-kv-cache-manager": _GEOMETRY,
-    "--mamba-cache-dtype": _GEOMETRY,
-    "--mamba-ssm-cache-dtype": _GEOMETRY,
-    "--mamba-cache-mode": _GEOMETRY,
-    "--mamba-block-size": _GEOMETRY,
-    "--attention-backend": _GEOMETRY,
-    "--speculative-config": _GEOMETRY,
-    "--spec-model": _GEOMETRY,
-    "--hf-overrides": _GEOMETRY,
-    "--hf-config-path": _GEOMETRY,
-    "--config": "every flag at once (a config file could set plan-owned flags)",
-    "--kv-transfer-config": _OFFLOAD,
-    "--kv-offloading-size": _OFFLOAD,
-    "--kv-offloading-backend": _OFFLOAD,
-    "--model": _LAUNCHER,
-    "--revision": _LAUNCHER,
-    "--served-model-name": _LAUNCHER,
-    "--gpu-memory-utilization": _LAUNCHER,
-    "--dtype": _LAUNCHER,
-    "--host": _LAUNCHER,
-    "--port": _LAUNCHER,
-    "--uds": _LAUNCHER,
-    "--headless": _LAUNCHER,
-}
-
-#: vLLM's short aliases of protected flags.
-PROTECTED_SHORT_FLAGS: dict[str, str] = {
-    "-tp": "--tensor-parallel-size",
-    "-pp": "--pipeline-parallel-size",
-    "-dp": "--data-parallel-size",
-    "-dpl": "--data-parallel-size-local",
-    "-dcp": "--decode-context-parallel-size",
-    "-pcp": "--prefill-context-parallel-size",
-}
-
-
-def _canonical_long(token: str) -> str:
-    """``--Foo_bar.key=1`` -> ``--foo-bar``; ``--no-enable-x`` -> ``--enable-x``."""
-    name = token.split("=", 1)[0]
-    name = "--" + name[2:].replace("_", "-").lower()
-    name = name.split(".", 1)[0]  # vLLM's dotted JSON args: --kv-transfer-config.x
-    if name.startswith("--no-"):
-        name = "--" + name[5:]
-    return name
-
-
-def refused_flag(token: str) -> tuple[str, str] | None:
-    """``(flag, owner)`` when ``token`` sets a flag the plan or launcher owns."""
-    if token.startswith("--") and len(token) > 2:
-        name = _canonical_long(token)
-        if name in PROTECTED_FLAGS:
-            return name, PROTECTED_FLAGS[name]
-        # argparse accepts unambiguous prefixes (--max-model -> --max-model-len)
-        if len(name) >= 4:
-            for flag, owner in PROTECTED_FLAGS.items():
-                if flag.startswith(name):
-                    return flag, owner
-        return None
-    if token.startswith("-") and len(token) > 1 and not _is_number(token):
-        short = token.split("=", 1)[0]
-        for alias in sorted(PROTECTED_SHORT_FLAGS, key=len, reverse=True):
-            if short.startswith(alias):
-                flag = PROTECTED_SHORT_FLAGS[alias]
-                return f"{alias} ({flag})", PROTECTED_FLAGS[flag]
-    return None
-
-
-def _is_number(token: str) -> bool:
     try:
-        float(token)
-    except ValueError:
-        return False
-    return True
+        return parse_engine_options(_read_json(path, "engine options"), path)
+    except EngineOptionsError as e:
+        raise EngineCliError(str(e)) from None
 
 
 def check_extra_args(extra_args: Sequence[str]) -> None:
-    """Refuse plan-owned flags, then what vLLM's own parser would refuse at the end of
-    the command (:func:`spillway_engine.launcher.vllm_cli.refusal`: unknown flags, a
-    flag without its value, stray positionals... with vLLM's message)."""
-    for token in extra_args:
-        hit = refused_flag(token)
-        if hit is not None:
-            flag, owner = hit
-            raise EngineCliError(
-                f"extra argument {token!r} is refused: {flag} is set by {owner}"
-            )
-    refused = vllm_cli.refusal(extra_args)
+    """Refuse what the operator's admission refuses (:func:`seam.extra_args_refusal`):
+    plan-owned flags, then what vLLM's own parser would refuse at the end of the command
+    (unknown flags, a flag without its value, stray positionals... with vLLM's message)."""
+    refused = extra_args_refusal(extra_args)
     if refused is not None:
-        raise EngineCliError(
-            f"extra arguments {shlex.join(extra_args)} are refused: vllm serve {VLLM_VERSION} "
-            f"would not start with them: {vllm_cli.one_line(refused)}"
-        )
+        raise EngineCliError(refused)
 
 
 # ------------------------------------------------------------------ the command
@@ -403,7 +236,7 @@ def kv_events_config(bind_ip: str | None) -> dict[str, Any]:
 
 
 def _user_sets(user_args: Sequence[str], flag: str) -> bool:
-    return any(a.startswith("--") and _canonical_long(a) == flag for a in user_args)
+    return any(a.startswith("--") and canonical_flag(a) == flag for a in user_args)
 
 
 def kv_events_args(
