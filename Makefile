@@ -43,5 +43,5 @@ cluster-down:
 	@e2e/cluster/down
 
 crd: venv
-	$(VENV)/bin/python -m spillway_operator.crd > crds/inferencedeployments.spillway.dev.yaml
+	$(VENV)/bin/python -m spillway_operator.flow.crd > crds/inferencedeployments.spillway.dev.yaml
 	cp crds/inferencedeployments.spillway.dev.yaml charts/spillway/files/crd.yaml

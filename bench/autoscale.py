@@ -141,7 +141,7 @@ from spillway_engine.simulator.plan_input import (  # noqa: E402
     gpu_blocks_for_tokens,
     load_plan,
 )
-from spillway_operator.pressure import (  # noqa: E402
+from spillway_operator.flow.pressure import (  # noqa: E402
     COUNTERS,
     GAUGES,
     HOST_HITS,

@@ -59,7 +59,7 @@ from kubernetes import client, config, watch
 from e2e.cluster.controlplane import REPO_ROOT, ClusterConfig, LocalCluster, Ports, locate_binaries
 from e2e.operator_process import OperatorProcess, start_operator
 from spillway_engine.planner.model_config import load_local
-from spillway_operator.spec import GROUP, PLURAL, VERSION
+from spillway_operator.flow.spec import GROUP, PLURAL, VERSION
 
 CONFIG = REPO_ROOT / "tests" / "fixtures" / "models" / "llama-3.2-1b.json"
 LEASE_NS = "spillway-bench"

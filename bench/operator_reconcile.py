@@ -50,9 +50,9 @@ from e2e.cluster.controlplane import (
 from e2e.operator_process import OperatorProcess, start_operator
 from spillway_engine.planner.model_config import load_local
 from spillway_engine.planner.plan import make_plan
-from spillway_operator import render
-from spillway_operator.kube import Kube, resource_path
-from spillway_operator.spec import GROUP, PLURAL, VERSION, InferenceDeploymentSpec
+from spillway_operator.flow import render
+from spillway_operator.flow.spec import GROUP, PLURAL, VERSION, InferenceDeploymentSpec
+from spillway_operator.plumbing.kube import Kube, resource_path
 
 CONFIG = REPO_ROOT / "tests" / "fixtures" / "models" / "llama-3.2-1b.json"
 THREADS = 16

@@ -86,7 +86,7 @@ from spillway_engine.planner.plan import read_plan  # noqa: E402
 from spillway_engine.simulator.cluster import Replica, VirtualCluster  # noqa: E402
 from spillway_engine.simulator.core import LatencyModel, ReplayItem, _group_salt  # noqa: E402
 from spillway_engine.simulator.plan_input import gpu_blocks_for_tokens, parse_plan  # noqa: E402
-from spillway_operator.pressure import (  # noqa: E402
+from spillway_operator.flow.pressure import (  # noqa: E402
     Candidate,
     State,
     aggregate,
@@ -96,7 +96,7 @@ from spillway_operator.pressure import (  # noqa: E402
     parse_metrics,
     pod_pressure,
 )
-from spillway_operator.pressure import Policy as ScalePolicy  # noqa: E402
+from spillway_operator.flow.pressure import Policy as ScalePolicy  # noqa: E402
 from spillway_router.backends import profile_from_plan  # noqa: E402
 from spillway_router.hashing import BlockHasher, HashConfig  # noqa: E402
 from spillway_router.index import ApproxTracker, Match, PrefixIndex  # noqa: E402

@@ -63,7 +63,7 @@ from e2e.cluster.controlplane import (
 from e2e.operator_process import start_operator
 from e2e.simfleet import ENGINE_PORT, SimulatorFleet
 from spillway_engine.emulator.tiny import qwen3_next_config, write_model
-from spillway_operator.spec import GROUP, PLURAL, VERSION
+from spillway_operator.flow.spec import GROUP, PLURAL, VERSION
 
 SAMPLE = REPO_ROOT / "config" / "samples" / "qwen3-next-tiny-emulated.yaml"
 NAMESPACE = "gated-demo"  # gated: a pod turns Ready only once its engine answers /health

@@ -9,7 +9,7 @@ One :class:`Metric` per series (name, type, help, labels) is the single source o
   connector stats (``spillway_engine.offloader.spec`` / ``manager`` / ``connector``);
   the simulator builds them all with :func:`build_spillway_metrics`.
 - vLLM's own series that the simulator imitates (``spillway_engine.simulator.prom``)
-  and the operator scrapes (``spillway_operator.pressure``), with the name, type, label
+  and the operator scrapes (``spillway_operator.flow.pressure``), with the name, type, label
   names and help text of vLLM 0.33.0 (``tests/contract/test_simulator_metrics_contract.py``
   checks them against the installed vLLM source).
 

@@ -16,11 +16,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from spillway_operator import metrics
-from spillway_operator.cache import older
-from spillway_operator.kube import Rejected, TemporaryError
-from spillway_operator.reconciler import Reconciler
-from spillway_operator.scaler import Autoscaler
+from spillway_operator.flow.reconciler import Reconciler
+from spillway_operator.flow.scaler import Autoscaler
+from spillway_operator.plumbing import metrics
+from spillway_operator.plumbing.cache import older
+from spillway_operator.plumbing.kube import Rejected, TemporaryError
 
 log = logging.getLogger("spillway.controller")
 

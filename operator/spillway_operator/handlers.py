@@ -21,15 +21,15 @@ from typing import Any
 import kopf
 from kubernetes import client, config
 
-from spillway_operator import metrics, watch
-from spillway_operator.cache import WatchCache
 from spillway_operator.controller import Controller
-from spillway_operator.kube import Kube
-from spillway_operator.leader import Election, LeaderElector, LeaseClient
-from spillway_operator.reconciler import Reconciler
-from spillway_operator.render import FIELD_MANAGER
-from spillway_operator.scaler import Autoscaler
-from spillway_operator.spec import GROUP, KIND, PLURAL, VERSION
+from spillway_operator.flow.reconciler import Reconciler
+from spillway_operator.flow.render import FIELD_MANAGER
+from spillway_operator.flow.scaler import Autoscaler
+from spillway_operator.flow.spec import GROUP, KIND, PLURAL, VERSION
+from spillway_operator.plumbing import metrics, watch
+from spillway_operator.plumbing.cache import WatchCache
+from spillway_operator.plumbing.kube import Kube
+from spillway_operator.plumbing.leader import Election, LeaderElector, LeaseClient
 
 OWNER_LABEL = f"{GROUP}/inference-deployment"
 MANAGED_BY = "app.kubernetes.io/managed-by"

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from spillway_operator.leader import Election
+    from spillway_operator.plumbing.leader import Election
 
 # A namespace is a DNS label; the operator's own watches take names, not kopf's globs.
 _NAMESPACE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
@@ -68,7 +68,7 @@ def election_of(args: argparse.Namespace) -> Election | None:
     """The election this process stands for, or None; ValueError for bad settings."""
     if not args.leader_elect:
         return None
-    from spillway_operator.leader import Election, LeaseTiming, default_identity
+    from spillway_operator.plumbing.leader import Election, LeaseTiming, default_identity
 
     namespace = args.leader_election_namespace
     if not namespace and SERVICE_ACCOUNT_NAMESPACE.is_file():

@@ -1,5 +1,5 @@
 """Backends from the cluster: a watch of the engine pods (labels from
-spillway_operator.render) and each InferenceDeployment's plan ConfigMap.
+spillway_operator.flow.render) and each InferenceDeployment's plan ConfigMap.
 
 The pure part, :func:`backend_from_pod`, turns a pod and its deployment's plan into
 a Backend (or None while the pod is not ready). The watch runs the blocking
@@ -27,7 +27,7 @@ PLAN_HASH = "spillway.dev/plan-hash"
 #: set by the operator on a replica chosen for removal: it takes no new requests
 DRAINING = "spillway.dev/draining"
 #: "on": the pod lists its KV event endpoints at /kv_event_sources; "off": none
-#: (spillway_operator.render); pods without it publish on --events-port
+#: (spillway_operator.flow.render); pods without it publish on --events-port
 KV_EVENTS = "spillway.dev/kv-events"
 ENGINE_PORT = 8000
 

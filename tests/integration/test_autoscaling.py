@@ -17,8 +17,8 @@ from kubernetes import client
 from e2e.cluster.controlplane import REPO_ROOT
 from e2e.simfleet import SimulatorFleet
 from spillway_engine.planner.model_config import load_local
-from spillway_operator.pressure import parse_metrics
-from spillway_operator.spec import GROUP, PLURAL, VERSION
+from spillway_operator.flow.pressure import parse_metrics
+from spillway_operator.flow.spec import GROUP, PLURAL, VERSION
 from tests.helpers import fresh_namespace, wait_for
 
 # Engine simulators on loopback pod IPs and KWOK gating: the local harness only.

@@ -29,7 +29,7 @@ import yaml
 from kubernetes import client
 
 from e2e.cluster.controlplane import REPO_ROOT, free_port, locate_binaries
-from spillway_operator.spec import GROUP, PLURAL, VERSION
+from spillway_operator.flow.spec import GROUP, PLURAL, VERSION
 from tests.helpers import fresh_namespace, wait_for
 
 # Needs the local control plane harness itself (not an external cluster).
@@ -41,7 +41,7 @@ CRD_FILE = REPO_ROOT / "crds" / "inferencedeployments.spillway.dev.yaml"
 CRD_NAME = "inferencedeployments.spillway.dev"
 RELEASE = "spillway"
 
-# What the operator calls (operator/spillway_operator/kube.py, handlers.py, and kopf's
+# What the operator calls (operator/spillway_operator/plumbing/kube.py, handlers.py, and kopf's
 # watches), as (apiGroup, resource, verb). The chart must grant exactly this.
 NAMESPACED_RULES = {
     *{("spillway.dev", "inferencedeployments", v) for v in ("list", "watch")},
@@ -62,7 +62,7 @@ NAMESPACED_RULES = {
     *{("monitoring.coreos.com", "servicemonitors", v) for v in ("get", "patch", "create")},
 }
 CRD_READS = {("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("list", "watch")}
-# Leader election (operator/spillway_operator/leader.py): read, create and update the one
+# Leader election (operator/spillway_operator/plumbing/leader.py): read, create and update the one
 # Lease, in the release namespace only.
 LEASE_RULES = {("coordination.k8s.io", "leases", v) for v in ("get", "create", "update")}
 NAMESPACE_READS = {("", "namespaces", v) for v in ("list", "watch")}

@@ -18,7 +18,7 @@ from kubernetes import client
 
 from e2e.simfleet import SimulatorFleet
 from spillway_engine.emulator.tiny import llama_config, write_model
-from spillway_operator.spec import GROUP, PLURAL, VERSION
+from spillway_operator.flow.spec import GROUP, PLURAL, VERSION
 from tests.helpers import wait_for
 from tests.integration.test_operator import Env, infdep, model_configmap
 

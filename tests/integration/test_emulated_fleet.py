@@ -32,7 +32,7 @@ from kubernetes import client
 from e2e.simfleet import SimulatorFleet
 from spillway_engine.emulator.tiny import gemma3_config, qwen3_next_config, write_model
 from spillway_engine.planner.plan import make_plan
-from spillway_operator.spec import GROUP, PLURAL, VERSION, InferenceDeploymentSpec
+from spillway_operator.flow.spec import GROUP, PLURAL, VERSION, InferenceDeploymentSpec
 from tests.helpers import fresh_namespace, wait_for
 
 pytestmark = [pytest.mark.usefixtures("operator"), pytest.mark.local_only]

@@ -13,7 +13,7 @@ from kubernetes import client
 
 from spillway_engine import vllm_cli
 from spillway_engine.seam import refused_flag
-from spillway_operator.spec import GROUP, PLURAL, VERSION
+from spillway_operator.flow.spec import GROUP, PLURAL, VERSION
 from tests.helpers import wait_for
 from tests.integration.test_hostile import kubectl_apply
 from tests.integration.test_operator import Env, infdep, model_configmap

@@ -40,7 +40,7 @@ from e2e.cluster.controlplane import (
     locate_binaries,
 )
 from e2e.operator_process import OperatorProcess, start_operator
-from spillway_operator.spec import GROUP
+from spillway_operator.flow.spec import GROUP
 from tests.helpers import fresh_namespace, wait_for
 from tests.integration.conftest import TEST_POD_NET
 from tests.integration.test_operator import Env, infdep, model_configmap

@@ -21,7 +21,7 @@ from kubernetes import client
 from e2e.cluster.controlplane import locate_binaries
 from spillway_engine.seam import PROTECTED_FLAGS, PROTECTED_SHORT_FLAGS, refused_flag
 from spillway_engine.vllm_cli import unknown_long_flag
-from spillway_operator.spec import GROUP, PLURAL, VERSION
+from spillway_operator.flow.spec import GROUP, PLURAL, VERSION
 from tests.helpers import wait_for
 from tests.integration.test_operator import Env, infdep, model_configmap
 
@@ -372,7 +372,7 @@ def _strategy(schema: dict, depth: int = 0):
 
 
 def _spec_strategy():
-    from spillway_operator import crd
+    from spillway_operator.flow import crd
 
     schema = crd.spec_schema()
     fields = {k: _strategy(v) for k, v in schema["properties"].items()
@@ -389,7 +389,7 @@ def _spec_strategy():
 def _one_field_strategy():
     """A valid spec with one or two fields replaced by generated values: most reach
     the operator, so the planner and the API server's checks on children get hit."""
-    from spillway_operator import crd
+    from spillway_operator.flow import crd
 
     schema = crd.spec_schema()
     choices = []

@@ -2,7 +2,7 @@
 admission of spec.engine.image.
 
 Wherever Spillway re-implements something Kubernetes does, both are driven with the
-same inputs. spillway_operator.imageref re-implements reference.ParseNormalizedNamed
+same inputs. spillway_operator.flow.imageref re-implements reference.ParseNormalizedNamed
 (github.com/distribution/reference, what the kubelet parses images with); tools/imageref
 is a Go program that calls the real one (built and cached by tools/build.sh, or taken
 from $SPILLWAY_IMAGEREF). Over a fixed corpus and generated references, valid and
@@ -26,13 +26,13 @@ from hypothesis import strategies as st
 from kubernetes import client
 
 from e2e.cluster.controlplane import default_bin_cache, read_versions
-from spillway_operator.imageref import (
+from spillway_operator.flow.imageref import (
     IMAGE_MAX_LENGTH,
     InvalidImageReference,
     image_reference_error,
     parse_image_reference,
 )
-from spillway_operator.spec import GROUP, PLURAL, VERSION
+from spillway_operator.flow.spec import GROUP, PLURAL, VERSION
 from tests.integration.test_hostile import kubectl_apply
 from tests.integration.test_operator import Env, infdep, model_configmap
 from tests.unit.test_imageref import SHA256, any_references, hostile_references, references

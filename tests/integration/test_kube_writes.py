@@ -12,10 +12,10 @@ import uuid
 import pytest
 from kubernetes import client
 
-from spillway_operator import metrics
-from spillway_operator.cache import WatchCache
-from spillway_operator.kube import Kube, NamespaceTerminating
-from spillway_operator.reconciler import Reconciler
+from spillway_operator.flow.reconciler import Reconciler
+from spillway_operator.plumbing import metrics
+from spillway_operator.plumbing.cache import WatchCache
+from spillway_operator.plumbing.kube import Kube, NamespaceTerminating
 from tests.helpers import wait_for
 from tests.integration.test_operator import MODELS
 

@@ -26,7 +26,7 @@ import pytest
 from kubernetes import client
 
 from e2e.operator_process import OperatorProcess, start_operator
-from spillway_operator.spec import GROUP, PLURAL, VERSION
+from spillway_operator.flow.spec import GROUP, PLURAL, VERSION
 from tests.helpers import wait_for
 from tests.integration.test_chart import (  # noqa: F401 - fixtures
     CHART,

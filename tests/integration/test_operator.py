@@ -11,7 +11,7 @@ import yaml
 from kubernetes import client
 
 from e2e.cluster.controlplane import REPO_ROOT, locate_binaries
-from spillway_operator.spec import GROUP, PLURAL, VERSION
+from spillway_operator.flow.spec import GROUP, PLURAL, VERSION
 from tests.helpers import wait_for
 
 pytestmark = pytest.mark.usefixtures("operator")

@@ -22,8 +22,8 @@ from kubernetes import client, watch
 from e2e.cluster.controlplane import REPO_ROOT
 from e2e.simfleet import SimulatorFleet
 from spillway_engine.planner.model_config import load_local
-from spillway_operator.pressure import DELETION_COST, DRAINING, parse_metrics
-from spillway_operator.spec import GROUP, PLURAL, VERSION
+from spillway_operator.flow.pressure import DELETION_COST, DRAINING, parse_metrics
+from spillway_operator.flow.spec import GROUP, PLURAL, VERSION
 from tests.helpers import wait_for
 
 pytestmark = [pytest.mark.usefixtures("operator"), pytest.mark.local_only]

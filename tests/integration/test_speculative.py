@@ -10,7 +10,7 @@ import pytest
 from kubernetes import client
 
 from e2e.cluster.controlplane import REPO_ROOT
-from spillway_operator.spec import GROUP, PLURAL, VERSION
+from spillway_operator.flow.spec import GROUP, PLURAL, VERSION
 from tests.helpers import wait_for
 from tests.integration.test_operator import Env, infdep
 

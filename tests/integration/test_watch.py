@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 from kubernetes import client
 
-from spillway_operator import metrics, watch
+from spillway_operator.plumbing import metrics, watch
 
 CONFIGMAPS = watch.Kind("v1", "ConfigMap", "configmaps")
 PROBE_GROUP = "watch-test.spillway.dev"
@@ -201,7 +201,7 @@ def test_the_namespaces_watch_sees_a_deletion_before_its_contents_go(api, cluste
     """What Kube.observe_namespace is told: a namespace being deleted arrives as a
     MODIFIED event with a deletionTimestamp and phase Terminating, while an object in
     it (held by a finalizer in case the controller is quick) is still there."""
-    from spillway_operator.kube import Kube
+    from spillway_operator.plumbing.kube import Kube
 
     core = client.CoreV1Api(api)
     ns = f"ns-watch-{int(time.time() * 1000) % 10**8}"

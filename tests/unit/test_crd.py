@@ -8,8 +8,8 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from spillway_operator import crd
-from spillway_operator.spec import InferenceDeploymentSpec
+from spillway_operator.flow import crd
+from spillway_operator.flow.spec import InferenceDeploymentSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD_FILE = ROOT / "crds" / "inferencedeployments.spillway.dev.yaml"
@@ -27,8 +27,8 @@ def walk(node, path="$"):
 
 def test_committed_crd_is_generated_from_the_model():
     assert CRD_FILE.read_text() == crd.render(), (
-        "crds/ is stale: run `python -m spillway_operator.crd > " + str(CRD_FILE.relative_to(ROOT))
-        + "`"
+        "crds/ is stale: run `python -m spillway_operator.flow.crd > "
+        + str(CRD_FILE.relative_to(ROOT)) + "`"
     )
 
 

@@ -1,6 +1,6 @@
 """spec.engine.image accepts exactly what the kubelet accepts as an image reference.
 
-The parser (spillway_operator.imageref) is compared with the kubelet's own Go parser in
+The parser (spillway_operator.flow.imageref) is compared with the kubelet's own Go parser in
 tests/integration/test_image_reference.py, over the strategies defined here. This file
 checks the parser on known cases, that the CRD's CEL rules (built from the same
 grammar) give the same verdict as the parser, and that the typed spec refuses what
@@ -16,8 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from spillway_operator import imageref
-from spillway_operator.imageref import (
+from spillway_operator.flow import imageref
+from spillway_operator.flow.imageref import (
     CEL_CHECKS,
     IDENTIFIER_PATTERN,
     IMAGE_MAX_LENGTH,
@@ -28,8 +28,8 @@ from spillway_operator.imageref import (
     image_reference_error,
     parse_image_reference,
 )
-from spillway_operator.reconciler import plan_failure
-from spillway_operator.spec import (
+from spillway_operator.flow.reconciler import plan_failure
+from spillway_operator.flow.spec import (
     CEL_RULES,
     DEFAULT_ENGINE_IMAGE,
     EngineSpec,

@@ -1,4 +1,4 @@
-"""Leader election's decisions (operator/spillway_operator/leader.py): pure functions of
+"""Leader election's decisions (operator/spillway_operator/plumbing/leader.py): pure functions of
 the Lease as last seen, when it was first seen and now; and the elector's loop driven
 round by round against an in-memory Lease store with a manual clock."""
 
@@ -8,8 +8,8 @@ import argparse
 
 import pytest
 
-from spillway_operator.kube import NotLeader, Rejected
-from spillway_operator.leader import (
+from spillway_operator.plumbing.kube import NotLeader, Rejected
+from spillway_operator.plumbing.leader import (
     Election,
     LeaderElector,
     LeaseTiming,
@@ -245,8 +245,8 @@ def test_election_settings_come_from_flags_and_environment(monkeypatch):
 
 
 def test_the_kube_gate_refuses_writes_before_sending_them():
-    from spillway_operator import metrics
-    from spillway_operator.kube import Kube
+    from spillway_operator.plumbing import metrics
+    from spillway_operator.plumbing.kube import Kube
 
     allowed = [False]
     # No API client at all: a write that got past the gate would fail differently.

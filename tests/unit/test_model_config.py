@@ -150,8 +150,8 @@ def test_the_operator_refuses_a_hostile_hub_config_once(hub, tmp_path):
     """The reconciler's classes: hostile content from the hub is ModelConfigInvalid
     (refused, not retried), as from a ConfigMap; before, every hub error was
     ModelConfigUnavailable and retried with back-off for ever, the hub asked each time."""
-    from spillway_operator.reconciler import ConfigInvalid, ConfigResolver, plan_failure
-    from spillway_operator.spec import InferenceDeploymentSpec
+    from spillway_operator.flow.reconciler import ConfigInvalid, ConfigResolver, plan_failure
+    from spillway_operator.flow.spec import InferenceDeploymentSpec
 
     hub.answer = (200, b"[" * 1000 + b"]" * 1000, {})
     resolver = ConfigResolver(None, hub_endpoint=f"http://127.0.0.1:{hub.server_port}",

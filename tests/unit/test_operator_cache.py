@@ -4,9 +4,9 @@ reconcile against a warm cache sends no request at all."""
 
 from __future__ import annotations
 
-from spillway_operator.cache import WatchCache
 from spillway_operator.handlers import OWNER_LABEL
-from spillway_operator.kube import Kube
+from spillway_operator.plumbing.cache import WatchCache
+from spillway_operator.plumbing.kube import Kube
 
 
 def dep(rv: int, replicas: int | None = None, image: str = "a") -> dict:
@@ -72,7 +72,7 @@ def test_only_news_queues_the_owner_again():
 
 
 def test_memo_keeps_the_latest_entries():
-    from spillway_operator.cache import Memo
+    from spillway_operator.plumbing.cache import Memo
 
     memo = Memo(2)
     memo.put("a", 1)
@@ -155,7 +155,7 @@ def test_the_next_reconcile_sees_the_status_just_written():
     import asyncio
 
     from spillway_operator.controller import Controller
-    from spillway_operator.reconciler import Result
+    from spillway_operator.flow.reconciler import Result
 
     seen: list[dict] = []
 

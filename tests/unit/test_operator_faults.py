@@ -12,7 +12,7 @@ import kopf
 
 from spillway_operator.controller import Backoff, Controller
 from spillway_operator.handlers import OWNER_LABEL, configure, is_child, owner_key
-from spillway_operator.kube import contains
+from spillway_operator.plumbing.kube import contains
 
 
 def test_kopf_retries_api_errors_for_ever_so_an_outage_never_ends_the_operator():
@@ -135,8 +135,8 @@ def test_a_terminating_namespace_is_forgotten_after_a_while(monkeypatch):
 
     from kubernetes import client
 
-    from spillway_operator import kube as kube_module
-    from spillway_operator.kube import Kube, _namespace_terminating
+    from spillway_operator.plumbing import kube as kube_module
+    from spillway_operator.plumbing.kube import Kube, _namespace_terminating
 
     refusal = (b'{"kind":"Status","code":403,"reason":"Forbidden","details":{"causes":'
                b'[{"reason":"NamespaceTerminating","field":"metadata.namespace"}]}}')
@@ -162,7 +162,7 @@ def test_no_write_goes_into_a_namespace_the_watch_shows_being_deleted():
     import pytest
     from kubernetes import client
 
-    from spillway_operator.kube import Kube, NamespaceTerminating
+    from spillway_operator.plumbing.kube import Kube, NamespaceTerminating
 
     sent: list[str] = []
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import kopf
 
 from spillway_operator.handlers import OWNER_LABEL, configure, make_controller, owner_key
-from spillway_operator.kube import Kube
+from spillway_operator.plumbing.kube import Kube
 
 
 def test_settings_come_from_the_environment():
@@ -78,9 +78,9 @@ def test_only_a_leading_controller_reconciles_and_a_new_leader_reconciles_everyt
 def test_the_autoscaler_runs_only_while_leading_and_a_standby_exports_no_pressure():
     import asyncio
 
-    from spillway_operator import metrics
-    from spillway_operator.pressure import State
-    from spillway_operator.scaler import Autoscaler
+    from spillway_operator.flow.pressure import State
+    from spillway_operator.flow.scaler import Autoscaler
+    from spillway_operator.plumbing import metrics
 
     async def scenario():
         s = Autoscaler(Kube(None))  # a standby from the start: nothing runs until activated
@@ -109,7 +109,7 @@ def test_a_new_objects_autoscaler_waits_for_its_first_reconcile():
     wrote a status, for every new object while its children were being created."""
     import asyncio
 
-    from spillway_operator.scaler import Autoscaler
+    from spillway_operator.flow.scaler import Autoscaler
 
     async def scenario():
         s = Autoscaler(Kube(None))
@@ -135,7 +135,7 @@ def test_a_burst_of_new_objects_gets_its_children_before_its_statuses():
     import asyncio
 
     from spillway_operator.controller import Controller
-    from spillway_operator.reconciler import Result
+    from spillway_operator.flow.reconciler import Result
 
     calls: list[tuple[str, bool]] = []
 

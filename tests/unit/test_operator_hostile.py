@@ -15,8 +15,8 @@ from pydantic import ValidationError
 
 from spillway_engine.seam import PROTECTED_FLAGS, PROTECTED_SHORT_FLAGS, refused_flag
 from spillway_engine.vllm_cli import one_line, refusal
-from spillway_operator import crd, reconciler
-from spillway_operator.spec import (
+from spillway_operator.flow import crd, reconciler
+from spillway_operator.flow.spec import (
     MODEL_ID_PATTERN,
     RESERVED_ENV_NAMES,
     EngineSpec,
@@ -135,7 +135,7 @@ def test_a_planner_crash_is_refused_as_an_invalid_config(monkeypatch, caplog):
 def test_a_body_no_apply_could_take_is_never_posted():
     """Duplicate keys in a list server-side apply keys by item: a POST would take it,
     every later apply would not, so the child goes by apply and is refused whole."""
-    from spillway_operator.kube import duplicate_list_keys
+    from spillway_operator.plumbing.kube import duplicate_list_keys
 
     env = [{"name": "FOO", "value": "a"}, {"name": "FOO", "value": "b"}]
     deployment = {"spec": {"template": {"spec": {"containers": [

@@ -15,10 +15,10 @@ from spillway_engine.planner.model_config import load_local
 from spillway_engine.planner.plan import Plan, make_plan
 from spillway_engine.quantity import format_bytes, parse_bytes
 from spillway_engine.seam import PLAN_FILE
-from spillway_operator import render
-from spillway_operator.kube import Kube, contains, resource_path
-from spillway_operator.render import engine_options
-from spillway_operator.spec import InferenceDeploymentSpec
+from spillway_operator.flow import render
+from spillway_operator.flow.render import engine_options
+from spillway_operator.flow.spec import InferenceDeploymentSpec
+from spillway_operator.plumbing.kube import Kube, contains, resource_path
 
 MODELS = Path(__file__).resolve().parents[1] / "fixtures" / "models"
 OWNER = render.Owner("chat", "team-a", "uid-123")
@@ -182,7 +182,7 @@ def test_emulated_gpu_fields_are_checked(bad):
 
 @pytest.mark.parametrize(("scope", "per_engine"), [("Engine", 8), ("Pod", 4)])
 def test_host_memory_is_per_engine_or_per_pod_as_the_spec_says(scope, per_engine):
-    from spillway_operator.status import plan_summary
+    from spillway_operator.flow.status import plan_summary
 
     spec = spec_of(engine={"dataParallelSize": 2},
                    offload={"hostMemory": "8Gi", "hostMemoryScope": scope})

@@ -15,10 +15,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from spillway_operator import scaler
-from spillway_operator.pressure import MetricsError
-from spillway_operator.scaler import MAX_METRICS_BYTES, Autoscaler
-from spillway_operator.spec import InferenceDeploymentSpec
+from spillway_operator.flow import scaler
+from spillway_operator.flow.pressure import MetricsError
+from spillway_operator.flow.scaler import MAX_METRICS_BYTES, Autoscaler
+from spillway_operator.flow.spec import InferenceDeploymentSpec
 
 GOOD = b"""# TYPE vllm:kv_cache_usage_perc gauge
 vllm:kv_cache_usage_perc 0.5

@@ -13,14 +13,13 @@ import pytest
 from pydantic import ValidationError
 
 from spillway_engine.planner.model_config import load_local
-from spillway_operator import crd
 from spillway_operator.controller import Backoff
-from spillway_operator.kube import contains
-from spillway_operator.pressure import Aggregate
-from spillway_operator.reconciler import Reconciler
-from spillway_operator.scaler import Autoscaler
-from spillway_operator.spec import AutoscalingStatus, Condition, InferenceDeploymentStatus
-from spillway_operator.status import (
+from spillway_operator.flow import crd
+from spillway_operator.flow.pressure import Aggregate
+from spillway_operator.flow.reconciler import Reconciler
+from spillway_operator.flow.scaler import Autoscaler
+from spillway_operator.flow.spec import AutoscalingStatus, Condition, InferenceDeploymentStatus
+from spillway_operator.flow.status import (
     Observed,
     build_status,
     conditions_for,
@@ -29,6 +28,7 @@ from spillway_operator.status import (
     to_wire,
     transitions,
 )
+from spillway_operator.plumbing.kube import contains
 
 T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
 
@@ -275,7 +275,7 @@ def test_a_reconcile_plans_once_per_config_and_spec(monkeypatch):
     """Validating, planning and the plan's JSON are kept by their inputs: a thousand
     reconciles of one spec plan once. A new generation validates again; a changed
     config.json plans again."""
-    from spillway_operator import reconciler as module
+    from spillway_operator.flow import reconciler as module
 
     calls: list[int] = []
     real = module.make_plan

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from spillway_operator import main, watch
+from spillway_operator import main
+from spillway_operator.plumbing import watch
 
 
 def test_lines_are_whole_however_the_chunks_cut_them():

@@ -1,4 +1,4 @@
-"""spillway_operator.pressure: offload pressure and the scaling decision (pure,
+"""spillway_operator.flow.pressure: offload pressure and the scaling decision (pure,
 property-tested)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spillway_operator.pressure import (
+from spillway_operator.flow.pressure import (
     Aggregate,
     MetricsError,
     Policy,
@@ -198,7 +198,7 @@ def test_decision_invariants(current, starting, pressure, unknown, lo, span):
 
 @given(st.lists(st.floats(0, 10, allow_nan=False), min_size=1, max_size=8))
 def test_aggregate_is_the_mean_of_known_pods(values):
-    from spillway_operator.pressure import PodPressure
+    from spillway_operator.flow.pressure import PodPressure
 
     pods = [PodPressure(v, {"load": v}, 0, 0) for v in values] + [None]
     agg = aggregate(pods)

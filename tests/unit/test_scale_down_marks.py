@@ -1,5 +1,5 @@
 """Scale-down that knows the cache: which pods the operator marks for removal
-(spillway_operator.pressure, pure), and how spillway-router treats a marked pod and a
+(spillway_operator.flow.pressure, pure), and how spillway-router treats a marked pod and a
 pod that is gone (RouterState, in process)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import math
 import pytest
 
 from spillway_engine.planner.plan import read_plan
-from spillway_operator.pressure import (
+from spillway_operator.flow.pressure import (
     DELETION_COST,
     DRAINING,
     Candidate,

@@ -53,7 +53,7 @@ app.kubernetes.io/part-of: spillway
 
 {{/*
 The operator's rules in the namespaces it watches: exactly the requests it makes
-(operator/spillway_operator/kube.py, handlers.py and watch.py, plus kopf 1.45.2's watches).
+(operator/spillway_operator/plumbing/kube.py, handlers.py and watch.py, plus kopf 1.45.2's watches).
 tests/integration/test_chart.py compares the rendered rules with an explicit set and
 runs the operator with this ServiceAccount's token against a real API server.
 

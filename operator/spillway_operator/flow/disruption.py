@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from spillway_operator.spec import InferenceDeploymentSpec
+from spillway_operator.flow.spec import InferenceDeploymentSpec
 
 #: The default grace period: a floor (a short context still needs the engine to stop
 #: cleanly and the endpoints to drop the pod), a cap (a drain of a node, or an in-place

@@ -26,17 +26,15 @@ from spillway_engine.planner.model_config import (
     parse_config_text,
 )
 from spillway_engine.planner.plan import Plan, PlanRefused, make_plan
-from spillway_operator import metrics, render, rollout
-from spillway_operator.cache import Memo
-from spillway_operator.kube import Kube, NamespaceTerminating, Rejected, TemporaryError
-from spillway_operator.spec import (
+from spillway_operator.flow import render, rollout
+from spillway_operator.flow.spec import (
     Condition,
     ConditionType,
     DraftModelSpec,
     InferenceDeploymentSpec,
     ModelSpec,
 )
-from spillway_operator.status import (
+from spillway_operator.flow.status import (
     Observed,
     build_status,
     merge_patch,
@@ -45,6 +43,9 @@ from spillway_operator.status import (
     to_wire,
     transitions,
 )
+from spillway_operator.plumbing import metrics
+from spillway_operator.plumbing.cache import Memo
+from spillway_operator.plumbing.kube import Kube, NamespaceTerminating, Rejected, TemporaryError
 
 log = logging.getLogger("spillway.reconciler")
 

@@ -17,9 +17,8 @@ from spillway_engine.launcher.drain import READY_PATH
 from spillway_engine.planner.plan import Plan
 from spillway_engine.quantity import format_bytes, parse_bytes
 from spillway_engine.seam import ENGINE_OPTIONS_FILE, PLAN_FILE, EngineOptions
-from spillway_operator import disruption, rollout
-from spillway_operator.cache import Memo
-from spillway_operator.spec import (
+from spillway_operator.flow import disruption, rollout
+from spillway_operator.flow.spec import (
     GROUP,
     KIND,
     VERSION,
@@ -27,8 +26,9 @@ from spillway_operator.spec import (
     InferenceDeploymentSpec,
     WeightsSource,
 )
+from spillway_operator.names import FIELD_MANAGER
+from spillway_operator.plumbing.cache import Memo
 
-FIELD_MANAGER = "spillway"
 ENGINE_PORT = 8000
 PLAN_MOUNT = "/etc/spillway/plan"
 MODEL_CACHE = "/models-cache"
@@ -324,7 +324,7 @@ def _pod_spec(owner: Owner, spec: InferenceDeploymentSpec, plan: Plan) -> dict[s
         "tolerations": tolerations,
         "securityContext": {"runAsNonRoot": True, "fsGroup": 1000,
                             "seccompProfile": {"type": "RuntimeDefault"}},
-        # Time to finish the requests in flight (spillway_operator.disruption).
+        # Time to finish the requests in flight (spillway_operator.flow.disruption).
         "terminationGracePeriodSeconds": disruption.grace_period_seconds(spec,
                                                                          plan.max_model_len),
         "topologySpreadConstraints": disruption.topology_spread(selector_labels(owner)),
@@ -385,7 +385,7 @@ def deployment(owner: Owner, spec: InferenceDeploymentSpec, plan: Plan,
         "spec": {
             "replicas": spec.replicas,
             "selector": {"matchLabels": selector_labels(owner)},
-            # Surge while the cluster has room, else in place (spillway_operator.rollout).
+            # Surge while the cluster has room, else in place (spillway_operator.flow.rollout).
             "strategy": strategy,
             "progressDeadlineSeconds": 3600,
             "template": {

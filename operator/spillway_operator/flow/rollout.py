@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from spillway_operator.spec import InferenceDeploymentSpec, RolloutStrategy
+from spillway_operator.flow.spec import InferenceDeploymentSpec, RolloutStrategy
 
 SURGE = {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
 IN_PLACE = {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}

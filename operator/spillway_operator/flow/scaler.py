@@ -28,9 +28,8 @@ import aiohttp
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
-from spillway_operator import metrics, render
-from spillway_operator.kube import Kube, NamespaceTerminating, TemporaryError
-from spillway_operator.pressure import (
+from spillway_operator.flow import render
+from spillway_operator.flow.pressure import (
     DELETION_COST,
     DRAINING,
     Aggregate,
@@ -50,8 +49,10 @@ from spillway_operator.pressure import (
     resume_state,
     stale_marks,
 )
-from spillway_operator.spec import AutoscalingStatus, InferenceDeploymentSpec
-from spillway_operator.status import merge_patch, now_rfc3339, read_status, to_wire
+from spillway_operator.flow.spec import AutoscalingStatus, InferenceDeploymentSpec
+from spillway_operator.flow.status import merge_patch, read_status, to_wire
+from spillway_operator.plumbing import metrics
+from spillway_operator.plumbing.kube import Kube, NamespaceTerminating, TemporaryError, now_rfc3339
 
 log = logging.getLogger("spillway.scaler")
 

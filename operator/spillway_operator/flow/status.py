@@ -12,14 +12,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
 from spillway_engine.planner.plan import Plan
 from spillway_engine.quantity import human_bytes
-from spillway_operator.spec import (
+from spillway_operator.flow.spec import (
     AutoscalingStatus,
     Condition,
     ConditionType,
@@ -27,14 +26,11 @@ from spillway_operator.spec import (
     KVGroupSummary,
     PlanSummary,
 )
+from spillway_operator.plumbing.kube import now_rfc3339
 
 log = logging.getLogger("spillway.status")
 
 SCALING_ACTIVE = "ScalingActive"
-
-
-def now_rfc3339() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 @dataclass(frozen=True)
@@ -61,7 +57,7 @@ class Observed:
     deployment: dict[str, Any] | None = None
     pods: list[dict[str, Any]] = field(default_factory=list)
     selector: str | None = None
-    # spillway_operator.rollout's verdict on the live rollout
+    # spillway_operator.flow.rollout's verdict on the live rollout
     rollout_stuck: tuple[str, str] | None = None  # (reason, message)
     rollout_in_place: bool = False
     recheck_after: float | None = None

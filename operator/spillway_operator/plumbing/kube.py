@@ -16,6 +16,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any
 
 import urllib3
@@ -23,11 +24,9 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from spillway_engine.quantity import QuantityError, parse_bytes
-from spillway_operator import metrics
-from spillway_operator.cache import Key, WatchCache, ref_of
-from spillway_operator.render import FIELD_MANAGER
-from spillway_operator.spec import GROUP, KIND, PLURAL, VERSION
-from spillway_operator.status import now_rfc3339
+from spillway_operator.names import FIELD_MANAGER, GROUP, KIND, PLURAL, VERSION
+from spillway_operator.plumbing import metrics
+from spillway_operator.plumbing.cache import Key, WatchCache, ref_of
 
 # Keys whose values are resource quantities: compared by value ("1Gi" == "1024Mi").
 _QUANTITY_PARENTS = {"requests", "limits", "capacity", "allocatable"}
@@ -45,6 +44,11 @@ _LIST_KEYS = {"containers": ("name",), "initContainers": ("name",), "env": ("nam
               "imagePullSecrets": ("name",),
               "topologySpreadConstraints": ("topologyKey", "whenUnsatisfiable"),
               "ports": ("containerPort", "port", "protocol")}
+
+
+def now_rfc3339() -> str:
+    """Now, as the API server writes times (RFC 3339, seconds, UTC)."""
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _item_key(item: Any, keys: tuple[str, ...]) -> tuple | None:

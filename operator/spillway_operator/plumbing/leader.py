@@ -37,7 +37,7 @@ from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 
-from spillway_operator import metrics
+from spillway_operator.plumbing import metrics
 
 log = logging.getLogger("spillway.leader")
 
@@ -172,7 +172,7 @@ class LeaseClient:
     ApiClient and connection pool, so renewals never queue behind reconciles)."""
 
     def __init__(self, kube: Any, namespace: str, name: str):
-        from spillway_operator.kube import api_path
+        from spillway_operator.plumbing.kube import api_path
 
         self.kube = kube
         self.namespace = namespace
@@ -240,7 +240,7 @@ class LeaderElector:
 
     def try_once(self) -> None:
         """Read the Lease, then create, renew, take over or follow (blocking I/O)."""
-        from spillway_operator.kube import Rejected, TemporaryError
+        from spillway_operator.plumbing.kube import Rejected, TemporaryError
 
         timeout = self.timing.renew_deadline / 2
         sent = self.clock()
@@ -343,7 +343,7 @@ class LeaderElector:
         loop = asyncio.get_running_loop()
 
         def put() -> None:
-            from spillway_operator.kube import Rejected, TemporaryError
+            from spillway_operator.plumbing.kube import Rejected, TemporaryError
 
             try:
                 assert self.current is not None

@@ -32,8 +32,8 @@ import urllib3
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from spillway_operator import metrics
-from spillway_operator.kube import api_path
+from spillway_operator.plumbing import metrics
+from spillway_operator.plumbing.kube import api_path
 
 log = logging.getLogger("spillway.watch")
 
