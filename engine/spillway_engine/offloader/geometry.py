@@ -61,6 +61,9 @@ class ConnectorGeometry:
     offloading_config: Any
     #: the KV-cache config the scheduler sees (virtual block sizes where expanded)
     scheduler_kv_cache_config: Any
+    #: the engine's own KV-cache config, as the connector was given it (the worker's is
+    #: where :func:`packed_layer_pages` finds each layer's pages)
+    kv_cache_config: Any = None
 
 
 def _layer_specs(spec: Any, layer_names: Sequence[str]) -> list[Any]:
@@ -192,6 +195,7 @@ def build_geometry(vllm_config: Any, kv_cache_config: Any) -> ConnectorGeometry:
         layout=_host_layout(pool, span, group_ids, tokens_per_block, offloading_config),
         offloading_config=offloading_config,
         scheduler_kv_cache_config=scheduler_kv_cache_config,
+        kv_cache_config=kv_cache_config,
     )
 
 
@@ -381,6 +385,77 @@ def _host_layout(
             for position, (gid, tpb, bpc, nbytes, k, off_group) in enumerate(slots)
         ),
     )
+
+
+# ------------------------------------------------------------ packed KV blocks
+
+
+@dataclass(frozen=True)
+class LayerPage:
+    """Where one offloaded layer's pages sit in vLLM's KV-cache allocation: block ``b``'s
+    page starts ``offset + b * block_stride`` bytes into the backing buffer."""
+
+    name: str
+    offset: int
+    block_stride: int
+    #: bytes of the layer's page in each block (padded)
+    page_bytes: int
+    #: bytes of it that hold KV (unpadded): what is offloaded
+    data_bytes: int
+    num_blocks: int
+
+
+def packed_layer_pages(
+    kv_cache_config: Any, group_ids: Sequence[int]
+) -> list[list[LayerPage]] | None:
+    """Each offloaded group's layer pages (group by group, in ``group_ids`` order, layers
+    in the group's order) when vLLM packs its KV blocks; None when it does not.
+
+    Packed (block-outermost) allocations put every layer's page of one block side by
+    side (``KVCacheTensor.block_stride`` is the packed block, larger than a page):
+    GLM-5 Next's KDA states, MLA latents, indexer keys and rings, DeepSeek-V4's caches.
+    vLLM 0.33's offloading worker then hands its ``OffloadingSpec`` one region per
+    group, the whole packed block, for every group (``register_kv_caches``; it
+    detects packing, as here, by an attention layer's block stride exceeding its
+    page). A group's chunk would then be ``block_stride x blocks per chunk`` bytes,
+    not the unpadded pages of its own layers that the plan and the host layout hold,
+    and Spillway's worker refused to start on the difference. These pages let the
+    worker copy exactly those bytes (:func:`spillway_engine.offloader.worker.unpack_caches`).
+    """
+    from vllm.v1.kv_cache_interface import AttentionSpec
+
+    if getattr(kv_cache_config, "hisparse_host_num_blocks", None) is not None:
+        return None  # vLLM's packed collapse is off there too
+    where = {
+        name: (t, i) for t in kv_cache_config.kv_cache_tensors for i, name in enumerate(t.layers)
+    }
+    groups: list[list[LayerPage]] = []
+    packed = False
+    for gid in group_ids:
+        group = kv_cache_config.kv_cache_groups[gid]
+        pages = []
+        for name, spec in zip(
+            group.layer_names, _layer_specs(group.kv_cache_spec, group.layer_names), strict=True
+        ):
+            if name not in where:
+                raise SpillwayConfigError(
+                    f"KV-cache group {gid}: layer {name} has no KV-cache tensor"
+                )
+            t, i = where[name]
+            page = spec.page_size_bytes
+            packed |= isinstance(spec, AttentionSpec) and t.block_stride != page
+            pages.append(
+                LayerPage(
+                    name=name,
+                    offset=t.offset + i * t.layer_stride,
+                    block_stride=t.block_stride,
+                    page_bytes=page,
+                    data_bytes=unpadded_page_bytes(spec),
+                    num_blocks=kv_cache_config.num_blocks_of(t),
+                )
+            )
+        groups.append(pages)
+    return groups if packed else None
 
 
 # ------------------------------------------------------------ virtual block ids

@@ -114,8 +114,22 @@ class SpillwayHostSpec(OffloadingSpec):
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:
-            from spillway_engine.offloader.worker import SpillwayHostWorker, allocate_host_pool
+            from spillway_engine.offloader.geometry import packed_layer_pages
+            from spillway_engine.offloader.worker import (
+                SpillwayHostWorker,
+                allocate_host_pool,
+                unpack_caches,
+            )
 
+            # vLLM hands packed KV blocks (GLM-5 Next) over whole, once per group; the
+            # host layout holds each group's own unpadded pages.
+            kv_cache_config = self.geometry.kv_cache_config
+            groups = [g.group_id for g in self.layout.groups]
+            pages = (
+                None if kv_cache_config is None else packed_layer_pages(kv_cache_config, groups)
+            )
+            if pages is not None:
+                kv_caches = unpack_caches(kv_caches, pages)
             parallel = self.config.parallel
             pool, cleanup = allocate_host_pool(
                 self.layout,

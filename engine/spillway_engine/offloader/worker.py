@@ -23,13 +23,15 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from vllm.v1.kv_offload.base import (
     BlockIDsLoadStoreSpec,
+    CanonicalKVCacheRef,
     CanonicalKVCaches,
+    CanonicalKVCacheTensor,
     GPULoadStoreSpec,
     LoadStoreSpec,
     OffloadingWorker,
@@ -46,6 +48,7 @@ from spillway_engine.offloader.copy_plan import (
     plan_copies,
 )
 from spillway_engine.offloader.cuda_lanes import CudaLane, batched_copy
+from spillway_engine.offloader.geometry import LayerPage
 from spillway_engine.offloader.host_layout import HostLayout, shared_region_forced
 from spillway_engine.planner.offload_geometry import host_copies
 
@@ -56,6 +59,7 @@ __all__ = [
     "check_layout_agreement",
     "chunk_stream_bytes",
     "plan_copies",
+    "unpack_caches",
 ]
 
 logger = logging.getLogger(__name__)
@@ -296,6 +300,56 @@ class SpillwayHostWorker(OffloadingWorker):
 
     def _submit_cuda(self, job_id: int, plan: CopyPlan, lane: CudaLane) -> None:
         lane.submit(job_id, plan, self._copy_on_stream)
+
+
+# --------------------------------------------------------------------------- packed blocks
+
+
+def unpack_caches(
+    kv_caches: CanonicalKVCaches, pages: Sequence[Sequence[LayerPage]]
+) -> CanonicalKVCaches:
+    """Per-layer page views of vLLM's packed KV blocks, in place of the whole block.
+
+    For a packed (block-outermost) allocation vLLM 0.33's ``register_kv_caches`` hands
+    the spec one tensor, the packed blocks over the whole backing buffer, and every
+    offloaded group one ref of the whole block. ``pages`` (``geometry.
+    packed_layer_pages``) say where each group's layers sit in that buffer; the result
+    has one tensor per distinct (offset, block stride) (layers of overlaid groups
+    alias, as in vLLM's unpacked path) and per group its layers' refs of their unpadded
+    pages -- the chunk stream the host layout (and the plan) sized.
+    """
+    refs_in = kv_caches.group_data_refs
+    if len(kv_caches.tensors) != 1 or len(refs_in) != len(pages):
+        raise ValueError(
+            f"expected vLLM's packed KV caches (one tensor, {len(pages)} groups), got "
+            f"{len(kv_caches.tensors)} tensors and {len(refs_in)} groups"
+        )
+    packed = kv_caches.tensors[0].tensor
+    storage = packed.untyped_storage()  # the backing buffer KVCacheTensor offsets are in
+    # (offset, block stride) -> [tensor index, blocks, largest page of its layers]
+    regions: dict[tuple[int, int], list[int]] = {}
+    group_refs: list[list[CanonicalKVCacheRef]] = []
+    for group in pages:
+        refs = []
+        for p in group:
+            region = regions.setdefault(
+                (p.offset, p.block_stride), [len(regions), p.num_blocks, 0]
+            )
+            region[2] = max(region[2], p.page_bytes)
+            refs.append(CanonicalKVCacheRef(tensor_idx=region[0], page_size_bytes=p.data_bytes))
+        group_refs.append(refs)
+    tensors = []
+    for (offset, stride), (_, num_blocks, page) in regions.items():
+        if num_blocks and offset + (num_blocks - 1) * stride + page > storage.nbytes():
+            raise ValueError(
+                f"a packed layer page at byte {offset} (block stride {stride}) runs past "
+                f"the KV buffer's {storage.nbytes()} bytes"
+            )
+        view = torch.empty(0, dtype=torch.int8, device=packed.device).set_(
+            storage, offset, (num_blocks, page), (stride, 1)
+        )
+        tensors.append(CanonicalKVCacheTensor(tensor=view, page_size_bytes=page))
+    return CanonicalKVCaches(tensors=tensors, group_data_refs=group_refs)
 
 
 # --------------------------------------------------------------------------- host pool
