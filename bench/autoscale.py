@@ -92,19 +92,18 @@ Metrics
     rejects (none with these parameters) counts as missing the target. Replica-minutes
     integrate (ready + starting + draining) replicas over [0, --duration]; requests
     still in flight then drain with the last replica count. Scaling actions = decisions
-    that changed the requested replica count. ``stalls`` counts interventions of
-    ``unstick`` (below).
+    that changed the requested replica count. ``stalls`` counts stalls broken (below).
 
-Simulator capabilities added here, around the existing classes (nothing edited)
+Simulator capabilities added here, around the simulator's own classes
     ``DelayedCluster``: per-replica load delay (a ReplicaSet-like spec.replicas with
     starting replicas; removal cancels starting replicas first, then drains the newest;
-    a new replica is always fresh, never a revived draining one). ``unstick``: under
-    overload the core can stall - requests whose host load finished hold GPU blocks,
-    wait for more, nothing runs, and ``VirtualCluster.run_until`` spins forever at one
-    virtual time; the youngest such request is preempted (counted in
-    ``vllm:num_preemptions``). Two speed-ups that do not change what any policy reads:
-    the latency histograms are not observed (no policy reads them) and the scraped text
-    is cut to the families ``parse_metrics`` reads before parsing.
+    a new replica is always fresh, never a revived draining one). It runs the cluster
+    with ``break_stalls``: under overload a core can stall - requests whose host load
+    finished hold GPU blocks, wait for more, nothing runs - and the simulator's own
+    ``EngineCore.break_stall`` preempts the youngest such request (counted in
+    ``vllm:num_preemptions``) instead of raising. Two speed-ups that do not change what
+    any policy reads: the latency histograms are not observed (no policy reads them)
+    and the scraped text is cut to the families ``parse_metrics`` reads before parsing.
 
 Reading the result: the script prints, under the table, the per-phase split, the
 replica count over time, the mean/peak of each Spillway pressure component per phase,
@@ -135,7 +134,7 @@ from spillway_cli.loadgen import (  # noqa: E402
     to_replay_items,
 )
 from spillway_engine.simulator.cluster import Replica, VirtualCluster  # noqa: E402
-from spillway_engine.simulator.core import WAITING, EngineCore, ReplayItem, SimRequest  # noqa: E402
+from spillway_engine.simulator.core import ReplayItem, SimRequest  # noqa: E402
 from spillway_engine.simulator.plan_input import (  # noqa: E402
     SimPlan,
     gpu_blocks_for_tokens,
@@ -283,36 +282,16 @@ def make_trace(shape: Shape, seed: int) -> list[ReplayItem]:
 # ----------------------------------------------------------------------------- cluster
 
 
-def unstick(core: EngineCore) -> bool:
-    """Break a stall of the simulator core: requests whose host load finished hold GPU
-    blocks but wait for more to prefill the rest, nothing runs, so nothing frees blocks
-    and ``VirtualCluster.run_until`` would spin forever at the same virtual time. Preempt
-    the youngest such request (free its blocks; it recomputes or reloads later, and it
-    counts in ``vllm:num_preemptions``), as vLLM's scheduler would preempt to make room.
-    Returns False when there is nothing to release."""
-    for req in reversed(core.waiting):
-        if req.admitted and req.blocks:
-            core._free_all(req)
-            req.state = WAITING
-            req.admitted = False
-            req.num_computed = 0
-            req.target = req.prompt_len + req.num_output
-            req.num_preemptions += 1
-            core.counters.preemptions += 1
-            return True
-    return False
-
-
 class DelayedCluster(VirtualCluster):
     """A VirtualCluster whose new replicas load the model for ``load_delay`` seconds
     before they take traffic. ``desired`` is spec.replicas; ``starting`` holds the
     ready-at times of replicas asked for but not ready yet."""
 
     def __init__(self, plan: SimPlan, *, load_delay: float, **kw) -> None:
-        super().__init__(plan, **kw)
+        # Overload can stall a core; break it (``EngineCore.break_stall``) and count it.
+        super().__init__(plan, break_stalls=True, **kw)
         self.load_delay = load_delay
         self.starting: list[float] = []
-        self.unstuck = 0
 
     @property
     def desired(self) -> int:
@@ -334,25 +313,6 @@ class DelayedCluster(VirtualCluster):
             self.starting = sorted(self.starting)[: len(self.starting) - cancel]
             if drop > cancel:
                 self.scale_to(len(self.serving) - (drop - cancel))
-
-    def run_until(self, t: float) -> None:
-        """VirtualCluster.run_until, plus a way out of a core stall (see ``unstick``)."""
-        for r in self.replicas:
-            core = r.core
-            while core.has_work() and core.now < t:
-                if core.step() == 0.0:
-                    nxt = core.next_event_time()
-                    if nxt is None or nxt > t:
-                        break
-                    if nxt <= core.now:  # a finished load cannot get blocks: stalled
-                        if not unstick(core):
-                            break
-                        self.unstuck += 1
-                        continue
-                    core.advance_to(nxt)
-            core.advance_to(t)
-        self.now = max(self.now, t)
-        self._reap()
 
     def _new_replica(self) -> Replica:
         replica = super()._new_replica()
@@ -504,7 +464,7 @@ class Result:
     timeline: list[tuple[float, int, int]]  # (t, ready, starting)
     host_hit_share: float
     device_hit_share: float
-    unstuck: int
+    stalls: int
     preemptions: int
     wall: float
 
@@ -593,7 +553,7 @@ def run_policy(policy, plan: SimPlan, items: list[ReplayItem], shape: Shape,
         ticks=ticks,
         timeline=timeline,
         host_hit_share=host / max(1, prompt),
-        unstuck=cluster.unstuck,
+        stalls=cluster.stalls,
         device_hit_share=device / max(1, prompt),
         preemptions=sum(r.core.counters.preemptions for r in replicas),
         wall=time.perf_counter() - start,
@@ -869,7 +829,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{res.policy:10} {s['rm']:>11.1f} {s['met']:>10.1%} {s['p50']:>8.2f}s "
               f"{s['p95']:>8.2f}s {s['p99']:>8.2f}s {res.actions:>7} {res.max_replicas:>7} "
               f"{res.device_hit_share:>7.1%} {res.host_hit_share:>8.1%} {res.preemptions:>7} "
-              f"{res.unstuck:>6} {res.wall:>6.1f}")  # fmt: skip
+              f"{res.stalls:>6} {res.wall:>6.1f}")  # fmt: skip
     print("\nper phase (burst = ramps + plateau; requests by arrival time):")
     print("\n".join(phase_table(results, shape, args.ttft_target)))
     print(f"\nreplicas asked for over time ({d / 24:.0f} s per column; burst "

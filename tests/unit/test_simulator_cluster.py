@@ -80,3 +80,22 @@ def test_invalid_arguments():
         cluster(routing="random")
     with pytest.raises(ValueError):
         cluster().scale_to(0)
+
+
+def test_a_stalled_core_raises_or_is_broken_by_a_preemption():
+    # 2,048 tokens of GPU KV for 1,088-token shared-prefix prompts: requests whose host
+    # load finished hold blocks and wait for more, and nothing runs to free any.
+    spec = TraceSpec(kind="shared-prefix", rate=20.0, num_requests=400, duration=None,
+                     prefixes=6, prefix_tokens=1024, question_tokens=64, max_tokens=64,
+                     seed=1)  # fmt: skip
+    items = to_replay_items(generate_trace(spec))
+    plan = sim_plan()
+    with pytest.raises(RuntimeError, match="stalled"):
+        VirtualCluster(plan, gpu_blocks=gpu_blocks_for_tokens(plan, 2048)).replay(items)
+    c = VirtualCluster(plan, gpu_blocks=gpu_blocks_for_tokens(plan, 2048), break_stalls=True)
+    reqs = c.replay(items)
+    assert c.stalls > 0
+    assert all(r.num_output == 64 for r in reqs) and len(reqs) == 400
+    counters = c.replicas[0].core.counters
+    assert counters.preemptions >= c.stalls  # each broken stall is a preemption
+    assert sum(r.num_preemptions for r in reqs) == counters.preemptions

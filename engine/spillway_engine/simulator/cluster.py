@@ -55,6 +55,7 @@ class VirtualCluster:
         latency: LatencyModel | None = None,
         scheduler: SchedulerConfig | None = None,
         seed: int = 0,
+        break_stalls: bool = False,
     ) -> None:
         if routing not in ("round-robin", "prefix-affinity"):
             raise ValueError(f"unknown routing {routing!r}")
@@ -70,6 +71,10 @@ class VirtualCluster:
         self.replicas: list[Replica] = []
         self.retired: list[Replica] = []
         self.rejected = 0
+        #: break a replica's stall (``EngineCore.break_stall``) instead of raising
+        self.break_stalls = break_stalls
+        #: stalls broken so far
+        self.stalls = 0
         self.scale_to(replicas)
 
     # membership ----------------------------------------------------------------
@@ -132,14 +137,7 @@ class VirtualCluster:
     def run_until(self, t: float) -> None:
         """Advance every replica to virtual time ``t`` (a replica may end a step past it)."""
         for r in self.replicas:
-            core = r.core
-            while core.has_work() and core.now < t:
-                if core.step() == 0.0:
-                    nxt = core.next_event_time()
-                    if nxt is None or nxt > t:
-                        break
-                    core.advance_to(nxt)
-            core.advance_to(t)
+            self.stalls += r.core.run_until(t, break_stalls=self.break_stalls)
         self.now = max(self.now, t)
         self._reap()
 

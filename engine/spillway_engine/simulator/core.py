@@ -1148,7 +1148,9 @@ class EngineCore:
         # The loaded blocks hold valid KV: name them so others can hit them.
         self._cache_computed(req)
 
-    def _preempt(self, req: SimRequest) -> None:
+    def _release(self, req: SimRequest) -> None:
+        """Preempt ``req`` where it is: free its blocks, and it recomputes (or reloads)
+        every token later; counted in ``vllm:num_preemptions``."""
         self._free_all(req)
         req.state = WAITING
         req.admitted = False
@@ -1156,7 +1158,23 @@ class EngineCore:
         req.target = req.prompt_len + req.num_output
         req.num_preemptions += 1
         self.counters.preemptions += 1
+
+    def _preempt(self, req: SimRequest) -> None:
+        """A running request preempted by the scheduler goes back to the queue's head."""
+        self._release(req)
         self.waiting.appendleft(req)
+
+    def break_stall(self) -> bool:
+        """Release the youngest waiting request that holds GPU blocks (it keeps its
+        place in the queue). Under overload the core can stall: requests whose host
+        load finished hold blocks but wait for more to prefill the rest, nothing runs,
+        so nothing frees blocks; this preempts one of them, as vLLM's scheduler would
+        preempt to make room. Returns False when no waiting request holds blocks."""
+        for req in reversed(self.waiting):
+            if req.admitted and req.blocks:
+                self._release(req)
+                return True
+        return False
 
     # ------------------------------------------------------------------ the step
 
@@ -1375,6 +1393,30 @@ class EngineCore:
         return True
 
     # ------------------------------------------------------------------ helpers
+
+    def run_until(self, t: float, *, break_stalls: bool = False) -> int:
+        """Step up to virtual time ``t`` (a step may end past it), advancing over load
+        waits, then set the clock to at least ``t``. A stall (waiting requests cannot
+        be admitted and nothing runs) raises RuntimeError, or with ``break_stalls`` is
+        broken by ``break_stall``. Returns the number of stalls broken."""
+        broken = 0
+        while self.has_work() and self.now < t:
+            if self.step() == 0.0:
+                nxt = self.next_event_time()
+                if nxt is None or nxt > t:
+                    break
+                if nxt <= self.now:
+                    if not break_stalls:
+                        raise RuntimeError(
+                            "simulator stalled: waiting requests cannot be admitted"
+                        )
+                    if not self.break_stall():
+                        break
+                    broken += 1
+                    continue
+                self.advance_to(nxt)
+        self.advance_to(t)
+        return broken
 
     def run_until_idle(self, limit_steps: int = 10_000_000) -> None:
         """Step until no request is left (advancing over load waits)."""
