@@ -79,40 +79,24 @@ def load_config(fixture: str) -> dict[str, Any]:
 
 def model_kv(name: str, config: dict[str, Any], gpu: str = "h200") -> ModelKV:
     """Groups, pages and units from the planner (pure: no vLLM, no device)."""
-    from spillway_engine.offloader.host_layout import GroupSlots, HostLayout
+    from spillway_engine.offloader.host_layout import HostLayout
     from spillway_engine.planner.plan import PlanRequest, make_plan
 
     plan = make_plan(config, PlanRequest(model_name=name, gpu=gpu, cpu_memory_bytes=1 << 30))
-    sw = plan.spillway
-    assert sw.copies == 1, "one rank"
-    slots, refs = [], []
+    layout = HostLayout.from_plan(plan)
+    assert layout.copies == 1, "one rank"
+    # every group offloaded, in order: the refs below are per group position
+    assert [g.group_id for g in layout.groups] == list(range(len(plan.kv_groups))), name
+    refs = []
     # vLLM's hybrid allocation: layer i of every group shares tensor i (so the number
     # of tensors is the largest group, padding layers included), pages unified
     num_tensors = max(g.num_layers + g.padded_layers for g in plan.kv_groups)
-    for pos, (g, c) in enumerate(zip(plan.kv_groups, sw.groups, strict=True)):
+    for g, c in zip(plan.kv_groups, layout.groups, strict=True):
         page = c.chunk_bytes // (g.num_layers * c.blocks_per_chunk)  # unpadded (GDN)
         assert page * g.num_layers * c.blocks_per_chunk == c.chunk_bytes, g
         refs.append(tuple((i, page) for i in range(g.num_layers)))
-        slots.append(
-            GroupSlots(
-                group_id=pos,
-                position=pos,
-                tokens_per_block=c.tokens_per_block,
-                blocks_per_chunk=c.blocks_per_chunk,
-                chunk_bytes=c.chunk_bytes,
-                units=c.units,
-                window_chunks=c.window_chunks,
-            )
-        )
     pages = {g.page_bytes for g in plan.kv_groups}
     assert len(pages) == 1, f"{name}: pages not unified: {pages}"
-    layout = HostLayout(
-        chunk_tokens=sw.chunk_tokens,
-        unit_bytes=sw.unit_bytes,
-        copies=1,
-        num_units=sw.num_units,
-        groups=tuple(slots),
-    )
     return ModelKV(name, layout, (pages.pop(),) * num_tensors, tuple(refs))
 
 

@@ -16,6 +16,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the planner needs pydantic; this module must not (workers, GPU checks)
+    from spillway_engine.planner.plan import Plan
 
 #: ``1`` puts the host pool in vLLM's shared ``/dev/shm`` region on any platform (the
 #: emulated GPU in tests); by default only CUDA maps it there, as upstream does.
@@ -54,6 +58,36 @@ class HostLayout:
     copies: int
     num_units: int
     groups: tuple[GroupSlots, ...]
+
+    @classmethod
+    def from_plan(cls, plan: Plan) -> HostLayout:
+        """The layout a Spillway plan (``plan.spillway``) sizes the pool for: what the
+        connector's geometry builds from vLLM's KV-cache config on a matching engine.
+        The plan's chunk bytes count every rank; a group slot holds one worker's."""
+        sw = plan.spillway
+        groups = []
+        for position, g in enumerate(sw.groups):
+            if g.chunk_bytes % sw.copies:
+                raise ValueError(f"plan group {g.group_index}: {g.chunk_bytes} chunk bytes "
+                                 f"do not split over {sw.copies} copies")  # fmt: skip
+            groups.append(
+                GroupSlots(
+                    group_id=g.group_index,
+                    position=position,
+                    tokens_per_block=g.tokens_per_block,
+                    blocks_per_chunk=g.blocks_per_chunk,
+                    chunk_bytes=g.chunk_bytes // sw.copies,
+                    units=g.units,
+                    window_chunks=g.window_chunks,
+                )
+            )
+        return cls(
+            chunk_tokens=sw.chunk_tokens,
+            unit_bytes=sw.unit_bytes,
+            copies=sw.copies,
+            num_units=sw.num_units,
+            groups=tuple(groups),
+        )
 
     @property
     def region_bytes(self) -> int:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from spillway_engine.arith import cdiv
-from spillway_engine.offloader.host_layout import GroupSlots, HostLayout
+from spillway_engine.offloader.host_layout import HostLayout
 from spillway_engine.planner.plan import Plan, PlanReadError, read_plan
 
 #: Groups whose lookup is a plain prefix scan.
@@ -152,24 +152,7 @@ def parse_plan(plan: Plan) -> SimPlan:
         )
     layout = None
     if plan.offloader == "spillway":
-        layout = HostLayout(
-            chunk_tokens=plan.spillway.chunk_tokens,
-            unit_bytes=plan.spillway.unit_bytes,
-            copies=plan.spillway.copies,
-            num_units=plan.spillway.num_units,
-            groups=tuple(
-                GroupSlots(
-                    group_id=c.group_index,
-                    position=i,
-                    tokens_per_block=c.tokens_per_block,
-                    blocks_per_chunk=c.blocks_per_chunk,
-                    chunk_bytes=c.chunk_bytes,
-                    units=c.units,
-                    window_chunks=c.window_chunks,
-                )
-                for i, c in enumerate(section.groups)
-            ),
-        )
+        layout = HostLayout.from_plan(plan)
     return SimPlan(
         model_name=plan.model.name or "spillway-sim",
         offloader=plan.offloader,
