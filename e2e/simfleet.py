@@ -175,7 +175,7 @@ class SimulatorFleet:
             termination = self._dir / f"{pod_name}.termination-log"
             termination.unlink(missing_ok=True)
             entry = [str(_SERVE)] if _SERVE.exists() else [
-                sys.executable, "-m", "spillway_engine.launcher.serve"]
+                sys.executable, "-m", "spillway_engine.cli"]
             # The container's own arguments, with the plan where this "kubelet" mounted
             # it and the pod's IP to bind; a pod rendered for a real GPU gets one emulated.
             args = _with_value(pod_args, "--plan", str(plan))
@@ -288,7 +288,7 @@ class SimulatorFleet:
     def _stop_pod(self, sim: _Sim) -> None:
         """The kubelet's stop: the preStop command to its end, then SIGTERM."""
         entry = [str(_SERVE)] if _SERVE.exists() else [
-            sys.executable, "-m", "spillway_engine.launcher.serve"]
+            sys.executable, "-m", "spillway_engine.cli"]
         command = list(sim.prestop or [])
         if command and command[0] == "spillway-engine":
             command = [*entry, *command[1:]]

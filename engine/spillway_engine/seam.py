@@ -1,6 +1,7 @@
 """The seam between the operator and the engine pod: what both sides must agree on.
 
-The operator writes, and the pod reads, two files in the plan ConfigMap: the plan
+The operator writes, and the pod reads, two files in the plan ConfigMap (and points
+the pod's probes at the paths the engine serves): the plan
 (``plan.json``, :class:`spillway_engine.planner.plan.Plan`, the planner's one typed
 model) and the serving options beside it (``engine.json``, :class:`EngineOptions`). The
 operator admits, and the launcher accepts, the same ``extraArgs``: none that sets a flag
@@ -22,13 +23,29 @@ from typing import Any
 from spillway_engine import vllm_cli
 from spillway_engine.planner.plan import Plan
 
-__all__ = ["ENGINE_OPTIONS_FILE", "PLAN_FILE", "PROTECTED_FLAGS", "PROTECTED_SHORT_FLAGS",
-           "EngineOptions", "EngineOptionsError", "Plan", "extra_args_refusal",
-           "parse_engine_options", "refused_flag"]
+__all__ = [
+    "DRAIN_PATH",
+    "ENGINE_OPTIONS_FILE",
+    "PLAN_FILE",
+    "PROTECTED_FLAGS",
+    "PROTECTED_SHORT_FLAGS",
+    "READY_PATH",
+    "EngineOptions",
+    "EngineOptionsError",
+    "Plan",
+    "extra_args_refusal",
+    "parse_engine_options",
+    "refused_flag",
+]
 
 #: The plan ConfigMap's keys, and the files the pod mounts.
 PLAN_FILE = "plan.json"
 ENGINE_OPTIONS_FILE = "engine.json"
+#: What the engine serves on its port beside vLLM's API (spillway_engine.launcher.drain)
+#: and the operator's pod spec points at: readiness (not ready once a drain starts),
+#: and the preStop drain.
+READY_PATH = "/spillway/ready"
+DRAIN_PATH = "/spillway/drain"
 
 
 class EngineOptionsError(ValueError):

@@ -203,7 +203,7 @@ def to_replay_items(trace: Sequence[TraceRequest]) -> list:
     """The trace as ``simulator.core.ReplayItem`` objects (prompts tokenised the way
     the simulator's chat endpoint does)."""
     from spillway_engine.simulator.core import ReplayItem
-    from spillway_engine.simulator.tokenizer import chat_tokens
+    from spillway_engine.word_tokenizer import chat_tokens
 
     return [
         ReplayItem(r.arrival, chat_tokens(r.messages), r.max_tokens, rid=i, session=r.session)

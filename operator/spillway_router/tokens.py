@@ -111,7 +111,7 @@ class SimulatorTokenizer:
     """The engine simulator's tokenizer (for the demo and the bench)."""
 
     def __init__(self) -> None:
-        from spillway_engine.simulator.tokenizer import chat_tokens, tokenize
+        from spillway_engine.word_tokenizer import chat_tokens, tokenize
 
         self._encode: Callable[[str], list[int]] = tokenize
         self._chat: Callable[[list[Any]], list[int]] = chat_tokens

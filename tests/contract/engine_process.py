@@ -34,7 +34,7 @@ REQUEST_TIMEOUT_S = 60
 # The pod's entry point (the console script of this environment).
 _SCRIPT = Path(sys.executable).with_name("spillway-engine")
 ENGINE = (
-    [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "spillway_engine.launcher.serve"]
+    [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "spillway_engine.cli"]
 )
 
 

@@ -46,6 +46,7 @@ from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 from vllm.v1.metrics.loggers import PrometheusStatLogger
 
+from spillway_engine import cli
 from spillway_engine.launcher import plan_check, plugin, serve
 from spillway_engine.launcher.plan_check import PlanMismatch
 from spillway_engine.planner.plan import Plan, PlanRequest, make_plan
@@ -111,7 +112,7 @@ def dry_run(tmp_path: Path, plan: Plan, capsys, weights: str | None = None) -> l
     (tmp_path / "plan.json").write_text(plan.model_dump_json())
     options = {"model": "org/model", "served_model_name": "served", "weights_path": weights}
     (tmp_path / "engine.json").write_text(json.dumps(options))
-    code = serve.main(["serve", "--plan", str(tmp_path / "plan.json"), "--dry-run"])
+    code = cli.main(["serve", "--plan", str(tmp_path / "plan.json"), "--dry-run"])
     out, err = capsys.readouterr()
     assert code == 0, err
     assert err == ""  # no notes: the plan is served as it is

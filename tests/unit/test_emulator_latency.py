@@ -113,20 +113,20 @@ def test_the_emulator_plugs_its_link_and_counters_into_the_offloader(monkeypatch
     """The offloader never imports the emulator: the emulator's platform plug-in, which
     vLLM calls in every process, installs the modelled host link and its counter."""
     from spillway_engine import emulator
-    from spillway_engine.emulator import platform
+    from spillway_engine.emulator import platform, plugin
     from spillway_engine.offloader import spec, stand_in
 
     monkeypatch.setattr(stand_in, "host_link", None)
     monkeypatch.setattr(stand_in, "counters", ())
     monkeypatch.delenv(emulator.ENV_EMULATE, raising=False)
     monkeypatch.delenv("SPILLWAY_PLAN", raising=False)
-    assert emulator.platform_plugin() is None
+    assert plugin.platform_plugin() is None
     assert stand_in.link_seconds() is None and spec.stand_in_metric_definitions() == {}
 
     monkeypatch.setenv(emulator.ENV_EMULATE, "1")
     monkeypatch.setenv(emulator.ENV_GPU, "h100")
     platform.planned_gpu.cache_clear()
-    assert emulator.platform_plugin() == emulator.PLATFORM_QUALNAME
+    assert plugin.platform_plugin() == emulator.PLATFORM_QUALNAME
     assert list(spec.stand_in_metric_definitions()) == ["spillway_emulator_kv_mismatch"]
     monkeypatch.setenv(emulator.ENV_SPEED, "0")
     assert stand_in.link_seconds() is None  # speed 0: copies finish at once

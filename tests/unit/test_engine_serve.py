@@ -16,6 +16,8 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 import spillway_engine
+from spillway_engine.cli import main
+from spillway_engine.emulator import launch as emulated
 from spillway_engine.launcher import plugin, serve
 from spillway_engine.launcher.plan_check import (
     Mismatch,
@@ -26,7 +28,7 @@ from spillway_engine.launcher.plan_check import (
     effective_plan,
     format_table,
 )
-from spillway_engine.launcher.serve import EngineCliError, build_command, main
+from spillway_engine.launcher.serve import EngineCliError, build_command
 from spillway_engine.planner.plan import Plan, PlanReadError, PlanRequest, make_plan, read_plan
 from spillway_engine.seam import EngineOptions, EngineOptionsError, parse_engine_options
 from spillway_engine.vllm_pins import VLLM_VERSION
@@ -731,7 +733,7 @@ def test_dry_run_never_imports_vllm(tmp_path):
     path = write(tmp_path, plan_for(LLAMA, offloader="upstream"), {"model": "m"})
     code = (
         "import sys\n"
-        "from spillway_engine.launcher.serve import main\n"
+        "from spillway_engine.cli import main\n"
         f"assert main(['serve', '--plan', {str(path)!r}, '--dry-run']) == 0\n"
         "assert 'vllm' not in sys.modules and 'torch' not in sys.modules\n"
     )
@@ -755,7 +757,7 @@ def test_emulate_gpu_adds_only_the_emulators_worker_and_env(tmp_path, capsys):
         plan, serve.load_engine_options(tmp_path / "engine.json"), port=9000
     )
     assert shlex.split(out) == [*planned, "--worker-cls", emulator.WORKER_QUALNAME]
-    kv = serve.default_emulated_kv_bytes(plan)
+    kv = emulated.default_emulated_kv_bytes(plan)
     [note] = err.splitlines()  # the env, for the record
     assert note.startswith("spillway-engine: note: emulated GPU: ")
     assert f"SPILLWAY_EMULATE_GPU=1 SPILLWAY_EMULATE_KV_BYTES={kv}" in note
@@ -766,11 +768,11 @@ def test_emulated_kv_budget_defaults_from_the_plan():
     from spillway_engine import emulator
 
     small = plan_for(LLAMA, max_model_len=1024)
-    assert serve.default_emulated_kv_bytes(small) == emulator.DEFAULT_KV_BYTES
+    assert emulated.default_emulated_kv_bytes(small) == emulator.DEFAULT_KV_BYTES
     big = plan_for(LLAMA, max_model_len=131072)
     per_token = sum(g.bytes_per_block / g.tokens_per_block for g in big.kv_groups)
-    assert serve.default_emulated_kv_bytes(big) == int(2 * 131072 * per_token)
-    args, env = serve.emulated_launch(big, kv_bytes=123, speed=0, model_params=8e9)
+    assert emulated.default_emulated_kv_bytes(big) == int(2 * 131072 * per_token)
+    args, env = emulated.emulated_launch(big, kv_bytes=123, speed=0, model_params=8e9)
     assert args == emulator.emulator_args()
     assert env == {
         emulator.ENV_EMULATE: "1",

@@ -22,7 +22,7 @@ from spillway_cli.loadgen import (
     summarize,
     to_replay_items,
 )
-from spillway_engine.simulator.tokenizer import chat_tokens
+from spillway_engine.word_tokenizer import chat_tokens
 
 
 def small(kind: str, **kw) -> TraceSpec:

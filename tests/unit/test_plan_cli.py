@@ -8,7 +8,7 @@ import pytest
 
 from spillway_cli import main as cli
 from spillway_engine import __version__
-from spillway_engine.launcher import serve
+from spillway_engine import cli as engine_cli
 from spillway_engine.planner.plan import PlanRefused, PlanRequest, make_plan, read_plan
 
 from .planner_fixtures import MODELS, load_model
@@ -214,7 +214,7 @@ def test_plan_request_validation():
 
 def test_engine_cli_without_a_command(capsys):
     # the launcher itself is tested in test_engine_serve.py
-    assert serve.main([]) == 2
+    assert engine_cli.main([]) == 2
     assert "usage: spillway-engine" in capsys.readouterr().err
 
 

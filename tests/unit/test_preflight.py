@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from spillway_engine import cli
 from spillway_engine.launcher import preflight, serve
 from spillway_engine.launcher.preflight import (
     Facts,
@@ -173,7 +174,7 @@ def _serve(tmp_path: Path, monkeypatch, capsys, *argv: str) -> tuple[int, str, P
     monkeypatch.setattr(serve, "plugin_registered", lambda: True)
     log = tmp_path / "termination-log"
     monkeypatch.setenv("SPILLWAY_TERMINATION_LOG", str(log))
-    code = serve.main(["serve", "--plan", str(path), *argv])
+    code = cli.main(["serve", "--plan", str(path), *argv])
     err = capsys.readouterr().err
     assert (code == 0) == bool(calls)  # vLLM is exec'd only when everything fits
     return code, err, log
@@ -248,10 +249,10 @@ def test_preflight_end_to_end_through_the_console_script(tmp_path):
     # vLLM's version and plugin checks come first; run them in the same interpreter
     # with both answered as in the engine image.
     code = (
-        "import sys; from spillway_engine.launcher import serve; "
+        "import sys; from spillway_engine import cli; from spillway_engine.launcher import serve; "
         "serve.installed_vllm_version = lambda: '0.33.0'; "
         "serve.plugin_registered = lambda: True; "
-        "sys.exit(serve.main(sys.argv[1:]))"
+        "sys.exit(cli.main(sys.argv[1:]))"
     )
     done = subprocess.run(
         [sys.executable, "-c", code, "serve", "--plan", str(path)],

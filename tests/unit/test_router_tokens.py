@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from spillway_engine.simulator.tokenizer import chat_tokens, tokenize
+from spillway_engine.word_tokenizer import chat_tokens, tokenize
 from spillway_router.tokens import BadRequest, SimulatorTokenizer, prompt_of, text_keys
 
 C, CHAT = "/v1/completions", "/v1/chat/completions"

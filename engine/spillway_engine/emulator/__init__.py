@@ -1,7 +1,7 @@
 """An emulated GPU for vLLM 0.33.0: the whole engine on a CPU, no weights, no forward pass.
 
 ``SPILLWAY_EMULATE_GPU=1`` makes Spillway's platform plug-in (entry point
-``vllm.platform_plugins`` -> :func:`platform_plugin`) hand vLLM
+``vllm.platform_plugins`` -> :func:`.plugin.platform_plugin`) hand vLLM
 :class:`~spillway_engine.emulator.platform.EmulatedGpuPlatform`, whose worker
 (:class:`~spillway_engine.emulator.worker.EmulatedGpuWorker`) builds the real model on
 the meta device with the plan's attention backend, reports an emulated memory budget,
@@ -48,26 +48,6 @@ EXECUTOR_QUALNAME = "vllm.v1.executor.uniproc_executor.UniProcExecutor"
 def emulation_requested(env: dict[str, str] | None = None) -> bool:
     value = (os.environ if env is None else env).get(ENV_EMULATE, "")
     return value.strip().lower() not in ("", "0", "false", "no")
-
-
-def platform_plugin() -> str | None:
-    """``vllm.platform_plugins`` entry: the emulated platform, only when asked for.
-    vLLM calls it in every process before the platform is used, so this is where the
-    emulator plugs its link model and counters into the offloader (which never
-    imports the emulator)."""
-    if not emulation_requested():
-        return None
-    from spillway_engine.metrics import EMULATOR_KV_MISMATCH
-    from spillway_engine.offloader import stand_in
-
-    stand_in.install(_modelled_host_link, (EMULATOR_KV_MISMATCH,))
-    return PLATFORM_QUALNAME
-
-
-def _modelled_host_link():  # imported when a worker asks: the platform module is heavy
-    from spillway_engine.emulator.platform import modelled_host_link
-
-    return modelled_host_link()
 
 
 def emulator_env(

@@ -47,8 +47,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs
 
-DRAIN_PATH = "/spillway/drain"
-READY_PATH = "/spillway/ready"
+from spillway_engine.seam import DRAIN_PATH, READY_PATH
+
 MIDDLEWARE = "spillway_engine.launcher.drain.DrainMiddleware"
 #: Paths that are not requests to drain: probes, metrics, discovery.
 _UNCOUNTED = frozenset({"/health", "/ping", "/metrics", "/load", "/version",

@@ -1,4 +1,5 @@
-"""The ``spillway-engine`` command run inside the GPU pod.
+"""``spillway-engine serve``: the planned vLLM launch, run inside the GPU pod (the
+command line itself is :mod:`spillway_engine.cli`).
 
 ``spillway-engine serve --plan /etc/spillway/plan/plan.json [--port 8000]`` reads the
 plan and the serving options beside it (``engine.json``), builds the exact vLLM
@@ -8,12 +9,9 @@ Spillway plugin (:mod:`spillway_engine.launcher.plugin`) checks vLLM's real KV-c
 config against the plan at start-up and publishes the plan metrics. ``--dry-run``
 prints the command instead.
 
-``--emulate-gpu`` runs the same command on an emulated GPU (:mod:`spillway_engine.emulator`:
-no weights, no forward pass, KV caches in CPU memory): the emulator's worker class and
-environment are added, nothing of the plan's launch is changed. ``--emulate-speed``
-scales the modelled GPU step times (1.0 real time, 0 never sleep),
-``--emulate-kv-bytes`` sets the emulated KV budget and ``--emulate-model-params`` the
-parameter count the step times assume.
+A stand-in for the GPU (``--emulate-gpu``, :mod:`spillway_engine.emulator.launch`) adds
+to the launch through an :class:`Overlay`, which the command line hands in: the
+launcher never imports the emulator, and nothing of the plan's launch is changed.
 
 Before vLLM starts, ``serve`` frees what an earlier engine of this pod left in the shm
 folder (``--shm-dir``, ``SPILLWAY_SHM_DIR``, default /dev/shm; see
@@ -35,9 +33,6 @@ pods sharing one host never collide -- and vLLM's own ``GET /kv_event_sources`` 
 serving port lists the bound endpoint of every rank; with no IP known it is
 ``tcp://*:5557`` (rank r on 5557 + r, vLLM's offset).
 
-``spillway-engine simulate ...`` runs the engine simulator
-(:mod:`spillway_engine.simulator`).
-
 Exit status: 0 on success, 2 on any usage problem, bad plan or refusal, 3 when the
 container cannot hold the plan (preflight). Either way one line on stderr, never a
 traceback, and ``serve`` writes the same line to the container's termination message
@@ -55,11 +50,11 @@ import os
 import shlex
 import shutil
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from spillway_engine import emulator
 from spillway_engine.launcher import drain, preflight
 from spillway_engine.launcher.plugin import (
     ENTRY_POINT_GROUP,
@@ -68,7 +63,6 @@ from spillway_engine.launcher.plugin import (
     ENV_PLAN,
 )
 from spillway_engine.launcher.shm_cleanup import free_leftovers, shm_dir
-from spillway_engine.launcher.termination import write_termination_message
 from spillway_engine.planner.plan import Plan, PlanReadError, read_plan
 from spillway_engine.seam import (
     ENGINE_OPTIONS_FILE,
@@ -367,29 +361,26 @@ def serving_env(
     return env
 
 
-# ------------------------------------------------------------- the emulated GPU
+# ---------------------------------------------------------------- stand-ins
 
 
-def default_emulated_kv_bytes(plan: Plan) -> int:
-    """A KV budget that holds two max_model_len sequences of every group (generous:
-    windows and Mamba state counted per token), at least the emulator's default."""
-    per_token = sum(g.bytes_per_block / g.tokens_per_block for g in plan.kv_groups)
-    return max(emulator.DEFAULT_KV_BYTES, int(2 * plan.max_model_len * per_token))
+@dataclass(frozen=True)
+class Overlay:
+    """What a stand-in for the GPU adds to the planned launch (the emulated GPU:
+    :mod:`spillway_engine.emulator.launch`), so the launcher needs to know none: more
+    vLLM arguments, environment and platform plug-ins to allow, notes for the log, and
+    whether vLLM pins the host pool (only a real GPU does)."""
+
+    args: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+    plugins: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+    pins: bool = True
 
 
-def emulated_launch(
-    plan: Plan,
-    *,
-    kv_bytes: int | None = None,
-    speed: float = 1.0,
-    model_params: float | None = None,
-) -> tuple[list[str], dict[str, str]]:
-    """The vLLM arguments and environment that put the planned launch on the emulated
-    GPU; both come from the emulator package, which owns their names."""
-    env = emulator.emulator_env(
-        default_emulated_kv_bytes(plan) if kv_bytes is None else kv_bytes, speed, model_params
-    )
-    return emulator.emulator_args(), env
+#: Builds a stand-in's overlay from the plan, the parsed arguments and the raw argv
+#: (None: the launch runs on the real GPU).
+OverlayFor = Callable[[Plan, argparse.Namespace, Sequence[str]], Overlay | None]
 
 
 def _exec(cmd: list[str], env: dict[str, str]) -> int:
@@ -418,7 +409,7 @@ def _port(text: str) -> int:
     return value
 
 
-def _positive(kind: type, zero: bool = False) -> Any:
+def positive(kind: type, zero: bool = False) -> Any:
     """An argparse type: a finite number > 0 (>= 0 with ``zero``); ints may be
     written as ``256e6``."""
 
@@ -436,7 +427,8 @@ def _positive(kind: type, zero: bool = False) -> Any:
     return parse
 
 
-def _serve_parser() -> argparse.ArgumentParser:
+def serve_parser() -> argparse.ArgumentParser:
+    """``spillway-engine serve``'s options; a stand-in adds its own (spillway_engine.cli)."""
     p = _Parser(
         prog=f"{PROG} serve",
         description=f"Start vLLM {VLLM_VERSION} exactly as the Spillway plan says, with the "
@@ -463,40 +455,15 @@ def _serve_parser() -> argparse.ArgumentParser:
         help="where the container's memory cgroup files are (default: $SPILLWAY_CGROUP_ROOT "
         "or /sys/fs/cgroup)",
     )
-    emu = p.add_argument_group("emulated GPU (no weights, no forward pass; for tests)")
-    emu.add_argument(
-        "--emulate-gpu",
-        action="store_true",
-        help="run the planned launch on an emulated GPU (spillway_engine.emulator)",
-    )
-    emu.add_argument(
-        "--emulate-kv-bytes",
-        type=_positive(int),
-        metavar="BYTES",
-        help="emulated KV-cache budget (default: two max_model_len sequences, at least "
-        f"{emulator.DEFAULT_KV_BYTES >> 20} MiB)",
-    )
-    emu.add_argument(
-        "--emulate-speed",
-        type=_positive(float, zero=True),
-        default=1.0,
-        metavar="FACTOR",
-        help="time factor on the modelled GPU step times: 1.0 real time, 0 no sleeping "
-        "(default 1.0)",
-    )
-    emu.add_argument(
-        "--emulate-model-params",
-        type=_positive(float),
-        metavar="N",
-        help="parameters per GPU the step times assume, e.g. 8e9 (default: counted from "
-        "the served model)",
-    )
     p.add_argument("extra", nargs="*", metavar="-- VLLM_ARG", help="more vLLM arguments")
     return p
 
 
-def serve_main(argv: Sequence[str]) -> int:
-    args = _serve_parser().parse_args(list(argv))
+def serve_main(argv: Sequence[str], parser: argparse.ArgumentParser | None = None,
+               overlay_for: OverlayFor | None = None) -> int:
+    """``parser``: serve_parser() with a stand-in's options added; ``overlay_for``: that
+    stand-in's overlay (the command line, :mod:`spillway_engine.cli`, wires both)."""
+    args = (parser or serve_parser()).parse_args(list(argv))
     plan_path = Path(args.plan)
     options_path = (
         Path(args.engine_options) if args.engine_options else plan_path.parent / ENGINE_OPTIONS_FILE
@@ -512,27 +479,9 @@ def serve_main(argv: Sequence[str]) -> int:
         # vLLM seeds the first block hash with it instead of "vllm-none-hash"
         notes.append(f"KV events: block hashes seeded by PYTHONHASHSEED={seed} (give "
                      f"spillway-router --hash-seed {seed})")
-    emulated_env: dict[str, str] = {}
-    plugins = [ENTRY_POINT_NAME]
-    if args.emulate_gpu:
-        from spillway_engine.emulator.refusals import refusal  # imports no vLLM
-
-        refused = refusal(plan.model.architecture)
-        if refused is not None:
-            raise EngineCliError(refused)
-        more, emulated_env = emulated_launch(
-            plan,
-            kv_bytes=args.emulate_kv_bytes,
-            speed=args.emulate_speed,
-            model_params=args.emulate_model_params,
-        )
-        cmd += more
-        plugins.append(emulator.PLATFORM_PLUGIN_NAME)
-        notes.append(
-            "emulated GPU: " + " ".join(f"{k}={v}" for k, v in sorted(emulated_env.items()))
-        )
-    elif any(a.startswith("--emulate-") for a in argv):
-        raise EngineCliError("the --emulate-* options need --emulate-gpu")
+    overlay = (overlay_for(plan, args, argv) if overlay_for else None) or Overlay()
+    cmd += overlay.args
+    notes += overlay.notes
     if args.dry_run:
         for note in notes:
             print(f"{PROG}: note: {note}", file=sys.stderr)
@@ -558,14 +507,14 @@ def serve_main(argv: Sequence[str]) -> int:
         shm_dir(args.shm_dir),
         preflight.cgroup_root(args.cgroup_root),
         offload=options.offload_enabled,
-        pins=options.offload_enabled and not args.emulate_gpu,
+        pins=options.offload_enabled and overlay.pins,
     )
     print(f"{PROG}: exec {shlex.join(cmd)}", file=sys.stderr)
-    env = serving_env(plan_path, options_path, os.environ, plugins)
+    env = serving_env(plan_path, options_path, os.environ, [ENTRY_POINT_NAME, *overlay.plugins])
     if events_ip and "--kv-events-config" in cmd:
         # what tcp://*:0 binds; a VLLM_HOST_IP set in the container's env stays
         env.setdefault("VLLM_HOST_IP", events_ip)
-    env.update(emulated_env)
+    env.update(overlay.env)
     return _exec(cmd, env)
 
 
@@ -597,41 +546,3 @@ def prepare_host(plan: Plan, shm: Path, cgroups: Path, *, offload: bool, pins: b
             "preflight: " + "; also ".join(f"{s.check}: {s.line}" for s in fatal)
         )
     print(f"{PROG}: {preflight.summary(plan, facts, shm)}", file=sys.stderr)
-
-
-def simulate_main(argv: Sequence[str]) -> int:
-    try:
-        from spillway_engine.simulator.__main__ import simulate_main as run
-    except ImportError as e:
-        raise EngineCliError(f"the engine simulator is not available in this build: {e}") from None
-    return run(list(argv))
-
-
-_SUBCOMMANDS = {"serve": serve_main, "simulate": simulate_main, "drain": drain.drain_main}
-_USAGE = f"usage: {PROG} {{serve,simulate,drain}} ... (see {PROG} <command> --help)"
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] in ("-h", "--help"):
-        print(_USAGE, file=sys.stderr if not args else sys.stdout)
-        return EXIT_USAGE if not args else 0
-    command, rest = args[0], args[1:]
-    handler = _SUBCOMMANDS.get(command)
-    if handler is None:
-        print(f"{PROG}: error: unknown command {command!r}; {_USAGE}", file=sys.stderr)
-        return EXIT_USAGE
-    try:
-        return handler(rest)
-    except SystemExit as e:  # --help
-        return e.code if isinstance(e.code, int) else 0
-    except EngineCliError as e:
-        line = f"{PROG}: error: {e}"
-        print(line, file=sys.stderr)
-        if command == "serve":  # the operator shows it (Degraded, EngineStartFailed)
-            write_termination_message(line)
-        return e.exit_code
-
-
-if __name__ == "__main__":
-    sys.exit(main())

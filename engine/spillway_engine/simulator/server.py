@@ -30,7 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from spillway_engine.simulator.core import EngineCore, RequestRejected, SimRequest
 from spillway_engine.simulator.prom import SimulatorMetrics
-from spillway_engine.simulator.tokenizer import chat_tokens, detokenize, tokenize
+from spillway_engine.word_tokenizer import chat_tokens, detokenize, tokenize
 
 DEFAULT_MAX_TOKENS = 16
 

@@ -13,10 +13,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from spillway_engine.launcher.drain import READY_PATH
 from spillway_engine.planner.plan import Plan
 from spillway_engine.quantity import format_bytes, parse_bytes
-from spillway_engine.seam import ENGINE_OPTIONS_FILE, PLAN_FILE, EngineOptions
+from spillway_engine.seam import ENGINE_OPTIONS_FILE, PLAN_FILE, READY_PATH, EngineOptions
 from spillway_operator.flow import disruption, rollout
 from spillway_operator.flow.spec import (
     GROUP,

@@ -1,5 +1,9 @@
 """A deterministic stand-in tokenizer: equal text gives equal tokens, shared prefixes share.
 
+The engine simulator serves with it, and spillway-router's ``--tokenizer simulator`` mode
+and ``spillway loadgen`` tokenize as the simulator does with it, so it sits on the
+engine's base floor rather than inside the simulator.
+
 Each whitespace-separated word maps to ``16 + crc32(word) % (VOCAB_SIZE - 16)``; ids
 below 16 are reserved for chat-template markers. A chat is rendered as
 ``<role> words... <eot>`` per message followed by ``<assistant>`` (the generation
