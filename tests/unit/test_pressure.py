@@ -314,3 +314,11 @@ def test_a_new_leader_s_first_window_starts_at_its_first_reading():
         assert d.action == "hold", t
         state = d.state
     assert decide(POLICY, 5_400.0, 4, 4, 0, agg_of(0.1), state).action == "scale-down"
+
+
+def test_the_crd_defaults_are_the_policy_defaults():
+    """AutoscalingSpec takes its defaults from Policy, and policy_of maps them back."""
+    from spillway_operator.flow.scaler import policy_of
+    from spillway_operator.flow.spec import InferenceDeploymentSpec
+
+    assert policy_of(InferenceDeploymentSpec(model={"name": "a/b"})) == Policy()

@@ -79,6 +79,8 @@ class Scrape:
 
 
 def policy_of(spec: InferenceDeploymentSpec) -> Policy:
+    """The spec's autoscaling as the decision's Policy (the spec's defaults are Policy's;
+    the fields the CRD does not expose keep Policy's defaults)."""
     a = spec.autoscaling
     return Policy(
         min_replicas=a.min_replicas,

@@ -26,6 +26,7 @@ from spillway_engine.seam import (
 )
 from spillway_operator.flow.imageref import CEL_CHECKS as IMAGE_CEL_CHECKS
 from spillway_operator.flow.imageref import IMAGE_MAX_LENGTH, image_reference_error
+from spillway_operator.flow.pressure import Policy
 from spillway_operator.names import GROUP, KIND, PLURAL, SHORT_NAME, VERSION  # noqa: F401
 
 # Default host memory a pod may use per GPU when the spec gives no memory limit:
@@ -119,21 +120,38 @@ class SecretKeyRef(_Model):
     key: Annotated[str, Field(min_length=1, description="key holding the token")] = "token"
 
 
-class ModelSpec(_Model):
-    """Which model to serve and where its config.json comes from."""
+#: A Hugging Face model id: the pattern for the API server, ``model_id_problem`` (the
+#: validator of ``_HubModel``) for what a pattern cannot say.
+HubModelId = Annotated[
+    str, Field(min_length=1, max_length=2 * MODEL_ID_PART_MAX + 1, pattern=MODEL_ID_PATTERN)
+]
 
-    name: Annotated[
-        str,
-        Field(
-            min_length=1,
-            max_length=2 * MODEL_ID_PART_MAX + 1,
-            pattern=MODEL_ID_PATTERN,
-            description="Hugging Face model id, e.g. Qwen/Qwen3-Next-80B-A3B-Instruct",
-        ),
-    ]
+
+class _HubModel(_Model):
+    """What the served model and a drafter share: a hub id (each says what it names)
+    and a hub revision."""
+
+    name: HubModelId
     revision: Annotated[
         str | None, Field(max_length=128, description="hub revision (branch, tag or commit)")
     ] = None
+
+    @field_validator("name")
+    @classmethod
+    def _hub_id(cls, name: str) -> str:
+        problem = model_id_problem(name)
+        if problem:
+            raise ValueError(problem)
+        return name
+
+
+class ModelSpec(_HubModel):
+    """Which model to serve and where its config.json comes from."""
+
+    name: Annotated[
+        HubModelId,
+        Field(description="Hugging Face model id, e.g. Qwen/Qwen3-Next-80B-A3B-Instruct"),
+    ]
     served_model_name: Annotated[
         str | None,
         Field(max_length=256, description="name clients use in the OpenAI API (default: name)"),
@@ -146,14 +164,6 @@ class ModelSpec(_Model):
         SecretKeyRef | None,
         Field(description="Secret with a Hugging Face token, for gated models"),
     ] = None
-
-    @field_validator("name")
-    @classmethod
-    def _hub_id(cls, name: str) -> str:
-        problem = model_id_problem(name)
-        if problem:
-            raise ValueError(problem)
-        return name
 
 
 class WeightsSource(StrEnum):
@@ -247,34 +257,17 @@ class SpeculativeMethod(StrEnum):
     EAGLE3 = "eagle3"
 
 
-class DraftModelSpec(_Model):
+class DraftModelSpec(_HubModel):
     """A separate drafter (a draft model or an EAGLE-3 head) and where its config.json
     comes from, as for the served model; the engine fetches its weights from the hub."""
 
     name: Annotated[
-        str,
-        Field(
-            min_length=1,
-            max_length=2 * MODEL_ID_PART_MAX + 1,
-            pattern=MODEL_ID_PATTERN,
-            description="Hugging Face id of the drafter, e.g. Qwen/Qwen3-0.6B",
-        ),
+        HubModelId, Field(description="Hugging Face id of the drafter, e.g. Qwen/Qwen3-0.6B")
     ]
-    revision: Annotated[
-        str | None, Field(max_length=128, description="hub revision (branch, tag or commit)")
-    ] = None
     config_map_ref: Annotated[
         ConfigMapKeyRef | None,
         Field(description="ConfigMap holding the drafter's config.json (instead of the hub)"),
     ] = None
-
-    @field_validator("name")
-    @classmethod
-    def _hub_id(cls, name: str) -> str:
-        problem = model_id_problem(name)
-        if problem:
-            raise ValueError(problem)
-        return name
 
 
 class SpeculativeSpec(_Model):
@@ -477,18 +470,27 @@ class OffloadSpec(_Model):
     ] = Offloader.SPILLWAY
 
 
+#: The autoscaler's own defaults (``pressure.Policy``): the CRD's defaults are these.
+_POLICY = Policy()
+
+
 class AutoscalingSpec(_Model):
     """Replica autoscaling on offload pressure (1.0 = at target)."""
 
     enabled: bool = False
-    min_replicas: Annotated[int, Field(ge=1, le=1000)] = 1
-    max_replicas: Annotated[int, Field(ge=1, le=1000)] = 4
-    target_pressure: Annotated[float, Field(gt=0.0, le=10.0)] = 1.0
+    min_replicas: Annotated[int, Field(ge=1, le=1000)] = _POLICY.min_replicas
+    max_replicas: Annotated[int, Field(ge=1, le=1000)] = _POLICY.max_replicas
+    target_pressure: Annotated[float, Field(gt=0.0, le=10.0)] = _POLICY.target
     tolerance: Annotated[
         float, Field(ge=0.0, le=0.9, description="no action while |pressure - target| <= tolerance")
-    ] = 0.1
-    scale_up_stabilization_seconds: Annotated[int, Field(ge=0, le=3600)] = 0
-    scale_down_stabilization_seconds: Annotated[int, Field(ge=0, le=86400)] = 300
+    ] = _POLICY.tolerance
+    # whole seconds on the wire; Policy keeps float seconds
+    scale_up_stabilization_seconds: Annotated[int, Field(ge=0, le=3600)] = int(
+        _POLICY.scale_up_window
+    )
+    scale_down_stabilization_seconds: Annotated[int, Field(ge=0, le=86400)] = int(
+        _POLICY.scale_down_window
+    )
     interval_seconds: Annotated[int, Field(ge=1, le=600, description="decision interval")] = 15
 
 
