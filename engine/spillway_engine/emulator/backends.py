@@ -33,6 +33,10 @@ MLA_BACKENDS = (
     "FLASHMLA_SPARSE",
     "FLASHINFER_MLA_SPARSE_SM90",
 )
+#: Backends a model's own attention classes choose (DeepSeek-V4's layers report their
+#: class's ``backend_cls``, CUDA's and the CPU variant's with the same kernel pages and
+#: layouts): the layers keep them, as the planner's contract test builds them.
+MODEL_DRIVEN_BACKENDS = ("FLASHMLA_SPARSE_DSV4", "FLASHINFER_MLA_SPARSE_DSV4")
 #: GPUs whose FlashInfer GDN prefill kernel checkpoints every 64 tokens (SM90).
 _GDN_64_GPUS = ("h100", "h200")
 _SM90_GPUS = ("h100", "h200")
@@ -144,6 +148,8 @@ def give_planned_backends(
     enable_prefix_caching: bool,
 ) -> None:
     """Tell each built layer it runs the planned GPU's kernels (block rules, grids)."""
+    if attention_backend in MODEL_DRIVEN_BACKENDS:
+        return
     cls = resolve_obj_by_qualname(backend_path(attention_backend))
     if cls is FlashAttentionBackend and gpu in _SM90_GPUS:
         cls = FlashAttentionSm90StandIn  # FA4's 64-token FP8 pages at head 512

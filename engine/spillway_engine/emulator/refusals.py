@@ -10,7 +10,16 @@ on the emulated GPU and asserts this table is exactly the set that cannot start.
 from __future__ import annotations
 
 #: architecture (config.json ``architectures[0]``) -> why the emulated GPU cannot run it
-REFUSED: dict[str, str] = {}
+REFUSED: dict[str, str] = {
+    # Every DeepSeek-V4 plan uses vLLM's own offloader (Spillway's cannot re-cut groups
+    # coarser than its 4-token compressor-state blocks; the planner says so), and vLLM
+    # 0.33's CPU offloading worker gates on the platform, asserts CUDA tensors and copies
+    # with CUDA streams and its batched CUDA op.
+    "DeepseekV4ForCausalLM": (
+        "its plan runs vLLM's own offloader, whose CPU offloading worker vLLM 0.33.0 "
+        "runs only on CUDA-alike and XPU GPUs"
+    ),
+}
 
 
 def refusal(architecture: str) -> str | None:
