@@ -163,8 +163,19 @@ def deepseek_v2_config(num_layers: int = 2, **overrides: Any) -> dict[str, Any]:
     return config
 
 
-def write_tokenizer(model_dir: Path, vocab_size: int = VOCAB_SIZE) -> None:
-    """tokenizer.json (byte-level BPE) and tokenizer_config.json in ``model_dir``."""
+def write_tokenizer(
+    model_dir: Path,
+    vocab_size: int = VOCAB_SIZE,
+    extra_special: dict[str, str] | None = None,
+    extra_tokens: tuple[str, ...] = (),
+) -> None:
+    """tokenizer.json (byte-level BPE) and tokenizer_config.json in ``model_dir``.
+
+    ``extra_special``: named special tokens (a multimodal processor's image tokens),
+    given ids after ``<pad>``, ``<s>``, ``</s>`` and exposed as tokenizer attributes;
+    ``extra_tokens``: more whole tokens a processor looks up in the vocabulary, after
+    those (all inside ``vocab_size``)."""
+    extra_special = extra_special or {}
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -172,7 +183,8 @@ def write_tokenizer(model_dir: Path, vocab_size: int = VOCAB_SIZE) -> None:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=["<pad>", BOS, EOS],  # ids 0, 1, 2 as the configs say
+        # ids 0, 1, 2 as the configs say, then the named ones in order
+        special_tokens=["<pad>", BOS, EOS, *extra_special.values(), *extra_tokens],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -187,19 +199,110 @@ def write_tokenizer(model_dir: Path, vocab_size: int = VOCAB_SIZE) -> None:
                 "pad_token": "<pad>",
                 "model_max_length": 1 << 20,
                 "add_bos_token": False,
+                **({"extra_special_tokens": extra_special} if extra_special else {}),
             }
         )
     )
 
 
+#: What vLLM loads at start-up for a multimodal model besides the tokenizer, as a real
+#: model directory has it (public values of google/gemma-3-*-it and
+#: meta-llama/Llama-4-Scout-17B-16E-Instruct): model_type -> (preprocessor_config.json,
+#: processor_config.json, the processor's named special tokens, the config's token-id
+#: fields -> the name of the token they hold, whole tokens the processor looks up).
+_PROCESSOR_FILES: dict[
+    str, tuple[dict[str, Any], dict[str, Any], dict[str, str], dict[str, str], tuple[str, ...]]
+]
+_PROCESSOR_FILES = {
+    "gemma3": (
+        {
+            "image_processor_type": "Gemma3ImageProcessor",
+            "processor_class": "Gemma3Processor",
+            "do_normalize": True,
+            "do_rescale": True,
+            "do_resize": True,
+            "image_mean": [0.5, 0.5, 0.5],
+            "image_std": [0.5, 0.5, 0.5],
+            "image_seq_length": 256,
+            "resample": 2,
+            "rescale_factor": 1 / 255,
+            "size": {"height": 896, "width": 896},
+        },
+        {"image_seq_length": 256, "processor_class": "Gemma3Processor"},
+        {
+            "boi_token": "<start_of_image>",
+            "eoi_token": "<end_of_image>",
+            "image_token": "<image_soft_token>",
+        },
+        {
+            "boi_token_index": "boi_token",
+            "eoi_token_index": "eoi_token",
+            "image_token_index": "image_token",
+        },
+        # vLLM's Gemma 3 processor merges newline runs (single tokens in Gemma's vocabulary)
+        ("\n", "\n\n", "\n\n\n", "\n\n\n\n"),
+    ),
+    "llama4": (
+        {
+            "image_processor_type": "Llama4ImageProcessorFast",
+            "processor_class": "Llama4Processor",
+            "do_convert_rgb": True,
+            "do_normalize": True,
+            "do_rescale": True,
+            "do_resize": True,
+            "image_mean": [0.5, 0.5, 0.5],
+            "image_std": [0.5, 0.5, 0.5],
+            "max_patches": 16,
+            "resample": 2,
+            "rescale_factor": 1 / 255,
+            "resize_to_max_canvas": False,
+            "size": {"height": 336, "width": 336},
+        },
+        {
+            "fake_image_token": "<|image|>",
+            "image_token": "<|image|>",
+            "patch_size": 14,
+            "processor_class": "Llama4Processor",
+        },
+        {
+            "image_start": "<|image_start|>",
+            "image_end": "<|image_end|>",
+            "image": "<|image|>",
+            "patch": "<|patch|>",
+            "tile_x": "<|tile_x_separator|>",
+            "tile_y": "<|tile_y_separator|>",
+        },
+        {
+            "boi_token_index": "image_start",
+            "eoi_token_index": "image_end",
+            "image_token_index": "patch",
+        },
+        (),
+    ),
+}
+
+
 def write_model(model_dir: Path, config: dict[str, Any]) -> Path:
-    """A servable model directory (config, tokenizer, generation config), no weights."""
+    """A servable model directory (config, tokenizer, generation config), no weights;
+    a multimodal model's (Gemma 3, Llama 4) also has its processor's files, and its
+    image token ids are the tiny tokenizer's."""
     model_dir.mkdir(parents=True, exist_ok=True)
+    processor = _PROCESSOR_FILES.get(config.get("model_type", ""))
+    special: dict[str, str] = {}
+    tokens: tuple[str, ...] = ()
+    if processor is not None:
+        preprocessor, processor_config, special, id_fields, tokens = processor
+        config = dict(config)
+        names = list(special)
+        for field_name, token in id_fields.items():
+            config[field_name] = 3 + names.index(token)  # after <pad>, <s>, </s>
+        (model_dir / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=1))
+        (model_dir / "processor_config.json").write_text(json.dumps(processor_config, indent=1))
     (model_dir / "config.json").write_text(json.dumps(config, indent=1))
     (model_dir / "generation_config.json").write_text(
         json.dumps({"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]})
     )
-    write_tokenizer(model_dir, config["vocab_size"])
+    write_tokenizer(model_dir, config["vocab_size"], special, tokens)
     return model_dir
 
 
