@@ -687,7 +687,7 @@ def test_helm_upgrade_upgrades_the_crd_and_uninstall_keeps_it(helm, cluster, nam
         assert "Chart-Test" not in columns()
         cr = json.loads(cluster.kubectl("get", "clusterrole", f"{RELEASE}-{namespace}", "-o",
                                         "json"))
-        assert rule_set(cr["rules"]) == NAMESPACED_RULES | CRD_READS
+        assert rule_set(cr["rules"]) == NAMESPACED_RULES | CRD_READS | NAMESPACE_READS
 
         helm("upgrade", RELEASE, changed, "-n", namespace, "--set", "operator.replicas=0",
              "--wait", "--timeout", "60s")

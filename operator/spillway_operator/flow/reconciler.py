@@ -372,7 +372,7 @@ class Reconciler:
         patch = merge_patch(live, to_wire(status), keep=AUTOSCALER_FIELDS)
         if not patch:
             return None
-        log.debug("%s/%s: status patch %s", owner.namespace, owner.name, patch)
+        log.debug("%s/%s: status patch of %s", owner.namespace, owner.name, ", ".join(patch))
         try:
             written = self.kube.patch_status(owner.namespace, owner.name, patch) or {}
         except ApiException as exc:

@@ -460,6 +460,6 @@ class Autoscaler:
             else old.last_scale_time,
         )
         if patch := merge_patch(live, to_wire(new)):
-            log.debug("%s/%s: status.autoscaling patch %s", *key, patch)
+            log.debug("%s/%s: status.autoscaling patch of %s", *key, ", ".join(patch))
             await asyncio.to_thread(self.kube.patch_status, key[0], key[1],
                                     {"autoscaling": patch})
