@@ -33,10 +33,9 @@ pods sharing one host never collide -- and vLLM's own ``GET /kv_event_sources`` 
 serving port lists the bound endpoint of every rank; with no IP known it is
 ``tcp://*:5557`` (rank r on 5557 + r, vLLM's offset).
 
-Exit status: 0 on success, 2 on any usage problem, bad plan or refusal, 3 when the
-container cannot hold the plan (preflight). Either way one line on stderr, never a
-traceback, and ``serve`` writes the same line to the container's termination message
-(:mod:`spillway_engine.launcher.termination`). Once vLLM is exec'd its status is the pod's.
+Problems raise :class:`EngineCliError` (exit status 2) or :class:`PreflightShortfall`
+(3); the command line (:mod:`spillway_engine.cli`) turns them into one line and the
+container's termination message.
 """
 
 from __future__ import annotations
