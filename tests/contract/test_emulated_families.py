@@ -8,9 +8,10 @@ model built on the meta device) and answers one short completion, or is refused 
 real configs of tests/fixtures/models and tests/contract/frontier_configs cut to a
 few layers (``shrink_config``), keeping every KV-cache kind the family has.
 
-Cost: an engine start is 25-65 s here, most of it Python imports. One architecture
-per planner family module starts by default; the others of that module (the same KV
-rule on another model class) start with ``SPILLWAY_EMULATED_FAMILIES=all``.
+Cost: an engine start is 20-65 s here, most of it Python imports. One architecture
+per planner family module starts by default (14 starts and DeepSeek-V4's refusal: about
+5 minutes on a 2-core machine); the others of that module (the same KV rule on another
+model class) start with ``SPILLWAY_EMULATED_FAMILIES=all``.
 """
 
 from __future__ import annotations
