@@ -764,6 +764,23 @@ def test_emulate_gpu_adds_only_the_emulators_worker_and_env(tmp_path, capsys):
     assert "SPILLWAY_EMULATE_SPEED=0.5" in note and "MODEL_PARAMS" not in note
 
 
+def test_emulate_gpu_refuses_vllms_own_offloader_in_one_line(tmp_path, capsys):
+    """vLLM 0.33.0's CPU offloading worker runs only on CUDA-alike and XPU GPUs: an
+    upstream plan with offloading on is refused before vLLM starts; off, it runs."""
+    plan = plan_for(LLAMA, offloader="upstream")
+    path = write(tmp_path, plan, ENGINE_JSON)
+    argv = ["serve", "--plan", str(path), "--dry-run", "--emulate-gpu"]
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and out == ""
+    [line] = err.splitlines()
+    assert line.startswith("spillway-engine: error: the emulated GPU cannot run "
+                           "LlamaForCausalLM as planned: vLLM's own offloader")
+    assert "plan with offloader spillway, or turn offloading off" in line
+    write(tmp_path, plan, {**ENGINE_JSON, "offload_enabled": False})
+    code, out, _ = run(capsys, *argv)
+    assert code == 0 and "--worker-cls" in out
+
+
 def test_emulated_kv_budget_defaults_from_the_plan():
     from spillway_engine import emulator
 
@@ -784,6 +801,8 @@ def test_emulated_kv_budget_defaults_from_the_plan():
 
 def test_emulated_serve_execs_with_the_emulator_env(tmp_path, capsys, monkeypatch):
     _, path, fake = ready_to_exec(tmp_path, monkeypatch)
+    # Spillway's offloader: vLLM's own cannot run on the emulated GPU (refused above).
+    path = write(tmp_path, plan_for(LLAMA, offloader="spillway"), {"model": "m"})
     argv = ["serve", "--plan", str(path), "--emulate-gpu", "--emulate-kv-bytes", "4e6"]
     code, _, _ = run(capsys, *argv, "--emulate-model-params", "8e9")
     assert code == 0

@@ -17,6 +17,7 @@ from spillway_engine import emulator
 from spillway_engine.emulator.refusals import refusal
 from spillway_engine.launcher.serve import EngineCliError, Overlay, positive
 from spillway_engine.planner.plan import Plan
+from spillway_engine.seam import EngineOptions
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -72,13 +73,14 @@ def emulated_launch(
     return emulator.emulator_args(), env
 
 
-def overlay(plan: Plan, args: argparse.Namespace, argv: Sequence[str]) -> Overlay | None:
+def overlay(plan: Plan, options: EngineOptions, args: argparse.Namespace,
+            argv: Sequence[str]) -> Overlay | None:
     """The emulated GPU's overlay on the launch, when ``--emulate-gpu`` asks for it."""
     if not args.emulate_gpu:
         if any(a.startswith("--emulate-") for a in argv):
             raise EngineCliError("the --emulate-* options need --emulate-gpu")
         return None
-    refused = refusal(plan.model.architecture)
+    refused = refusal(plan, options.offload_enabled)
     if refused is not None:
         raise EngineCliError(refused)
     more, env = emulated_launch(plan, kv_bytes=args.emulate_kv_bytes, speed=args.emulate_speed,

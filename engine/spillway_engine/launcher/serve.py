@@ -377,9 +377,9 @@ class Overlay:
     pins: bool = True
 
 
-#: Builds a stand-in's overlay from the plan, the parsed arguments and the raw argv
-#: (None: the launch runs on the real GPU).
-OverlayFor = Callable[[Plan, argparse.Namespace, Sequence[str]], Overlay | None]
+#: Builds a stand-in's overlay from the plan, the serving options, the parsed arguments
+#: and the raw argv (None: the launch runs on the real GPU).
+OverlayFor = Callable[[Plan, EngineOptions, argparse.Namespace, Sequence[str]], Overlay | None]
 
 
 def _exec(cmd: list[str], env: dict[str, str]) -> int:
@@ -478,7 +478,7 @@ def serve_main(argv: Sequence[str], parser: argparse.ArgumentParser | None = Non
         # vLLM seeds the first block hash with it instead of "vllm-none-hash"
         notes.append(f"KV events: block hashes seeded by PYTHONHASHSEED={seed} (give "
                      f"spillway-router --hash-seed {seed})")
-    overlay = (overlay_for(plan, args, argv) if overlay_for else None) or Overlay()
+    overlay = (overlay_for(plan, options, args, argv) if overlay_for else None) or Overlay()
     cmd += overlay.args
     notes += overlay.notes
     if args.dry_run:
