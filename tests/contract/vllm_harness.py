@@ -18,7 +18,6 @@ Two CPU-only differences are undone, both documented in the contract README:
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import tempfile
@@ -80,6 +79,7 @@ from spillway_engine.emulator.backends import (
     give_planned_backends,
     layer_kv_cache_specs,
 )
+from spillway_engine.emulator.worker import cuda_streams_stood_in
 
 VLLM_VERSION = vllm.__version__
 __all__ = [
@@ -214,34 +214,6 @@ type(current_platform).check_and_update_config = classmethod(  # type: ignore[me
 )
 
 
-class _NoCudaStream:
-    """Stands in for ``torch.cuda.Stream``/``Event`` while a model is built on a CPU.
-
-    Some model classes (Kimi-Linear) create a side stream in ``__init__`` to overlap
-    GEMMs at run time; it decides nothing about the KV cache, and on a machine
-    without CUDA creating one raises.
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def __getattr__(self, name: str) -> Any:
-        return lambda *args, **kwargs: None
-
-
-@contextlib.contextmanager
-def _cuda_streams_stood_in():
-    if torch.cuda.is_available():
-        yield
-        return
-    saved = torch.cuda.Stream, torch.cuda.Event
-    torch.cuda.Stream, torch.cuda.Event = _NoCudaStream, _NoCudaStream  # type: ignore[misc]
-    try:
-        yield
-    finally:
-        torch.cuda.Stream, torch.cuda.Event = saved  # type: ignore[misc]
-
-
 def _init_distributed() -> None:
     global _distributed_ready
     if not _distributed_ready:
@@ -260,7 +232,7 @@ def _build_drafter(vc: Any) -> None:
     forward context and its new attention layers are marked as draft layers."""
     target = set(get_layers_from_vllm_config(vc, AttentionLayerBase))
     spec = vc.speculative_config
-    with torch.device("meta"), _cuda_streams_stood_in():
+    with torch.device("meta"), cuda_streams_stood_in():
         if spec.method == "draft_model":
             # DraftModelProposer._create_draft_vllm_config / _get_model: the draft's own
             # model and parallel config, unquantised, under the "draft_model" prefix
@@ -352,7 +324,7 @@ def build_layout(
         tp_group.world_size = case.tensor_parallel_size
         tp_group.rank_in_group = 0
         model_cls, _ = get_model_architecture(vc.model_config)
-        with torch.device("meta"), _cuda_streams_stood_in():
+        with torch.device("meta"), cuda_streams_stood_in():
             model_cls(vllm_config=vc, prefix="")
         if vc.speculative_config is not None:
             _build_drafter(vc)

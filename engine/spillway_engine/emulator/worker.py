@@ -98,9 +98,9 @@ def mix64(*values: int) -> int:
 
 class _NoCudaStream:
     """Stands in for ``torch.cuda.Stream`` / ``Event`` while the model is built: some
-    model classes (DeepSeek-V4's) create side streams in ``__init__`` to overlap
-    kernels at run time; with no forward pass they are never used, and without a CUDA
-    driver creating one raises."""
+    model classes (DeepSeek-V4's, Kimi-Linear's) create side streams in ``__init__`` to
+    overlap kernels at run time; with no forward pass they are never used, and without
+    a CUDA driver creating one raises."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         pass
@@ -110,7 +110,9 @@ class _NoCudaStream:
 
 
 @contextlib.contextmanager
-def _cuda_streams_stood_in() -> Iterator[None]:
+def cuda_streams_stood_in() -> Iterator[None]:
+    """Build a model on a CPU whose class creates CUDA side streams (also the contract
+    harness's)."""
     if torch.cuda.is_available():
         yield
         return
@@ -218,7 +220,7 @@ class EmulatedGpuWorker(WorkerBase):
         vc = self.vllm_config
         with set_current_vllm_config(vc):
             model_cls, _ = get_model_architecture(vc.model_config)
-            with torch.device("meta"), _cuda_streams_stood_in():
+            with torch.device("meta"), cuda_streams_stood_in():
                 self.model = model_cls(vllm_config=vc, prefix="")
         self._layers = get_layers_from_vllm_config(vc, AttentionLayerBase)
         gpu = planned_gpu()
