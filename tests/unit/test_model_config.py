@@ -101,7 +101,16 @@ class _Hub(BaseHTTPRequestHandler):
 
 
 @pytest.fixture
-def hub():
+def online(monkeypatch):
+    """huggingface_hub online whatever the session's environment: the contract tier's
+    harness sets HF_HUB_OFFLINE=1 for vLLM, and the client reads it at each call."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+
+
+@pytest.fixture
+def hub(online):
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Hub)
     server.requests, server.daemon_threads = 0, True
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -131,7 +140,7 @@ def test_what_the_hub_answers_is_permanent(hub, tmp_path, answer, needle):
     assert not isinstance(info.value, ModelConfigUnreachable)
 
 
-def test_a_hub_that_does_not_answer_is_unreachable(tmp_path):
+def test_a_hub_that_does_not_answer_is_unreachable(online, tmp_path):
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
