@@ -5,24 +5,34 @@ SHELL := /bin/bash
 VENV ?= $(HOME)/.cache/spillway/venv
 PYTEST_ARGS ?=
 
-.PHONY: crd help venv tools lint test test-unit test-contract test-integration demo cluster-up cluster-down
+.PHONY: crd help venv host tools images lint test test-unit test-contract test-integration test-images test-nodes test-product demo demo-fleet cluster-up cluster-down
 
 help:
-	@echo "make demo   - local control plane with fake GPU nodes (the local demo)"
-	@echo "make test   - lint + every test tier (unit, contract, integration)"
+	@echo "make demo   - the local demo: control plane + 2 real nodes with fake GPUs, Spillway's images and chart"
+	@echo "make demo-fleet - the same demo on KWOK nodes, engines as host processes"
+	@echo "make test   - lint + every test tier (unit, contract, integration, images, nodes)"
 	@echo "make cluster-up / cluster-down - start or stop the local cluster only"
 
 venv:
 	@EXTRAS=test,engine tools/venv.sh >/dev/null
 
-tools:
+# Debian packages for real containers and real nodes (containerd, runc, docker.io, CNI)
+host:
+	@tools/host.sh
+
+tools: host
 	@tools/build.sh >/dev/null
+
+# Spillway's images from its own Dockerfile, into the local docker daemon (tools/images.sh)
+images: host
+	@tools/images.sh >/dev/null
 
 lint: venv
 	$(VENV)/bin/ruff check .
 
-test: venv tools lint
-	$(VENV)/bin/pytest tests $(PYTEST_ARGS)
+# Every tier but tests/product (real engine pods; too long for CI's budget beside the rest)
+test: venv tools images lint
+	$(VENV)/bin/pytest tests --ignore=tests/product $(PYTEST_ARGS)
 
 test-unit: venv
 	$(VENV)/bin/pytest tests/unit $(PYTEST_ARGS)
@@ -33,7 +43,22 @@ test-contract: venv
 test-integration: venv tools
 	$(VENV)/bin/pytest tests/integration $(PYTEST_ARGS)
 
-demo: venv tools
+test-images: venv images
+	$(VENV)/bin/pytest tests/images $(PYTEST_ARGS)
+
+test-nodes: venv tools images
+	$(VENV)/bin/pytest tests/nodes $(PYTEST_ARGS)
+
+# Spillway from its images and chart on the real nodes, engine pods as real containers
+test-product: venv tools images
+	$(VENV)/bin/pytest tests/product $(PYTEST_ARGS)
+
+# The local demo on two real nodes: Spillway's images, the Helm chart, real engine containers
+demo: venv tools images
+	$(VENV)/bin/python -m e2e.demo --real-nodes $(DEMO_ARGS)
+
+# The same demo with KWOK nodes and the engines as host processes (no containers)
+demo-fleet: venv tools
 	$(VENV)/bin/python -m e2e.demo $(DEMO_ARGS)
 
 cluster-up: venv tools

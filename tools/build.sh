@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build (or reuse) the Go binaries the local control plane needs, pinned in
 # tools/versions.env, into a cache under $HOME keyed by version:
-#   $SPILLWAY_BIN_CACHE/{k8s-v*,etcd-v*,kwok-v*,helm-v*,imageref-v*}/
+#   $SPILLWAY_BIN_CACHE/{k8s-v*,etcd-v*,kwok-v*,helm-v*,imageref-v*,node-v*,gpuplugin-v*}/
+# and, not a binary, the Gateway API Inference Extension's CRDs in gie-v*/crds/.
 # Prints the directory of every family on stdout, one "NAME=DIR" per line.
 # Never writes into the repository.
 set -euo pipefail
@@ -16,6 +17,7 @@ log() { echo "[tools/build] $*" >&2; }
 
 # build FAMILY VERSION BINARY... -- builds each binary named PKG:NAME with LDFLAGS;
 # when it builds, a command in PREPARE runs first and prints a go.mod to build with.
+# The module is tools/FAMILY, or tools/$MODULE when MODULE is set.
 ensure() {
   local fam=$1 ver=$2 dir="$cache/$1-v$2"; shift 2
   local missing=0 b
@@ -26,7 +28,7 @@ ensure() {
   if [ -n "${PREPARE:-}" ]; then modfile=$($PREPARE); fi
   rm -rf "$tmp"; mkdir -p "$tmp"
   for b in "$@"; do
-    (cd "$here/$fam" && go build -ldflags "$LDFLAGS" ${modfile:+-modfile="$modfile"} \
+    (cd "$here/${MODULE:-$fam}" && go build -ldflags "$LDFLAGS" ${modfile:+-modfile="$modfile"} \
       -o "$tmp/${b##*:}" "${b%%:*}") >&2
   done
   rm -rf "$dir"; mv "$tmp" "$dir"
@@ -45,6 +47,13 @@ ensure k8s "$K8S_VERSION" \
   k8s.io/kubernetes/cmd/kube-controller-manager:kube-controller-manager \
   k8s.io/kubernetes/cmd/kube-scheduler:kube-scheduler \
   k8s.io/kubernetes/cmd/kubectl:kubectl
+
+# The real nodes' binaries (e2e/nodes): the kubelet and kube-proxy of the same
+# Kubernetes release, from tools/node (the same module set plus what they import), in
+# their own cache folder so the control plane's binaries are not rebuilt for them.
+MODULE=node ensure node "$K8S_VERSION" \
+  k8s.io/kubernetes/cmd/kubelet:kubelet \
+  k8s.io/kubernetes/cmd/kube-proxy:kube-proxy
 
 LDFLAGS="-s -w"
 ensure etcd "$ETCD_VERSION" go.etcd.io/etcd/server/v3:etcd
@@ -82,3 +91,41 @@ ensure helm "$HELM_VERSION" helm.sh/helm/v3/cmd/helm:helm
 # it), for tests/integration/test_image_reference.py.
 LDFLAGS="-s -w"
 ensure imageref "$IMAGEREF_BUILD" .:imageref
+
+# The real nodes' fake GPU device plugin (tools/node/gpuplugin), against the device
+# plugin API of the kubelet's own k8s.io/kubelet.
+LDFLAGS="-s -w"
+MODULE=node ensure gpuplugin "$GPUPLUGIN_BUILD" ./gpuplugin:gpuplugin
+
+# The Gateway API Inference Extension's own CRDs (InferencePool, inference.networking.k8s.io/v1),
+# as its release ships them in config/crd/bases/ of its Go module: fetched from the module
+# proxy (go verifies the module's checksum), copied, never committed. The tests install the
+# real schema, so an InferencePool the operator renders is checked by the API server against
+# what GIE defines. Cached like the binaries: present files are never fetched again.
+ensure_gie_crds() {
+  local ver=$1 dir="$cache/gie-v$1"
+  local want="$dir/crds/inference.networking.k8s.io_inferencepools.yaml"
+  if [ -s "$want" ]; then log "gie v$ver CRDs cached in $dir"; echo "gie=$dir"; return; fi
+  log "fetching the gie v$ver CRDs into $dir ..."
+  local src tmp="$dir.tmp.$$" outside
+  # Outside any module: a version query needs no go.mod, and tools/*/go.mod stay as they are.
+  outside=$(mktemp -d)
+  if ! src=$(cd "$outside" && go mod download -json \
+             "sigs.k8s.io/gateway-api-inference-extension@v$ver"); then
+    rm -rf "$outside"
+    log "go mod download sigs.k8s.io/gateway-api-inference-extension@v$ver failed: $src"
+    exit 1
+  fi
+  rm -rf "$outside"
+  src=$(echo "$src" | sed -n 's/^\t"Dir": "\(.*\)",$/\1/p')
+  if [ -z "$src" ] || [ ! -s "$src/config/crd/bases/inference.networking.k8s.io_inferencepools.yaml" ]; then
+    log "no InferencePool CRD in sigs.k8s.io/gateway-api-inference-extension@v$ver ($src)"
+    exit 1
+  fi
+  rm -rf "$tmp"; mkdir -p "$tmp/crds"
+  cp "$src"/config/crd/bases/*.yaml "$tmp/crds/" && chmod -R u+w "$tmp"
+  rm -rf "$dir"; mv "$tmp" "$dir"
+  log "gie v$ver CRDs in $dir"
+  echo "gie=$dir"
+}
+ensure_gie_crds "$GIE_VERSION"

@@ -2,6 +2,8 @@
 
 The default cluster lives in $SPILLWAY_CLUSTER_DIR (default /tmp/spillway-cluster)
 on fixed ports from --port-base (default 16380), so a second ``up`` finds it.
+``up --real-nodes N`` adds N real nodes (kubelet, containerd, runc; e2e/nodes; root,
+tools/host.sh) and then no fake KWOK nodes unless --nodes asks for some.
 Exit status: 0 ok, 1 the cluster failed (the message says why), 2 bad usage.
 """
 
@@ -39,9 +41,10 @@ def _cluster(args: argparse.Namespace, need_binaries: bool) -> LocalCluster:
         gpus_per_node=args.gpus_per_node,
         gpu_product=args.gpu_product,
         pod_net=args.pod_net,
+        real_nodes=args.real_nodes,
     )
     if need_binaries:
-        config.binaries = locate_binaries(args.bin_cache)
+        config.binaries = locate_binaries(args.bin_cache, real_nodes=bool(args.real_nodes))
     return LocalCluster(config)
 
 
@@ -51,7 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", type=Path, default=DEFAULT_DIR, help="state and data folder")
     parser.add_argument("--port-base", type=int, default=DEFAULT_PORT_BASE,
                         help="first of six consecutive loopback ports")
-    parser.add_argument("--nodes", type=int, default=2, help="fake GPU nodes")
+    parser.add_argument("--nodes", type=int, default=None,
+                        help="fake (KWOK) GPU nodes (default 2, or 0 with --real-nodes)")
+    parser.add_argument("--real-nodes", type=int, default=0,
+                        help="real nodes: kubelet + containerd + runc each (needs root)")
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument("--gpu-product", default="NVIDIA-H100-80GB-HBM3",
                         help="value of the nvidia.com/gpu.product node label")
@@ -62,7 +68,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.pod_net.startswith("127."):
         parser.error("--pod-net must be inside 127.0.0.0/8: pod IPs are bound on loopback")
-    if not 1 <= args.nodes <= 200:
+    if args.nodes is None:
+        args.nodes = 0 if args.real_nodes else 2
+    if not 0 <= args.real_nodes <= 8:
+        parser.error("--real-nodes must be between 0 and 8")
+    if not (1 if not args.real_nodes else 0) <= args.nodes <= 200:
         parser.error("--nodes must be between 1 and 200")
 
     try:

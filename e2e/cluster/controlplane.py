@@ -5,6 +5,11 @@ KWOK controller, each in its own process group with its log in ``<workdir>/logs`
 State (pids, ports) lives in ``<workdir>/state.json`` so that ``up`` is idempotent
 and ``down`` works from another process. Every wait has a deadline and fails with
 the tail of the component's log instead of hanging.
+
+With ``ClusterConfig.real_nodes`` > 0 the cluster also gets real nodes (a kubelet,
+containerd and runc each, pod networking, kube-proxy, fake GPUs through a device
+plugin: ``e2e/nodes``); the API server then listens on the address pods reach it at
+(``e2e.nodes.realnodes.API_IP``) instead of 127.0.0.1, and the endpoint controllers run.
 """
 
 from __future__ import annotations
@@ -31,8 +36,10 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 VERSIONS_FILE = REPO_ROOT / "tools" / "versions.env"
 STAGES_FILE = Path(__file__).with_name("kwok-stages.yaml")
 
-# Service network: never routed on this machine (no kube-proxy); only the apiserver
-# needs one to allocate ClusterIPs. Pod IPs are loopback, see ClusterConfig.pod_net.
+# Service network: with KWOK nodes never routed (no kube-proxy), only the apiserver
+# needs one to allocate ClusterIPs, pod IPs are loopback (ClusterConfig.pod_net); with
+# real nodes kube-proxy routes it and 10.0.0.1 is the API server (the `kubernetes`
+# Service).
 SERVICE_CIDR = "10.0.0.0/16"  # room for the 1000-object benches (two Services each)
 
 COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
@@ -56,9 +63,10 @@ def default_bin_cache() -> Path:
     return Path(os.environ.get("SPILLWAY_BIN_CACHE", Path.home() / ".cache/spillway/bin"))
 
 
-def locate_binaries(cache: Path | None = None) -> dict[str, Path]:
+def locate_binaries(cache: Path | None = None, real_nodes: bool = False) -> dict[str, Path]:
     """Map each binary name to its path in the version-keyed cache that
-    ``tools/build.sh`` fills; a missing one is a ClusterError naming the fix."""
+    ``tools/build.sh`` fills; a missing one is a ClusterError naming the fix.
+    ``real_nodes``: also the real nodes' kubelet, kube-proxy and GPU device plugin."""
     cache = cache or default_bin_cache()
     v = read_versions()
     families = {
@@ -70,6 +78,12 @@ def locate_binaries(cache: Path | None = None) -> dict[str, Path]:
         "kwok": f"kwok-v{v['KWOK_BUILD']}",
         "helm": f"helm-v{v['HELM_VERSION']}",
     }
+    if real_nodes:
+        families |= {
+            "kubelet": f"node-v{v['K8S_VERSION']}",
+            "kube-proxy": f"node-v{v['K8S_VERSION']}",
+            "gpuplugin": f"gpuplugin-v{v['GPUPLUGIN_BUILD']}",
+        }
     found, missing = {}, []
     for name, family in families.items():
         path = cache / family / name
@@ -83,6 +97,23 @@ def locate_binaries(cache: Path | None = None) -> dict[str, Path]:
             "(or point SPILLWAY_BIN_CACHE at a folder that holds them)"
         )
     return found
+
+
+#: The InferencePool CRD of the Gateway API Inference Extension (inference.networking.k8s.io/v1).
+GIE_INFERENCE_POOL_CRD = "inference.networking.k8s.io_inferencepools.yaml"
+
+
+def locate_gie_crds(cache: Path | None = None) -> Path:
+    """The folder of the Gateway API Inference Extension's CRDs that ``tools/build.sh``
+    fetches from its Go module (pinned GIE_VERSION); missing is a ClusterError naming
+    the fix, as for the binaries."""
+    cache = cache or default_bin_cache()
+    folder = cache / f"gie-v{read_versions()['GIE_VERSION']}" / "crds"
+    if not (folder / GIE_INFERENCE_POOL_CRD).is_file():
+        raise ClusterError(
+            f"missing {folder / GIE_INFERENCE_POOL_CRD} -- fetch it with tools/build.sh "
+            "(or point SPILLWAY_BIN_CACHE at a folder that holds it)")
+    return folder
 
 
 def free_port() -> int:
@@ -170,14 +201,27 @@ class ClusterConfig:
     # not Ready; no kubelet marks them Ready again here (KWOK does not), so tests that
     # stop the API server longer than that set it higher.
     node_monitor_grace_seconds: int | None = None
+    # Real nodes (e2e/nodes): a kubelet, containerd and runc each, beside the KWOK
+    # nodes (``nodes``, which may be 0). One real-node cluster per machine; needs root.
+    real_nodes: int = 0
 
     @property
     def kubeconfig(self) -> Path:
         return self.external_kubeconfig or self.workdir / "kubeconfig"
 
     @property
+    def api_address(self) -> str:
+        """Where the API server listens: loopback, or with real nodes the address
+        their pods reach it at (the ``kubernetes`` Service's endpoint)."""
+        if self.real_nodes:
+            from e2e.nodes.realnodes import API_IP
+
+            return API_IP
+        return "127.0.0.1"
+
+    @property
     def server(self) -> str:
-        return f"https://127.0.0.1:{self.ports.apiserver}"
+        return f"https://{self.api_address}:{self.ports.apiserver}"
 
 
 class LocalCluster:
@@ -207,6 +251,7 @@ class LocalCluster:
             "kubeconfig": str(self.config.kubeconfig),
             "nodes": self.config.nodes,
             "pod_net": self.config.pod_net,
+            "real_nodes": self.config.real_nodes,
         }
         self.state_file.write_text(json.dumps(state, indent=2))
 
@@ -234,8 +279,18 @@ class LocalCluster:
             return False
         self.config.ports = Ports(**state["ports"])
         self.config.pod_net = state.get("pod_net", self.config.pod_net)
+        self.config.real_nodes = state.get("real_nodes", 0)
         self.pids = {k: int(v) for k, v in state["pids"].items()}
+        if self.config.real_nodes and not self.real_nodes().alive():
+            return False
         return self._http_ok(f"{self.config.server}/readyz", self._ssl())
+
+    def real_nodes(self):
+        """The handle on this cluster's real nodes (``e2e.nodes.RealNodes``): their
+        names, containerd sockets (``runtimes()``) for the image loader."""
+        from e2e.nodes.realnodes import RealNodes
+
+        return RealNodes(self)
 
     # ---------------------------------------------------------------- helpers
 
@@ -345,18 +400,24 @@ class LocalCluster:
         if self.running():
             return 0.0
         self.stop()  # leftovers of a half-started run
-        if not self.config.binaries:
-            self.config.binaries = locate_binaries()
+        real = self.config.real_nodes
+        if not self.config.binaries or (real and "kubelet" not in self.config.binaries):
+            self.config.binaries = locate_binaries(real_nodes=bool(real))
         self.check_ports()
         t0 = time.monotonic()
         for d in (self.workdir, self.logs):
             d.mkdir(parents=True, exist_ok=True)
-        make_pki(self.pki)
+        nodes = self.real_nodes() if real else None
+        make_pki(self.pki, server_ips=(self.config.api_address,) if real else ())
         try:
+            if nodes is not None:
+                nodes.prepare_host()  # before the API server: it binds the nodes' network
             self._start_etcd(timeout)
             self._start_apiserver(timeout)
             self._start_controllers(timeout)
             self._create_nodes(timeout)
+            if nodes is not None:
+                self.timings["real_nodes"] = nodes.start(max(timeout, 240))
         except BaseException:
             self.stop()
             raise
@@ -387,16 +448,36 @@ class LocalCluster:
 
     def _start_apiserver(self, timeout: float) -> None:
         p, k = self.config.ports, self.pki
+        if self.config.real_nodes:
+            from e2e.cluster.pki import ensure_client_cert
+
+            # Pods reach the API server through the `kubernetes` Service, whose endpoint
+            # is the advertised address; it reaches the kubelets (logs, exec) by their
+            # InternalIP with a client certificate they trust.
+            ensure_client_cert(k, "apiserver-kubelet-client", "kube-apiserver-kubelet-client",
+                               "system:masters")
+            address = self.config.api_address
+            mode = [
+                f"--bind-address={address}",
+                f"--advertise-address={address}",
+                f"--kubelet-client-certificate={k / 'apiserver-kubelet-client.crt'}",
+                f"--kubelet-client-key={k / 'apiserver-kubelet-client.key'}",
+                "--kubelet-preferred-address-types=InternalIP",
+            ]
+        else:
+            mode = [
+                "--bind-address=127.0.0.1",
+                "--advertise-address=127.0.0.1",
+                # Endpoints validation refuses loopback; nothing reaches the kubernetes
+                # Service from outside anyway.
+                "--endpoint-reconciler-type=none",
+            ]
         self._spawn(
             "kube-apiserver",
             [
                 f"--etcd-servers=http://127.0.0.1:{p.etcd_client}",
-                "--bind-address=127.0.0.1",
-                "--advertise-address=127.0.0.1",
+                *mode,
                 f"--secure-port={p.apiserver}",
-                # Endpoints validation refuses loopback; nothing reaches the kubernetes
-                # Service from outside anyway.
-                "--endpoint-reconciler-type=none",
                 f"--cert-dir={self.workdir / 'apiserver-certs'}",
                 f"--tls-cert-file={k / 'apiserver.crt'}",
                 f"--tls-private-key-file={k / 'apiserver.key'}",
@@ -439,7 +520,9 @@ class LocalCluster:
                 f"--service-account-private-key-file={k / 'sa.key'}",
                 "--use-service-account-credentials",
                 # Pod IPs are loopback, which Endpoints/EndpointSlices refuse; the
-                # operator and tests address pods by IP instead.
+                # operator and tests address pods by IP instead. Real nodes' pods have
+                # real IPs, and kube-proxy routes Services to them.
+                "--controllers=*" if self.config.real_nodes else
                 "--controllers=*,-endpoints-controller,-endpointslice-controller,"
                 "-endpointslice-mirroring-controller",
                 *([f"--node-monitor-grace-period={self.config.node_monitor_grace_seconds}s"]
@@ -531,6 +614,8 @@ class LocalCluster:
         return nodes
 
     def _create_nodes(self, timeout: float) -> None:
+        if self.config.nodes == 0:
+            return
         manifest = self.workdir / "nodes.yaml"
         manifest.write_text(yaml.safe_dump_all(self.node_manifests()))
         self.kubectl("apply", "--server-side", "--field-manager=spillway-harness", "-f", manifest)
@@ -640,7 +725,12 @@ class LocalCluster:
         return True
 
     def stop(self, timeout: float = 15) -> None:
-        """Stop every component recorded in state.json (TERM, then KILL) and forget them."""
+        """Stop every component recorded in state.json (TERM, then KILL) and forget them;
+        and this cluster's real nodes, if it owns the machine's (every process, mount,
+        link, cgroup and iptables chain they made, after a crash too)."""
+        from e2e.nodes.realnodes import RealNodes
+
+        RealNodes(self, 0).stop()
         state = self._load_state() or {}
         pids = {**{k: int(v) for k, v in state.get("pids", {}).items()}, **self.pids}
         # Reverse start order: the controllers first, etcd last.
@@ -648,9 +738,14 @@ class LocalCluster:
         for name in order:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pids[name], signal.SIGTERM)
-        deadline = time.monotonic() + timeout
+        start = time.monotonic()
+        # With real nodes the API server's endpoint reconciler tries, for 20 s, to take
+        # its address out of the `kubernetes` Service through its own listener, which
+        # shutdown has closed; the cluster is going away, so it gets 3 s.
+        real = state.get("real_nodes") or self.config.real_nodes
         for name in order:
-            while self._alive(pids[name]) and time.monotonic() < deadline:
+            grace = min(timeout, 3) if real and name == "kube-apiserver" else timeout
+            while self._alive(pids[name]) and time.monotonic() < start + grace:
                 time.sleep(0.1)
             if self._alive(pids[name]):
                 with contextlib.suppress(ProcessLookupError, PermissionError):

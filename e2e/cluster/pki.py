@@ -52,16 +52,71 @@ def _write_cert(path: Path, cert: x509.Certificate) -> None:
     path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
 
 
-def make_pki(directory: Path, service_ip: str = "10.0.0.1") -> None:
+def _validity() -> tuple[dt.datetime, dt.datetime]:
+    now = dt.datetime.now(dt.UTC) - dt.timedelta(minutes=5)
+    return now, now + dt.timedelta(days=3650)
+
+
+def _load_ca(directory: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    ca = x509.load_pem_x509_certificate((directory / "ca.crt").read_bytes())
+    key = serialization.load_pem_private_key((directory / "ca.key").read_bytes(), password=None)
+    return ca, key
+
+
+def _issue(directory: Path, ca: x509.Certificate, ca_key, stem: str, subject: x509.Name,
+           usage, sans=None) -> None:
+    now, later = _validity()
+    key = ec.generate_private_key(ec.SECP256R1())
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(ca.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now)
+        .not_valid_after(later)
+        .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+    )
+    if sans:
+        builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
+    _write_key(directory / f"{stem}.key", key)
+    _write_cert(directory / f"{stem}.crt", builder.sign(ca_key, hashes.SHA256()))
+
+
+def _server_sans(ips: list[str]) -> list:
+    return [x509.DNSName(n) for n in SERVER_SANS] + [
+        x509.IPAddress(ipaddress.ip_address(ip)) for ip in ips
+    ]
+
+
+def _cert_ips(path: Path) -> set[str]:
+    cert = x509.load_pem_x509_certificate(path.read_bytes())
+    try:
+        sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return set()
+    return {str(ip) for ip in sans.get_values_for_type(x509.IPAddress)}
+
+
+def make_pki(directory: Path, service_ip: str = "10.0.0.1",
+             server_ips: tuple[str, ...] = ()) -> None:
     """Write ca.{crt,key}, apiserver.{crt,key}, <client>.{crt,key} and sa.{key,pub}.
 
-    Idempotent: an existing CA is kept so kubeconfigs handed out stay valid.
+    ``server_ips``: more addresses the API server is reached at (the real nodes' API
+    address), put in its serving certificate's SANs beside 127.0.0.1 and ``service_ip``.
+
+    Idempotent: an existing CA is kept so kubeconfigs handed out stay valid; only an
+    apiserver certificate that lacks one of the addresses asked for is issued again.
     """
     directory.mkdir(parents=True, exist_ok=True)
+    ips = ["127.0.0.1", service_ip, *server_ips]
     if (directory / "ca.crt").exists() and (directory / "sa.pub").exists():
+        if not set(ips) <= _cert_ips(directory / "apiserver.crt"):
+            ca, ca_key = _load_ca(directory)
+            _issue(directory, ca, ca_key, "apiserver", _name("kube-apiserver"),
+                   ExtendedKeyUsageOID.SERVER_AUTH, _server_sans(ips))
         return
-    now = dt.datetime.now(dt.UTC) - dt.timedelta(minutes=5)
-    later = now + dt.timedelta(days=3650)
+    now, later = _validity()
 
     # EC keys: generating them is instant, unlike RSA on a 2-core machine.
     ca_key = ec.generate_private_key(ec.SECP256R1())
@@ -87,30 +142,10 @@ def make_pki(directory: Path, service_ip: str = "10.0.0.1") -> None:
     _write_key(directory / "ca.key", ca_key)
     _write_cert(directory / "ca.crt", ca)
 
-    def issue(stem: str, subject: x509.Name, usage, sans=None) -> None:
-        key = ec.generate_private_key(ec.SECP256R1())
-        builder = (
-            x509.CertificateBuilder()
-            .subject_name(subject)
-            .issuer_name(ca.subject)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now)
-            .not_valid_after(later)
-            .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
-        )
-        if sans:
-            builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
-        _write_key(directory / f"{stem}.key", key)
-        _write_cert(directory / f"{stem}.crt", builder.sign(ca_key, hashes.SHA256()))
-
-    sans = [x509.DNSName(n) for n in SERVER_SANS] + [
-        x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
-        x509.IPAddress(ipaddress.ip_address(service_ip)),
-    ]
-    issue("apiserver", _name("kube-apiserver"), ExtendedKeyUsageOID.SERVER_AUTH, sans)
+    _issue(directory, ca, ca_key, "apiserver", _name("kube-apiserver"),
+           ExtendedKeyUsageOID.SERVER_AUTH, _server_sans(ips))
     for stem, cn, org in CLIENTS:
-        issue(stem, _name(cn, org), ExtendedKeyUsageOID.CLIENT_AUTH)
+        _issue(directory, ca, ca_key, stem, _name(cn, org), ExtendedKeyUsageOID.CLIENT_AUTH)
 
     # Service-account token signing key (RSA: what the token controller expects).
     sa_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
@@ -120,3 +155,17 @@ def make_pki(directory: Path, service_ip: str = "10.0.0.1") -> None:
             serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
         )
     )
+
+
+def ensure_client_cert(directory: Path, stem: str, cn: str, org: str | None = None) -> None:
+    """Issue ``<stem>.{crt,key}`` for the identity ``cn`` (in group ``org``) from the CA
+    ``make_pki`` wrote, unless that certificate is there already: the real nodes'
+    kubelets (``system:node:<name>`` in ``system:nodes``), kube-proxy, and the API
+    server's client certificate for the kubelets."""
+    crt = directory / f"{stem}.crt"
+    if crt.exists() and (directory / f"{stem}.key").exists():
+        subject = x509.load_pem_x509_certificate(crt.read_bytes()).subject
+        if subject == _name(cn, org):
+            return
+    ca, ca_key = _load_ca(directory)
+    _issue(directory, ca, ca_key, stem, _name(cn, org), ExtendedKeyUsageOID.CLIENT_AUTH)

@@ -1,0 +1,63 @@
+"""``python -m e2e.nodes load REF... | status | down``: the real nodes' image loader and
+a last-resort cleanup.
+
+``load`` moves images from the project's docker daemon ($SPILLWAY_DOCKER_HOST, default
+unix:///run/spillway/docker.sock) into every running real node; ``down`` undoes the
+machine's real nodes whichever cluster owns them (``e2e/cluster/down`` does it for its
+own cluster, with the control plane). Exit status: 0 ok, 1 failed (the message says why).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from e2e.nodes.images import DOCKER_HOST, load_image
+from e2e.nodes.realnodes import NodeError, RealNodes
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m e2e.nodes",
+                                     description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    load = sub.add_parser("load", help="docker image(s) -> every real node's containerd")
+    load.add_argument("refs", nargs="+")
+    load.add_argument("--docker-host", default=DOCKER_HOST)
+    load.add_argument("--keep-layers", action="store_true",
+                      help="keep the layer blobs after unpacking (default: free them)")
+    load.add_argument("--one-at-a-time", action="store_true",
+                      help="one docker save per node, freeing each node's blobs before the "
+                           "next: less disk at once for a big image, slower")
+    sub.add_parser("status", help="who owns the machine's real nodes")
+    sub.add_parser("down", help="remove the machine's real nodes, whoever owns them")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "load":
+            for ref in args.refs:
+                t0 = time.monotonic()
+                result = load_image(ref, docker_host=args.docker_host,
+                                    free_layers=not args.keep_layers,
+                                    parallel=not args.one_at_a_time)
+                states = ", ".join(f"{n} {s}" for n, s in sorted(result.items()))
+                print(f"{ref}: {states} ({time.monotonic() - t0:.1f}s)")
+            return 0
+        if args.command == "status":
+            record = RealNodes.read_record()
+            if not record:
+                print("no real nodes on this machine")
+                return 1
+            alive = "running" if RealNodes.record_alive(record) else "dead (run down)"
+            print(f"{', '.join(record['nodes'])}: {alive}, owned by the cluster in "
+                  f"{record['owner']}")
+            return 0
+        owner = RealNodes.cleanup_any()
+        print(f"removed the real nodes of {owner}" if owner else "no real nodes to remove")
+        return 0
+    except NodeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,232 @@
+"""Move images from the project's docker daemon into the real nodes' containerd.
+
+``load_image(ref)`` streams ``docker save REF`` once into ``ctr images import -`` of
+every node that does not hold that image already (same image ID: docker's ID is the
+digest of the image's config, which containerd keeps as the manifest's config), then
+checks each node has it and frees the node's copy of the layer blobs.
+
+Freeing the layers: after the import, containerd holds the image twice, the layer
+tarballs (content store) and the unpacked overlayfs snapshots. What a container runs
+from is the snapshot (CRI prepares a container's root filesystem from the image's chain
+ID, reading only the manifest and config); the layer blobs are only needed to unpack
+again, export or push. Once the image's top snapshot is there, the loader removes the
+layer blobs, as containerd's own ``discard_unpacked_layers`` does for pulled images; for
+the ~10 GB engine image that halves each node's disk. Importing the image again
+(a new build) brings the blobs back for as long as it unpacks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+from e2e.nodes.realnodes import PATH, NodeError, NodeSpec, RealNodes
+
+DOCKER = os.environ.get("SPILLWAY_DOCKER", "/usr/bin/docker")
+DOCKER_HOST = os.environ.get("SPILLWAY_DOCKER_HOST", "unix:///run/spillway/docker.sock")
+INDEX_TYPES = ("application/vnd.oci.image.index.v1+json",
+               "application/vnd.docker.distribution.manifest.list.v2+json")
+
+
+def normalize(ref: str) -> str:
+    """Docker's short reference as containerd (and the kubelet) name it:
+    ``engine:dev`` -> ``docker.io/library/engine:dev``."""
+    name, _, digest = ref.partition("@")
+    first, _, rest = name.partition("/")
+    if not rest:
+        name = f"docker.io/library/{name}"
+    elif "." not in first and ":" not in first and first != "localhost":
+        name = f"docker.io/{name}"
+    if not digest and ":" not in name.rsplit("/", 1)[-1]:
+        name += ":latest"
+    return f"{name}@{digest}" if digest else name
+
+
+def _ctr(socket: Path, *args: str, step: str, check: bool = True,
+         timeout: float = 120) -> subprocess.CompletedProcess:
+    proc = subprocess.run(["ctr", "--address", str(socket), "--namespace", "k8s.io", *args],
+                          capture_output=True, timeout=timeout, env={**os.environ, "PATH": PATH})
+    if check and proc.returncode != 0:
+        raise NodeError(f"{step}: ctr {' '.join(args)} failed: "
+                        f"{proc.stderr.decode(errors='replace').strip()}")
+    return proc
+
+
+def _content(socket: Path, digest: str) -> dict:
+    return json.loads(_ctr(socket, "content", "get", digest, step="read content").stdout)
+
+
+def _manifest(socket: Path, name: str) -> tuple[str, dict] | None:
+    """(manifest digest, manifest) of image ``name`` on a node, or None."""
+    listed = _ctr(socket, "images", "ls", f"name=={name}", step="list images").stdout.decode()
+    for line in listed.splitlines()[1:]:
+        fields = line.split()
+        if fields and fields[0] == name:
+            digest = fields[2]
+            doc = _content(socket, digest)
+            if doc.get("mediaType") in INDEX_TYPES or "manifests" in doc:
+                for m in doc["manifests"]:
+                    p = m.get("platform", {})
+                    if p.get("os") == "linux" and p.get("architecture") == "amd64":
+                        digest = m["digest"]
+                        break
+                else:
+                    return None
+                doc = _content(socket, digest)
+            return digest, doc
+    return None
+
+
+def config_digest(socket: Path, name: str) -> str | None:
+    """The image ID (config digest) of image ``name`` on a node, or None."""
+    found = _manifest(socket, name)
+    return found[1]["config"]["digest"] if found else None
+
+
+def _chain_id(diff_ids: list[str]) -> str:
+    chain = diff_ids[0]
+    for diff in diff_ids[1:]:
+        chain = "sha256:" + hashlib.sha256(f"{chain} {diff}".encode()).hexdigest()
+    return chain
+
+
+def _unpacked(socket: Path, manifest: dict) -> bool:
+    """Whether the image's top snapshot (its layers' chain ID) exists."""
+    try:
+        config = _content(socket, manifest["config"]["digest"])
+    except (NodeError, ValueError, KeyError):
+        return False
+    diff_ids = config.get("rootfs", {}).get("diff_ids", [])
+    return bool(diff_ids) and _ctr(
+        socket, "snapshots", "--snapshotter", "overlayfs", "info", _chain_id(diff_ids),
+        step="find an image's snapshot", check=False).returncode == 0
+
+
+def free_layer_blobs(socket: Path, name: str) -> int:
+    """Remove the layer blobs of image ``name`` once it is unpacked; returns the bytes
+    freed. A blob another image still needs (one not unpacked, or one whose manifest
+    cannot be read) is kept; nothing is touched when ``name`` is not unpacked."""
+    found = _manifest(socket, name)
+    if not found or not _unpacked(socket, found[1]):
+        return 0
+    keep: set[str] = set()
+    names = _ctr(socket, "images", "ls", "-q", step="list images").stdout.decode().split()
+    for other in names:
+        if other == name:
+            continue
+        try:
+            theirs = _manifest(socket, other)
+        except (NodeError, ValueError):
+            theirs = None
+        if theirs is None:
+            return 0  # cannot tell what it needs: free nothing
+        if not _unpacked(socket, theirs[1]):
+            keep |= {layer["digest"] for layer in theirs[1].get("layers", [])}
+    present = set(_ctr(socket, "content", "ls", "-q", step="list content").stdout.decode().split())
+    layers = [(layer["digest"], layer.get("size", 0)) for layer in found[1].get("layers", [])
+              if layer["digest"] in present and layer["digest"] not in keep]
+    if layers:
+        _ctr(socket, "content", "rm", *(d for d, _ in layers), step="free layer blobs")
+    return sum(size for _, size in layers)
+
+
+def docker_image_id(ref: str, docker_host: str = DOCKER_HOST, docker: str = DOCKER) -> str:
+    proc = subprocess.run([docker, "image", "inspect", "--format", "{{.Id}}", ref],
+                          capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "DOCKER_HOST": docker_host})
+    if proc.returncode != 0:
+        raise NodeError(f"docker image inspect {ref} (DOCKER_HOST={docker_host}) failed: "
+                        f"{proc.stderr.strip()}")
+    return proc.stdout.strip()
+
+
+def current_runtimes() -> list[tuple[str, Path]]:
+    """(name, containerd socket) of the machine's running real nodes."""
+    record = RealNodes.read_record()
+    if not record or not record.get("nodes"):
+        raise NodeError("no real nodes on this machine: start them with "
+                        "e2e/cluster/up --real-nodes N")
+    return [(n, NodeSpec(n, i).socket) for i, n in enumerate(record["nodes"])]
+
+
+def _fan_out(ref: str, targets: list[tuple[str, Path]], docker_host: str, docker: str) -> None:
+    """``docker save ref`` once, into ``ctr images import -`` of every target (all at
+    once: one save; the peak disk use is each node's blobs plus its snapshots)."""
+    save = subprocess.Popen([docker, "save", ref], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env={**os.environ, "DOCKER_HOST": docker_host})
+    imports = []
+    for name, socket in targets:
+        err = tempfile.TemporaryFile()  # noqa: SIM115 - closed below, after the wait
+        proc = subprocess.Popen(
+            ["ctr", "--address", str(socket), "--namespace", "k8s.io", "images", "import",
+             "--snapshotter", "overlayfs", "-"],
+            stdin=subprocess.PIPE, stdout=err, stderr=err, env={**os.environ, "PATH": PATH})
+        imports.append((name, proc, err))
+    save_err: list[bytes] = []
+    reader = threading.Thread(target=lambda: save_err.append(save.stderr.read()), daemon=True)
+    reader.start()
+    broken: set[str] = set()
+    while chunk := save.stdout.read(1 << 20):
+        for name, proc, _ in imports:
+            if name in broken:
+                continue
+            try:
+                proc.stdin.write(chunk)
+            except BrokenPipeError:
+                broken.add(name)
+    for _, proc, _ in imports:
+        with contextlib.suppress(BrokenPipeError):
+            proc.stdin.close()
+    save.wait()
+    reader.join(10)
+    failures = []
+    if save.returncode != 0:
+        failures.append(f"docker save {ref}: {b''.join(save_err).decode(errors='replace')}")
+    for name, proc, err in imports:
+        if proc.wait() != 0:
+            err.seek(0)
+            failures.append(f"{name}: ctr images import: "
+                            f"{err.read().decode(errors='replace').strip()[-2000:]}")
+        err.close()
+    if failures:
+        raise NodeError("loading " + ref + " failed: " + "; ".join(failures))
+
+
+def load_image(ref: str, runtimes: list[tuple[str, Path]] | None = None,
+               docker_host: str = DOCKER_HOST, free_layers: bool = True,
+               docker: str = DOCKER, parallel: bool = True) -> dict[str, str]:
+    """Make image ``ref`` of the docker daemon present in every real node's containerd
+    (``runtimes``: (node, socket), default the machine's running real nodes). Returns
+    {node: "present" | "imported"}; pods then run it with imagePullPolicy IfNotPresent
+    (a ``:latest`` tag means Always, which needs a registry: tag it otherwise).
+
+    Disk: a node holds an image twice while it imports (blobs and snapshots), once
+    after. ``parallel`` (one ``docker save`` for all nodes) peaks at twice the image per
+    node at once; ``parallel=False`` saves once per node and frees each node's blobs
+    before the next, peaking at one extra copy (for a 10 GB image on two nodes: 40 GB
+    against 30 GB beyond docker's own copy; 20 GB after either)."""
+    runtimes = runtimes if runtimes is not None else current_runtimes()
+    image_id = docker_image_id(ref, docker_host, docker)
+    name = normalize(ref)
+    result = {node: "present" for node, socket in runtimes
+              if config_digest(socket, name) == image_id}
+    targets = [(node, socket) for node, socket in runtimes if node not in result]
+    for batch in [targets] if parallel else [[t] for t in targets]:
+        if not batch:
+            continue
+        _fan_out(ref, batch, docker_host, docker)
+        for node, socket in batch:
+            got = config_digest(socket, name)
+            if got != image_id:
+                raise NodeError(f"{node}: after the import {name} has image ID {got}, "
+                                f"docker has {image_id}")
+            result[node] = "imported"
+            if free_layers:
+                free_layer_blobs(socket, name)
+    return result

@@ -1,0 +1,1 @@
+"""Spillway's images, built by tools/images.sh, in real containers."""

@@ -1,0 +1,476 @@
+"""Spillway as a user installs it, on real nodes: the images built from the
+repository's Dockerfile, the Helm chart (operator with leader election, router), and
+InferenceDeployments that become real containers of the engine image on the real
+kubelets, on the emulated GPU, requesting the fake GPUs the device plugin advertises.
+
+What only real pods show: the kubelet starts the engine image as user 1000 with the
+plan mounted, a memory-backed /dev/shm of the planned size and a real memory cgroup;
+the kubelet runs the preStop drain when a pod is deleted (streams in flight finish;
+without the hook they are cut); and a container that outgrows its limit is killed by
+the kernel, which the operator reports as ``Degraded=EngineOOMKilled``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kubernetes import client
+from prometheus_client.parser import text_string_to_metric_families
+
+from e2e.install import (
+    RELEASE_NAMESPACE,
+    helm_install,
+    image_refs,
+    load_images,
+    model_config_map,
+    model_volume,
+    on_real_nodes,
+)
+from e2e.nodes.images import normalize
+from spillway_engine.emulator.tiny import qwen3_next_config, write_model
+from spillway_operator.flow.spec import GROUP, PLURAL, VERSION
+from tests.helpers import wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
+SAMPLE = yaml.safe_load((ROOT / "config/samples/qwen3-next-tiny-emulated.yaml").read_text())
+SERVING = "spillway-serving"  # the namespace the chart's router routes to
+MODELS = Path(os.environ.get("SPILLWAY_NODES_MODELS", "/tmp/spillway-nodes-models"))
+START_S = 600  # an engine start on a 2-core machine shared with the other pods
+ENGINE_PORT = 8000
+# Loading a new engine image (~10 GB) into both nodes takes minutes, and the engines
+# start on a 2-core machine: each test's whole budget, fixtures included.
+pytestmark = pytest.mark.timeout(1800)
+
+
+@pytest.fixture(scope="module")
+def installed(real_cluster, api):
+    """Images loaded into both nodes, the chart installed from them, the tiny hybrid
+    model on a volume and its config in a ConfigMap."""
+    refs = image_refs()
+    t0 = time.monotonic()
+    loaded = load_images(refs)
+    print(f"images into the nodes in {time.monotonic() - t0:.0f}s: {loaded}")
+    real_cluster.kubectl("create", "namespace", SERVING, check=False)
+    t0 = time.monotonic()
+    helm_install(real_cluster, refs["operator"], SERVING)
+    print(f"helm install --wait in {time.monotonic() - t0:.0f}s")
+    config = qwen3_next_config(num_layers=4)
+    model_dir = write_model(MODELS / "tiny-qwen3-next", config)
+    for p in [MODELS, *model_dir.rglob("*")]:  # the engine runs as user 1000
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    model_volume(real_cluster, SERVING, "models", model_dir)
+    model_config_map(real_cluster, SERVING, SAMPLE["spec"]["model"]["configMapRef"]["name"],
+                     config)
+    return refs
+
+
+def _custom(api) -> client.CustomObjectsApi:
+    return client.CustomObjectsApi(api)
+
+
+def _obj(api, name: str) -> dict[str, Any]:
+    return _custom(api).get_namespaced_custom_object(GROUP, VERSION, SERVING, PLURAL, name)
+
+
+def _condition(obj: dict[str, Any], kind: str) -> dict[str, Any] | None:
+    return next((c for c in obj.get("status", {}).get("conditions", []) if c["type"] == kind),
+                None)
+
+
+def _apply(real_cluster, obj: dict[str, Any]) -> None:
+    real_cluster.kubectl("apply", "-n", SERVING, "-f", "-", input=yaml.safe_dump(obj))
+
+
+def _pods(core: client.CoreV1Api, name: str) -> list[client.V1Pod]:
+    return [p for p in core.list_namespaced_pod(
+        SERVING, label_selector=f"spillway.dev/inference-deployment={name}").items
+        if not p.metadata.deletion_timestamp]
+
+
+def _exec(real_cluster, pod: str, script: str) -> str:
+    return real_cluster.kubectl("exec", "-n", SERVING, pod, "-c", "engine", "--",
+                                "sh", "-c", script)
+
+
+def _metrics(ip: str) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://{ip}:{ENGINE_PORT}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[s.name] = out.get(s.name, 0.0) + s.value
+    return out
+
+
+def _complete(url: str, prompt: list[int], max_tokens: int = 8) -> dict[str, Any]:
+    body = json.dumps({"model": SAMPLE["spec"]["model"]["name"], "prompt": prompt,
+                       "max_tokens": max_tokens, "temperature": 0,
+                       "ignore_eos": True}).encode()
+    req = urllib.request.Request(f"{url}/v1/completions", body,
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())
+
+
+def _stream(url: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    """One streamed completion: tokens received and whether the last chunk came."""
+    body = json.dumps({"model": SAMPLE["spec"]["model"]["name"], "prompt": prompt,
+                       "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                       "stream": True}).encode()
+    req = urllib.request.Request(f"{url}/v1/completions", body,
+                                 {"Content-Type": "application/json"})
+    got = {"chunks": 0, "done": False, "finish": None, "error": None}
+    try:
+        with urllib.request.urlopen(req, timeout=90) as r:
+            for raw in r:
+                line = raw.decode().strip()
+                if line == "data: [DONE]":
+                    got["done"] = True
+                elif line.startswith("data: "):
+                    choice = json.loads(line[6:])["choices"][0]
+                    got["chunks"] += 1
+                    got["finish"] = choice.get("finish_reason") or got["finish"]
+    except Exception as exc:  # a cut stream is what is counted
+        got["error"] = f"{type(exc).__name__}: {exc}"
+    return got
+
+
+def _streams_through_a_deletion(core, pod: client.V1Pod, streams: int = 6,
+                                max_tokens: int = 400) -> list[dict[str, Any]]:
+    """``streams`` streamed completions straight to the pod's IP; the pod is deleted
+    (as a scale-down or an eviction does) once every stream has its first tokens."""
+    url = f"http://{pod.status.pod_ip}:{ENGINE_PORT}"
+    results: list[dict[str, Any]] = [{} for _ in range(streams)]
+
+    def run(i: int) -> None:
+        results[i] = _stream(url, [7 + i] * 64, max_tokens)
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(streams)]
+    for t in threads:
+        t.start()
+    wait_for(lambda: _metrics(pod.status.pod_ip).get("vllm:num_requests_running", 0)
+             >= streams, 60, "every stream running", interval=0.2)
+    core.delete_namespaced_pod(pod.metadata.name, SERVING)
+    for t in threads:
+        t.join(120)
+    return results
+
+
+def _kill_container(pod: client.V1Pod) -> list[int]:
+    """SIGKILL every process of the pod's engine container, found from the host in the
+    container's memory cgroup (<node's cgroup root>/kubepods/<QoS>/pod<uid>/<id>): PID 1
+    of a container ignores signals sent from inside it."""
+    cid = pod.status.container_statuses[0].container_id.split("://", 1)[1]
+    root = Path("/sys/fs/cgroup/memory")
+    procs = [*root.glob(f"*/kubepods/*/pod{pod.metadata.uid}/{cid}/cgroup.procs"),
+             *root.glob(f"*/kubepods/pod{pod.metadata.uid}/{cid}/cgroup.procs")]
+    pids = [int(x) for f in procs for x in f.read_text().split()]
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return pids
+
+
+class TestServing:
+    """One InferenceDeployment with two replicas, shared by the tests of this class."""
+
+    NAME = "tiny"
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def deployment(cls, real_cluster, api, installed):
+        obj = on_real_nodes(SAMPLE, installed["engine"], "models")
+        obj["metadata"]["name"] = cls.NAME
+        obj["spec"]["replicas"] = 2
+        obj["spec"]["autoscaling"] = {"enabled": False}
+        obj["spec"]["engine"]["emulateGPU"]["speed"] = 1
+        _apply(real_cluster, obj)
+        core = client.CoreV1Api(api)
+        t0 = time.monotonic()
+
+        def available():
+            cond = _condition(_obj(api, cls.NAME), "Available")
+            return cond if cond and cond["status"] == "True" else None
+
+        wait_for(available, START_S, "Available=True", interval=2,
+                 on_timeout=lambda: (_obj(api, cls.NAME).get("status"),
+                                     real_cluster.kubectl("get", "pods", "-n", SERVING,
+                                                          "-o", "wide", check=False)))
+        print(f"2 engine pods Ready on real nodes {time.monotonic() - t0:.0f}s after apply")
+        yield core
+        real_cluster.kubectl("delete", "-n", SERVING, "inferencedeployment", cls.NAME,
+                             "--wait=true", "--timeout=120s", check=False)
+
+    def test_engine_pods_are_real_containers_of_the_engine_image(
+            self, real_cluster, api, installed, deployment):
+        """Each replica is a container containerd started from the engine image on a
+        real node, with the pod spec the operator rendered in force: user 1000, the fake
+        GPU the device plugin allocated, /dev/shm a tmpfs of the planned size, the
+        planned memory limit in the container's cgroup, the plan mounted and checked."""
+        core = deployment
+        pods = _pods(core, self.NAME)
+        assert len(pods) == 2
+        assert {p.spec.node_name for p in pods} == {"spillway-node-a", "spillway-node-b"}
+        plan = _obj(api, self.NAME)["status"]["plan"]
+        for p in pods:
+            [cs] = p.status.container_statuses
+            assert cs.container_id.startswith("containerd://"), cs.container_id
+            assert cs.image == normalize(installed["engine"]), cs.image
+            [c] = p.spec.containers
+            assert c.resources.limits["nvidia.com/gpu"] == "1"
+            out = _exec(real_cluster, p.metadata.name,
+                        "id -u; echo $NVIDIA_VISIBLE_DEVICES; df -k /dev/shm | tail -1; "
+                        "cat /sys/fs/cgroup/memory/memory.limit_in_bytes; "
+                        "ls /etc/spillway/plan").split("\n")
+            uid, gpus, shm, limit = out[0], out[1], out[2].split(), int(out[3])
+            assert uid == "1000"
+            assert gpus.startswith(f"GPU-{p.spec.node_name}-"), gpus
+            assert shm[0] == "tmpfs" and int(shm[1]) * 1024 == plan["shmBytes"], (shm, plan)
+            assert limit == plan["memoryLimitBytes"], (limit, plan)
+            assert "plan.json" in out[4:], out
+            log = core.read_namespaced_pod_log(p.metadata.name, SERVING, container="engine")
+            assert "Spillway plan check" in log and "FAILED" not in log
+
+    def test_the_chart_router_routes_to_them_and_metrics_come_from_pod_ips(
+            self, real_cluster, api, deployment):
+        """The router the chart installed (a pod of the operator image) routes
+        completions to the engine pods through its Service; each pod's /metrics,
+        scraped from its pod IP, counts them, with 0 KV mismatches."""
+        core = deployment
+        [svc] = core.list_service_for_all_namespaces(
+            label_selector="app.kubernetes.io/name=spillway-router").items
+        port = svc.spec.ports[0].port
+        url = f"http://{svc.spec.cluster_ip}:{port}"
+        for i in range(8):
+            answer = _complete(url, [3 + i] * 200)
+            assert answer["choices"][0]["finish_reason"] == "length", answer
+        prompt = sum(_metrics(p.status.pod_ip).get("vllm:prompt_tokens_total", 0)
+                     for p in _pods(core, self.NAME))
+        assert prompt >= 8 * 200
+        for p in _pods(core, self.NAME):
+            assert _metrics(p.status.pod_ip).get("spillway_emulator_kv_mismatch_total",
+                                                 0) == 0
+        operators = core.list_namespaced_pod(
+            RELEASE_NAMESPACE, label_selector="app.kubernetes.io/name=spillway").items
+        assert len(operators) == 2 and all(
+            cs.ready and cs.container_id.startswith("containerd://")
+            for p in operators for cs in p.status.container_statuses)
+
+    def test_the_kubelet_runs_the_prestop_drain_and_no_stream_is_cut(
+            self, real_cluster, api, deployment):
+        """A replica deleted with streams in flight: the kubelet runs the preStop hook
+        (spillway-engine drain) and waits for it, so every stream gets all its tokens
+        and its last chunk; the Deployment replaces the pod."""
+        core = deployment
+        victim = _pods(core, self.NAME)[0]
+        results = _streams_through_a_deletion(core, victim)
+        assert all(r["done"] and r["finish"] == "length" and r["chunks"] >= 400
+                   for r in results), results
+        wait_for(lambda: len([p for p in _pods(core, self.NAME)
+                              if p.status.container_statuses
+                              and p.status.container_statuses[0].ready]) == 2,
+                 START_S, "the replacement Ready", interval=2)
+
+    def test_without_the_prestop_hook_streams_are_cut(self, real_cluster, api, deployment):
+        """The broken variant of the test above, so it is known to catch a missing hook:
+        the same pod template without its preStop hook (a plain pod, outside the
+        Deployment); deleted with streams in flight, vLLM's SIGTERM aborts them."""
+        core = deployment
+        apps = client.AppsV1Api(api)
+        template = apps.read_namespaced_deployment(self.NAME, SERVING).spec.template
+        body = api.sanitize_for_serialization(template)
+        body["metadata"] = {"name": "no-prestop", "labels": {"app": "no-prestop"}}
+        del body["spec"]["containers"][0]["lifecycle"]
+        core.create_namespaced_pod(SERVING, {"apiVersion": "v1", "kind": "Pod", **body})
+
+        def ready():
+            p = core.read_namespaced_pod("no-prestop", SERVING)
+            cs = p.status.container_statuses or []
+            return p if cs and cs[0].ready else None
+
+        pod = wait_for(ready, START_S, "the pod without preStop Ready", interval=2)
+        results = _streams_through_a_deletion(core, pod)
+        cut = [r for r in results if not (r["done"] and r["finish"] == "length")]
+        assert cut, f"every stream finished without the preStop drain: {results}"
+
+
+    def test_a_restarted_container_frees_what_the_earlier_engine_left_in_dev_shm(
+            self, real_cluster, api, deployment):
+        """The pod's /dev/shm is a memory-backed emptyDir: it outlives a container
+        restart, and what an earlier engine left there still holds memory. After a
+        restart the launcher frees vLLM's leftovers (a 32 MiB MessageQueue-style
+        ``psm_`` block planted here), without which the preflight would refuse to start:
+        the volume is sized to the plan's shm bytes exactly."""
+        core = deployment
+        [pod, *_] = [p for p in _pods(core, self.NAME)
+                     if p.status.container_statuses and p.status.container_statuses[0].ready]
+        name = pod.metadata.name
+        _exec(real_cluster, name, "head -c 33554432 /dev/zero > /dev/shm/psm_5p1llwa7")
+        restarts = pod.status.container_statuses[0].restart_count
+        killed = _kill_container(pod)  # a crash: the kubelet restarts it in the same pod
+        assert killed, f"no process of {name}'s engine container found in its cgroup"
+
+        def back():
+            p = core.read_namespaced_pod(name, SERVING)
+            cs = p.status.container_statuses[0]
+            return p if cs.restart_count > restarts and cs.ready else None
+
+        wait_for(back, START_S, f"{name} restarted and Ready", interval=2)
+        log = core.read_namespaced_pod_log(name, SERVING, container="engine")
+        assert "freed leftover /dev/shm/psm_5p1llwa7: 33554432 bytes" in log, log[-3000:]
+        assert "psm_5p1llwa7" not in _exec(real_cluster, name, "ls /dev/shm")
+
+    def test_evictions_honour_the_pod_disruption_budget(self, real_cluster, api, deployment):
+        """A node drain goes through the Eviction API, which the operator's
+        PodDisruptionBudget (one engine pod at a time) holds: with one replica already
+        evicted and its replacement not Ready, draining the other node is refused; once
+        the replacement serves, the drain completes and the replicas run on one node."""
+        core = deployment
+        pods = [p for p in _pods(core, self.NAME)
+                if p.status.container_statuses and p.status.container_statuses[0].ready]
+        assert len(pods) == 2 and len({p.spec.node_name for p in pods}) == 2
+        first, second = sorted(pods, key=lambda p: p.spec.node_name)
+        core.create_namespaced_pod_eviction(first.metadata.name, SERVING, client.V1Eviction(
+            metadata=client.V1ObjectMeta(name=first.metadata.name, namespace=SERVING)))
+        node = second.spec.node_name
+        try:
+            refused = subprocess.run(
+                [str(real_cluster.config.binaries["kubectl"]),
+                 f"--kubeconfig={real_cluster.config.kubeconfig}", "drain", node,
+                 "--ignore-daemonsets", "--delete-emptydir-data", "--timeout=20s",
+                 f"--pod-selector=spillway.dev/inference-deployment={self.NAME}"],
+                capture_output=True, text=True, timeout=120, check=False)
+            assert refused.returncode != 0, refused.stdout
+            assert "disruption budget" in refused.stderr + refused.stdout, refused.stderr
+            wait_for(lambda: len([p for p in _pods(core, self.NAME)
+                                  if p.status.container_statuses
+                                  and p.status.container_statuses[0].ready]) == 2,
+                     START_S, "the evicted replica's replacement Ready", interval=2)
+            real_cluster.kubectl("drain", node, "--ignore-daemonsets",
+                                 "--delete-emptydir-data", "--timeout=50s",
+                                 f"--pod-selector=spillway.dev/inference-deployment={self.NAME}")
+            wait_for(lambda: len([p for p in _pods(core, self.NAME)
+                                  if p.status.container_statuses
+                                  and p.status.container_statuses[0].ready]) == 2,
+                     START_S, "both replicas Ready after the drain", interval=2)
+            assert {p.spec.node_name for p in _pods(core, self.NAME)} == {
+                first.spec.node_name}
+        finally:
+            real_cluster.kubectl("uncordon", node, check=False)
+
+    def test_a_wrong_plan_ends_in_engine_start_failed_from_the_kubelets_message(
+            self, real_cluster, api, deployment):
+        """The plan ConfigMap edited to a host pool twice the one the engine runs (with the
+        operator stopped, so it does not repair it at once): the replacement pod's plan
+        check refuses, the engine writes why to its termination log, the kubelet copies
+        it into the pod status, and the operator, back, reports Degraded=EngineStartFailed
+        quoting it."""
+        core = deployment
+        operator = ["-n", RELEASE_NAMESPACE, "deployment/spillway"]
+        cm = core.read_namespaced_config_map(f"{self.NAME}-plan", SERVING)
+        plan = json.loads(cm.data["plan.json"])
+        real_cluster.kubectl("scale", *operator, "--replicas=0")
+        try:
+            wait_for(lambda: not core.list_namespaced_pod(
+                RELEASE_NAMESPACE, label_selector="app.kubernetes.io/name=spillway").items,
+                120, "the operator stopped", interval=1)
+            stale = json.loads(json.dumps(plan))
+            stale["kv_transfer_config"]["kv_connector_extra_config"]["cpu_bytes_to_use"] *= 2
+            core.patch_namespaced_config_map(f"{self.NAME}-plan", SERVING,
+                                             {"data": {"plan.json": json.dumps(stale)}})
+            victim = _pods(core, self.NAME)[0].metadata.name
+            core.delete_namespaced_pod(victim, SERVING, grace_period_seconds=0)
+
+            def refused():
+                for p in _pods(core, self.NAME):
+                    cs = (p.status.container_statuses or [None])[0]
+                    last = cs and (cs.last_state.terminated or cs.state.terminated)
+                    if last and last.exit_code and last.message:
+                        return last
+                return None
+
+            last = wait_for(refused, START_S, "an engine refusing the stale plan", interval=2)
+            assert last.message.startswith("Spillway plan check FAILED"), last.message
+        finally:
+            real_cluster.kubectl("scale", *operator, "--replicas=2")
+
+        def degraded():
+            cond = _condition(_obj(api, self.NAME), "Degraded")
+            return cond if cond and cond["reason"] == "EngineStartFailed" else None
+
+        cond = wait_for(degraded, 120, "Degraded=EngineStartFailed", interval=0.5)
+        assert "Spillway plan check FAILED" in cond["message"]
+
+
+def test_an_engine_beyond_its_memory_limit_is_oom_killed_and_the_deployment_says_so(
+        real_cluster, api, installed):
+    """An emulated GPU whose KV cache (CPU memory in this container) is larger than the
+    pod's planned memory limit: the real memory cgroup kills the engine, the kubelet
+    reports OOMKilled, and the operator turns it into Degraded=EngineOOMKilled naming the
+    limit. (A host process has no cgroup: nothing would stop it.)"""
+    obj = on_real_nodes(SAMPLE, installed["engine"], "models")
+    obj["metadata"]["name"] = "too-big"
+    obj["spec"]["replicas"] = 1
+    obj["spec"]["autoscaling"] = {"enabled": False}
+    obj["spec"]["engine"]["emulateGPU"] = {"requestGPUs": True, "speed": 0,
+                                           "kvBytes": 16 << 30}
+    _apply(real_cluster, obj)
+    try:
+        def oom():
+            cond = _condition(_obj(api, "too-big"), "Degraded")
+            return cond if cond and cond["reason"] == "EngineOOMKilled" else None
+
+        cond = wait_for(oom, START_S, "Degraded=EngineOOMKilled", interval=2,
+                        on_timeout=lambda: (_obj(api, "too-big").get("status"),
+                                            real_cluster.kubectl("get", "pods", "-n", SERVING,
+                                                                 "-o", "wide", check=False)))
+        limit = _obj(api, "too-big")["status"]["plan"]["memoryLimitBytes"]
+        assert cond["status"] == "True"
+        assert "killed at its memory limit" in cond["message"]
+        [pod] = _pods(client.CoreV1Api(api), "too-big")
+        last = pod.status.container_statuses[0].last_state.terminated or \
+            pod.status.container_statuses[0].state.terminated
+        # The kernel kills the biggest process of the container's cgroup (vLLM's engine
+        # core); the API server then exits on its own, so the code is not always 137.
+        assert last.reason == "OOMKilled" and last.exit_code != 0
+        assert limit < (16 << 30)
+    finally:
+        real_cluster.kubectl("delete", "-n", SERVING, "inferencedeployment", "too-big",
+                             "--wait=true", "--timeout=120s", check=False)
+
+
+
+def test_an_engine_image_no_node_holds_ends_in_pods_failing(real_cluster, api, installed):
+    """An engine image the nodes do not hold and cannot pull (no registry here): the real
+    kubelet's pull fails and backs off, and the operator reports Degraded=PodsFailing
+    with the kubelet's reason, not silence."""
+    obj = on_real_nodes(SAMPLE, "spillway-engine:never-built", "models")
+    obj["metadata"]["name"] = "no-image"
+    obj["spec"]["replicas"] = 1
+    obj["spec"]["autoscaling"] = {"enabled": False}
+    _apply(real_cluster, obj)
+    try:
+        def failing():
+            cond = _condition(_obj(api, "no-image"), "Degraded")
+            return cond if cond and cond["reason"] == "PodsFailing" else None
+
+        cond = wait_for(failing, 300, "Degraded=PodsFailing", interval=2,
+                        on_timeout=lambda: _obj(api, "no-image").get("status"))
+        assert cond["status"] == "True" and "ImagePullBackOff" in cond["message"], cond
+        [pod] = _pods(client.CoreV1Api(api), "no-image")
+        waiting = pod.status.container_statuses[0].state.waiting
+        assert waiting and waiting.reason in ("ErrImagePull", "ImagePullBackOff"), waiting
+    finally:
+        real_cluster.kubectl("delete", "-n", SERVING, "inferencedeployment", "no-image",
+                             "--wait=true", "--timeout=120s", check=False)
