@@ -88,6 +88,30 @@ def test_model_refuses_what_the_schema_refuses():
     assert spec.gpus_per_pod == 8
 
 
+@pytest.mark.parametrize(("section", "field", "value", "refused"), [
+    ("offload", "hostMemory", "99999999999999999999Ei", True),
+    ("offload", "hostMemory", "1Pi", False),
+    ("offload", "hostMemory", "1125899906842625", True),  # 1Pi + 1 byte
+    ("offload", "memoryLimit", "1.2P", True),
+    ("offload", "memoryLimit", "512Ti", False),
+    ("resources", "extraMemory", "2Pi", True),
+    ("resources", "cpu", "65536", False),
+    ("resources", "cpu", "65536001m", True),
+    ("resources", "cpu", "1M", True),
+])
+def test_quantities_beyond_any_node_are_refused_by_field(section, field, value, refused):
+    """The model's bound matches the CEL rule the API server applies (its message names the
+    same bound); both keep absurd sizes from being planned into pods no API server stores."""
+    body = {"model": {"name": "a/b"}, section: {field: value}}
+    if not refused:
+        InferenceDeploymentSpec.model_validate(body)
+        return
+    with pytest.raises(ValidationError, match=f"{section}.{field}"):
+        InferenceDeploymentSpec.model_validate(body)
+    rules = crd.render()
+    assert f"{field} must be at most" in rules
+
+
 def test_objects_whose_presence_turns_something_on_have_no_default():
     """``engine.emulateGPU: {}`` turns the emulated GPU on: the API server must not
     default it in, or every InferenceDeployment would request no GPU."""

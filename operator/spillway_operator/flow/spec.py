@@ -10,6 +10,8 @@ Field names are camelCase on the wire (Kubernetes convention) and snake_case her
 
 from __future__ import annotations
 
+import re
+from decimal import Decimal
 from enum import StrEnum
 from typing import Annotated, Any
 
@@ -39,7 +41,37 @@ DEFAULT_ENGINE_IMAGE = "ghcr.io/spillway-dev/spillway-engine:0.1.0"
 
 # A Kubernetes resource quantity ("64Gi", "500M", "1.5Ti", "123456").
 QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
+#: CPU quantities also come in millicores ("250m"), which memory sizes never need.
+CPU_PATTERN = r"^([0-9]+m|[0-9]+(\.[0-9]+)?(k|M|G|T|P|E)?)$"
 DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+#: Upper bounds on the spec's quantities, far beyond any node (the largest hold tens of
+#: TiB and a few thousand CPUs): a typo such as 99999999999999999999Ei is refused by
+#: field at apply, rather than planned into pod sizes no API server can store.
+MAX_MEMORY = "1Pi"
+MAX_CPU = "65536"
+
+
+def _cpu_cores(value: str) -> Decimal:
+    if value.endswith("m"):
+        return Decimal(value[:-1]) / 1000
+    number = re.match(r"[0-9.]+", value).group()
+    return Decimal(number) * 1000 ** " kMGTPE".index(value[len(number):] or " ")
+
+
+def _at_most(value: str | None, maximum: str, parse) -> str | None:
+    if value is not None and value != "auto" and parse(value) > parse(maximum):
+        raise ValueError(f"{value} is more than {maximum}, beyond any node")
+    return value
+
+
+def _quantity_bound_rule(field: str, maximum: str) -> dict[str, str]:
+    """CEL: an optional quantity field (or auto) is at most maximum."""
+    return cel(
+        f"!has(self.{field}) || self.{field} == 'auto' || "
+        f"quantity(self.{field}).compareTo(quantity('{maximum}')) <= 0",
+        f"{field} must be at most {maximum}: no node has more",
+        f".{field}",
+    )
 
 # A Hugging Face repo id, as huggingface_hub's validate_repo_id accepts it (ASCII):
 # "name" or "namespace/name", each part word characters joined by '-' and '.' with
@@ -218,7 +250,8 @@ class EmulatedGPUSpec(_Model):
     """Run the engine on an emulated GPU: vLLM's real server, scheduler, KV-cache
     manager and Spillway's offloader on the CPU, with no weights and no forward pass
     (spillway_engine.emulator). For trying Spillway on a cluster without GPUs; the
-    pods then request no GPU and schedule on any node."""
+    pods then request no GPU and schedule on any node, unless ``requestGPUs`` asks for
+    the planned GPUs anyway (nodes whose device plugin advertises fake GPUs)."""
 
     speed: Annotated[
         float,
@@ -235,6 +268,13 @@ class EmulatedGPUSpec(_Model):
         Field(gt=0, le=1e13, description="parameters per GPU the step times assume, e.g. 8e9 "
               "(default: counted from the model)"),
     ] = None
+    request_gpus: Annotated[
+        bool,
+        Field(alias="requestGPUs", description="request the planned GPUs and require the "
+              "GPU product as a GPU pod would, so the scheduler and the kubelet's device "
+              "plugin place and admit the pods (nodes with fake GPUs); default: no GPU "
+              "requested, any node"),
+    ] = False
 
 
 class KVEventsSpec(_Model):
@@ -331,8 +371,8 @@ class EngineSpec(_Model):
     ] = None
     emulate_gpu: Annotated[
         EmulatedGPUSpec | None,
-        Field(alias="emulateGPU", description="run on an emulated GPU (no GPU requested; "
-              "for clusters without GPUs)"),
+        Field(alias="emulateGPU", description="run on an emulated GPU (no GPU requested "
+              "unless requestGPUs; for clusters without GPUs)"),
     ] = None
     kv_events: KVEventsSpec = KVEventsSpec()
     speculative: Annotated[
@@ -384,8 +424,8 @@ class ResourcesSpec(_Model):
     cpu: Annotated[
         str | None,
         Field(
-            pattern=QUANTITY_PATTERN,
-            description="CPU request per pod (default: 4 per GPU)",
+            pattern=CPU_PATTERN,
+            description="CPU request per pod, e.g. 8 or 250m (default: 4 per GPU)",
         ),
     ] = None
     extra_memory: Annotated[
@@ -409,6 +449,16 @@ class ResourcesSpec(_Model):
         ),
     ] = None
     affinity: dict[str, Any] | None = _free_form("core/v1 affinity, merged with the GPU product")
+
+    @field_validator("cpu")
+    @classmethod
+    def _cpu_bounded(cls, value: str | None) -> str | None:
+        return _at_most(value, MAX_CPU, _cpu_cores)
+
+    @field_validator("extra_memory")
+    @classmethod
+    def _memory_bounded(cls, value: str | None) -> str | None:
+        return _at_most(value, MAX_MEMORY, parse_bytes)
 
 
 class EvictionPolicy(StrEnum):
@@ -468,6 +518,11 @@ class OffloadSpec(_Model):
     offloader: Annotated[
         Offloader, Field(description="spillway (per-group rows) or vLLM's upstream offloader")
     ] = Offloader.SPILLWAY
+
+    @field_validator("host_memory", "memory_limit")
+    @classmethod
+    def _memory_bounded(cls, value: str | None) -> str | None:
+        return _at_most(value, MAX_MEMORY, parse_bytes)
 
 
 #: The autoscaler's own defaults (``pressure.Policy``): the CRD's defaults are these.
@@ -549,6 +604,40 @@ class DisruptionSpec(_Model):
     ] = 25.0
 
 
+class FailureMode(StrEnum):
+    """What a gateway does when the endpoint picker does not answer (the Gateway API
+    Inference Extension's endpointPickerRef.failureMode)."""
+
+    FAIL_OPEN = "FailOpen"
+    FAIL_CLOSE = "FailClose"
+
+
+class EndpointPickerSpec(_Model):
+    """Spillway's endpoint picker (spillway-router --epp-port) behind a Gateway API
+    Inference Extension gateway."""
+
+    failure_mode: Annotated[
+        FailureMode,
+        Field(description="what the gateway does when the picker does not answer: "
+              "FailOpen sends the request to an engine pod of its own choice (served, "
+              "without the cache-aware choice), FailClose refuses it; copied into the "
+              "InferencePool's endpointPickerRef.failureMode"),
+    ] = FailureMode.FAIL_OPEN
+
+
+class RoutingSpec(_Model):
+    """How requests reach the engine pods. The operator makes an InferencePool of the
+    same name as this object when it runs with --endpoint-picker and the cluster serves
+    the Gateway API Inference Extension's inference.networking.k8s.io/v1 API (status.routing
+    says which); else clients use spillway-router or the object's Service."""
+
+    endpoint_picker: Annotated[
+        EndpointPickerSpec,
+        Field(description="Spillway's endpoint picker (spillway-router --epp-port) behind a "
+              "Gateway API Inference Extension gateway"),
+    ] = EndpointPickerSpec()
+
+
 class InferenceDeploymentSpec(_Model):
     model: ModelSpec
     replicas: Annotated[
@@ -561,6 +650,13 @@ class InferenceDeploymentSpec(_Model):
     autoscaling: AutoscalingSpec = AutoscalingSpec()
     rollout: RolloutSpec = RolloutSpec()
     disruption: DisruptionSpec = DisruptionSpec()
+    routing: Annotated[
+        RoutingSpec,
+        Field(description="how requests reach the engine pods: the operator makes an "
+              "InferencePool of this name when it runs with --endpoint-picker and the cluster "
+              "serves the Gateway API Inference Extension's InferencePool API (status.routing "
+              "says which)"),
+    ] = RoutingSpec()
 
     @property
     def gpus_per_pod(self) -> int:
@@ -731,7 +827,13 @@ CEL_RULES: dict[str, list[dict[str, str]]] = {
             ".minReplicas",
         ),
     ],
+    "spec.resources": [
+        _quantity_bound_rule("cpu", MAX_CPU),
+        _quantity_bound_rule("extraMemory", MAX_MEMORY),
+    ],
     "spec.offload": [
+        _quantity_bound_rule("hostMemory", MAX_MEMORY),
+        _quantity_bound_rule("memoryLimit", MAX_MEMORY),
         cel(
             "!(has(self.blocksPerChunk) && has(self.chunkTokens))",
             "set only one of offload.blocksPerChunk and offload.chunkTokens",
@@ -816,6 +918,13 @@ class AutoscalingStatus(_Model):
     last_scale_time: Annotated[str | None, Field(json_schema_extra={"format": "date-time"})] = None
 
 
+class Routing(StrEnum):
+    """What routes requests to the engine pods (status.routing)."""
+
+    SPILLWAY_ROUTER = "SpillwayRouter"
+    INFERENCE_POOL = "InferencePool"
+
+
 class InferenceDeploymentStatus(_Model):
     observed_generation: int | None = None
     replicas: int = 0
@@ -824,3 +933,11 @@ class InferenceDeploymentStatus(_Model):
     conditions: list[Condition] = []
     plan: PlanSummary | None = None
     autoscaling: AutoscalingStatus | None = None
+    routing: Annotated[
+        Routing | None,
+        Field(description="InferencePool: an InferencePool of this name selects the engine "
+              "pods for a Gateway API Inference Extension gateway, with Spillway's endpoint "
+              "picker; SpillwayRouter: none (no --endpoint-picker given to the operator, or "
+              "the cluster does not serve inference.networking.k8s.io/v1 InferencePools), "
+              "clients use spillway-router or the Service"),
+    ] = None

@@ -24,7 +24,16 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from spillway_engine.quantity import QuantityError, parse_bytes
-from spillway_operator.names import FIELD_MANAGER, GROUP, KIND, PLURAL, VERSION
+from spillway_operator.names import (
+    FIELD_MANAGER,
+    GROUP,
+    INFERENCE_POOL_API,
+    INFERENCE_POOL_KIND,
+    INFERENCE_POOL_PLURAL,
+    KIND,
+    PLURAL,
+    VERSION,
+)
 from spillway_operator.plumbing import metrics
 from spillway_operator.plumbing.cache import Key, WatchCache, ref_of
 
@@ -67,6 +76,7 @@ _PLURALS = {
     ("apps/v1", "Deployment"): "deployments",
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
     (SERVICE_MONITOR_API, "ServiceMonitor"): "servicemonitors",
+    (INFERENCE_POOL_API, INFERENCE_POOL_KIND): INFERENCE_POOL_PLURAL,
     (f"{GROUP}/{VERSION}", KIND): PLURAL,
 }
 
@@ -231,8 +241,10 @@ class Kube:
         self.hold_events: Callable[[], bool] | None = None
         # Reconciles run in worker threads and share the discovery cache below.
         self._lock = threading.Lock()
-        self._has_service_monitors: bool | None = None
-        self._service_monitors_checked = 0.0
+        # (apiVersion, kind) -> (served, when discovery said so)
+        self._discovered: dict[tuple[str, str], tuple[bool, float]] = {}
+        #: How many times an optional API (discovery) came or went while running.
+        self.api_changes = 0
         # Namespaces the API server said are being deleted -> when it said so.
         self._terminating: dict[str, float] = {}
         # Namespaces the namespace watch shows being deleted (observe_namespace).
@@ -319,13 +331,16 @@ class Kube:
                 with self._lock:
                     self._terminating[namespace] = time.monotonic()
                 raise NamespaceTerminating(f"{verb} {path}: {message}", resp.status)
+            # A refusal says what the API server said, which names the object and field,
+            # and not how it was sent: a create (POST) and the applies after it (PATCH)
+            # are refused the same way, and a condition quoting the verb would flap.
             if resp.status == 500 and any(m in message for m in _TYPED_PATCH_ERRORS):
-                raise Rejected(f"{verb} {path}: {message}", resp.status)
+                raise Rejected(message, resp.status)
             if resp.status in _RETRYABLE_STATUS:
                 raise TemporaryError(f"{verb} {path}: HTTP {resp.status} {resp.reason}",
                                      resp.status)
             if resp.status in (400, 403, 413, 422) and verb.lower() in ("patch", "post", "put"):
-                raise Rejected(f"{verb} {path}: HTTP {resp.status}: {message}", resp.status)
+                raise Rejected(f"HTTP {resp.status}: {message}", resp.status)
             raise ApiException(status=resp.status, reason=resp.reason,
                                body=data.decode("utf-8", "replace") if data else None)
         return json.loads(data) if data else None
@@ -447,20 +462,52 @@ class Kube:
         if self.cache is not None:
             self.cache.remember(adopted)
 
+    def _served(self, api_version: str, kind: str, max_age: float) -> bool:
+        """Whether the API server serves ``kind`` (its discovery document lists the
+        resource), asked again once the last answer is older than ``max_age`` seconds.
+        Discovery is a non-resource URL every authenticated user may read."""
+        plural = _PLURALS[(api_version, kind)]
+        # Held across the one discovery request, so concurrent workers wait for its
+        # answer instead of each asking (and racing on the answer).
+        with self._lock:
+            held = self._discovered.get((api_version, kind))
+            if held is not None and time.monotonic() - held[1] <= max_age:
+                return held[0]
+            found = self.get(api_path(api_version))
+            served = bool(found and any(r.get("name") == plural
+                                        for r in found.get("resources") or ()))
+            self._discovered[(api_version, kind)] = (served, time.monotonic())
+        if held is not None and held[0] != served:
+            self._api_changed(api_version, kind)
+        return served
+
+    def _api_changed(self, api_version: str, kind: str) -> None:
+        """An API came or went: what the cache remembers of its objects is void (they
+        went with their CRD; and one re-installed holds none of them)."""
+        with self._lock:
+            self.api_changes += 1
+        if self.cache is not None:
+            self.cache.forget_kind(api_version, kind)
+
     def service_monitors_served(self) -> bool:
         """Whether the Prometheus operator's ServiceMonitor API exists (re-checked every
         5 minutes, so installing the Prometheus operator later is noticed)."""
-        # Held across the one discovery request, so concurrent workers wait for its
-        # answer instead of each asking (and racing on the two fields).
+        return self._served(SERVICE_MONITOR_API, "ServiceMonitor", 300)
+
+    def inference_pools_served(self, max_age: float = 30) -> bool:
+        """Whether the Gateway API Inference Extension's InferencePool v1 API exists;
+        ``max_age`` 0 asks now (the controller's periodic check)."""
+        return self._served(INFERENCE_POOL_API, INFERENCE_POOL_KIND, max_age)
+
+    def inference_pools_gone(self) -> None:
+        """A request on an InferencePool answered 404 for the whole resource: its CRD
+        was removed since discovery last said it was served."""
         with self._lock:
-            if self._has_service_monitors is None or (
-                    time.monotonic() - self._service_monitors_checked > 300):
-                found = self.get(api_path(SERVICE_MONITOR_API))
-                self._has_service_monitors = bool(
-                    found and any(r.get("name") == "servicemonitors" for r in found["resources"])
-                )
-                self._service_monitors_checked = time.monotonic()
-            return self._has_service_monitors
+            held = self._discovered.get((INFERENCE_POOL_API, INFERENCE_POOL_KIND))
+            self._discovered[(INFERENCE_POOL_API, INFERENCE_POOL_KIND)] = (False,
+                                                                           time.monotonic())
+        if held is None or held[0]:
+            self._api_changed(INFERENCE_POOL_API, INFERENCE_POOL_KIND)
 
     # ------------------------------------------------------------ reads
 
