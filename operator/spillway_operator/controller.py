@@ -58,8 +58,12 @@ def only_status_changed(old: dict[str, Any], new: dict[str, Any]) -> bool:
 
 class Controller:
     def __init__(self, reconciler: Reconciler, workers: int = 4, resync_seconds: float = 300,
-                 backoff: Backoff | None = None, autoscaler: Autoscaler | None = None):
+                 backoff: Backoff | None = None, autoscaler: Autoscaler | None = None,
+                 discovery_seconds: float = 30):
         self.reconciler = reconciler
+        # How often the optional APIs the reconciles depend on are asked about
+        # (_rediscover; only with an endpoint picker: the InferencePool API).
+        self.discovery_seconds = discovery_seconds
         self.autoscaler = autoscaler
         self.workers = workers
         # Their own threads: asyncio's default pool has min(32, CPUs + 4) threads, six
@@ -211,6 +215,28 @@ class Controller:
                 if key not in self._failing:
                     self.enqueue(key)
 
+    async def _rediscover(self) -> None:
+        """GIE's InferencePool CRD may be installed or removed while the operator runs:
+        ask every discovery_seconds, and when it came or went (here or in a reconcile's
+        own discovery), reconcile every object, so each gets its pool, or a status that
+        says it has none, without a restart."""
+        seen = 0
+        while True:
+            try:
+                changes = await asyncio.get_running_loop().run_in_executor(
+                    self._threads, self.reconciler.recheck_routing)
+            except TemporaryError as exc:  # an outage: the reconciles report it
+                log.debug("discovery of the InferencePool API failed: %s", exc)
+            except Exception:  # a bug: logged, and the loop goes on
+                log.exception("discovery of the InferencePool API failed")
+            else:
+                if changes != seen:
+                    seen = changes
+                    log.info("the InferencePool API came or went; reconciling every object")
+                    for key in list(self.objects):
+                        self.enqueue(key)
+            await asyncio.sleep(self.discovery_seconds)
+
     @property
     def bursting(self) -> bool:
         """New or changed objects wait in the queue: their children go before anything
@@ -229,6 +255,8 @@ class Controller:
             return
         self._tasks = [asyncio.create_task(self._work()) for _ in range(self.workers)]
         self._tasks.append(asyncio.create_task(self._resync()))
+        if getattr(self.reconciler, "endpoint_picker", None) is not None:
+            self._tasks.append(asyncio.create_task(self._rediscover()))
         for key in list(self.objects):
             self.enqueue(key)
         if self.autoscaler:

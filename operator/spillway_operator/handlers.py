@@ -24,6 +24,7 @@ from kubernetes import client, config
 from spillway_operator.controller import Controller
 from spillway_operator.flow.reconciler import Reconciler
 from spillway_operator.flow.render import FIELD_MANAGER
+from spillway_operator.flow.routing import EndpointPicker
 from spillway_operator.flow.scaler import Autoscaler
 from spillway_operator.flow.spec import GROUP, KIND, PLURAL, VERSION
 from spillway_operator.plumbing import metrics, watch
@@ -103,12 +104,16 @@ def workers(env: Mapping[str, str]) -> int:
     return int(env.get("SPILLWAY_WORKERS", "8"))
 
 
-def make_controller(kube: Kube, env: Mapping[str, str]) -> Controller:
+def make_controller(kube: Kube, env: Mapping[str, str],
+                    endpoint_picker: EndpointPicker | None = None) -> Controller:
+    # How often the InferencePool API is looked for (with an endpoint picker).
+    discovery = float(env.get("SPILLWAY_DISCOVERY_SECONDS", "30"))
     return Controller(
-        Reconciler(kube),
+        Reconciler(kube, endpoint_picker, discovery),
         autoscaler=Autoscaler(kube),
         workers=workers(env),
         resync_seconds=float(env.get("SPILLWAY_RESYNC_SECONDS", "300")),
+        discovery_seconds=discovery,
     )
 
 
@@ -149,7 +154,12 @@ async def startup(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
     cache = WatchCache(OWNER_LABEL)
     # The reconcile workers, the autoscaler's and the Event thread's requests.
     kube = Kube(_api_client(workers(os.environ) + 8), cache=cache)
-    controller = make_controller(kube, os.environ)
+    picker: EndpointPicker | None = getattr(memo, "endpoint_picker", None)
+    controller = make_controller(kube, os.environ, picker)
+    if picker is not None:
+        log.info("endpoint picker %s: an InferencePool per InferenceDeployment%s while the "
+                 "cluster serves inference.networking.k8s.io/v1 InferencePools", picker,
+                 f" in {picker.namespace}" if picker.namespace else "")
     kube.hold_events = lambda: controller.bursting
     _state["controller"], _state["cache"] = controller, cache
     _state["watches"] = start_watches(getattr(memo, "namespaces", None),

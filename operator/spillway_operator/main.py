@@ -35,6 +35,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-format", choices=["plain", "json", "full"], default="plain")
     parser.add_argument("-v", "--verbose", action="store_true")
     env = os.environ
+    parser.add_argument(
+        "--endpoint-picker", metavar="[NAMESPACE/]SERVICE:PORT",
+        default=env.get("SPILLWAY_ENDPOINT_PICKER") or None,
+        help="the Service (and its port) of spillway-router's endpoint picker (--epp-port): "
+             "each InferenceDeployment gets a Gateway API Inference Extension InferencePool "
+             "naming it, when the cluster serves that API; with NAMESPACE, only "
+             "InferenceDeployments there (an InferencePool names a Service of its own "
+             "namespace). Default: SPILLWAY_ENDPOINT_PICKER; unset, no InferencePools")
     le = parser.add_argument_group(
         "leader election", "several replicas; only the holder of a coordination.k8s.io/v1 "
         "Lease reconciles, autoscales and writes (defaults from SPILLWAY_* variables)")
@@ -93,6 +101,11 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError(f"-n {namespace!r}: not a namespace name (lowercase letters, "
                                  "digits and '-', at most 63; patterns are not supported)")
         election = election_of(args)
+        picker = None
+        if args.endpoint_picker:
+            from spillway_operator.flow.routing import parse_endpoint_picker
+
+            picker = parse_endpoint_picker(args.endpoint_picker)
     except ValueError as exc:
         print(f"spillway operator run: {exc}", file=sys.stderr)
         return 2
@@ -110,7 +123,8 @@ def run(args: argparse.Namespace) -> int:
         clusterwide=bool(args.all_namespaces),
         namespaces=args.namespaces or [],
         liveness_endpoint=args.liveness or None,
-        memo=kopf.Memo(election=election, namespaces=args.namespaces or None),
+        memo=kopf.Memo(election=election, namespaces=args.namespaces or None,
+                       endpoint_picker=picker),
     )
     return 0
 

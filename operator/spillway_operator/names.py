@@ -10,3 +10,16 @@ PLURAL = "inferencedeployments"
 SHORT_NAME = "infdep"
 #: Server-side apply's field manager, and the app.kubernetes.io/managed-by value.
 FIELD_MANAGER = "spillway"
+
+#: The Gateway API Inference Extension's InferencePool (its v1 API, GIE v1.x), which the
+#: operator makes per InferenceDeployment when that API is served and an endpoint picker
+#: is configured (``spillway operator run --endpoint-picker``).
+INFERENCE_POOL_API = "inference.networking.k8s.io/v1"
+INFERENCE_POOL_KIND = "InferencePool"
+INFERENCE_POOL_PLURAL = "inferencepools"
+
+
+def inference_pool_name(inference_deployment: str) -> str:
+    """An InferenceDeployment's InferencePool: the same name, one pool each, as its
+    Service (a Gateway's HTTPRoute names the pool the user knows by that name)."""
+    return inference_deployment

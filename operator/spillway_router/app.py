@@ -64,12 +64,30 @@ class RouterConfig:
     tokenizers: dict[str, Tokenizer] = field(default_factory=dict)
 
 
-def error(status: int, message: str, kind: str | None = None) -> web.Response:
+class Refused(Exception):
+    """A request the router answers itself, with an OpenAI-style error."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+@dataclass(frozen=True)
+class Routed:
+    prompt: Prompt
+    candidates: list[Backend]  # best first
+    keys: list[int]  # the prompt's block keys, for RouterState.served
+
+
+def error_body(status: int, message: str, kind: str | None = None) -> dict[str, Any]:
     kind = kind or {400: "BadRequestError", 404: "NotFoundError", 413: "BadRequestError"}.get(
         status, "ServiceUnavailableError"
     )
-    body = {"object": "error", "message": message, "type": kind, "param": None, "code": status}
-    return web.json_response(body, status=status)
+    return {"object": "error", "message": message, "type": kind, "param": None, "code": status}
+
+
+def error(status: int, message: str, kind: str | None = None) -> web.Response:
+    return web.json_response(error_body(status, message, kind), status=status)
 
 
 def parse_pod_metrics(text: str) -> tuple[float, int | None]:
@@ -208,7 +226,8 @@ class RouterState:
     def models(self) -> list[str]:
         return sorted({b.model for b in self.backends.values()})
 
-    def ready(self, model: str) -> list[Backend]:
+    def ready(self, model: str, only: set[str] | None = None) -> list[Backend]:
+        """The model's pods that take requests (of ``only``'s addresses, when given)."""
         now = time.monotonic()
         return [
             b
@@ -216,6 +235,7 @@ class RouterState:
             if b.model == model
             and self.healthy.get(b.name)
             and self.ejected_until.get(b.name, 0.0) <= now
+            and (only is None or b.address in only)
         ]
 
     def ring(self, model: str, names: Iterable[str]) -> Ring:
@@ -244,10 +264,12 @@ class RouterState:
             return hasher.keys(prompt.tokens, prompt.cache_salt)
         return text_keys(prompt.text or "", unit * CHARS_PER_TOKEN)
 
-    def route(self, model: str, prompt: Prompt) -> tuple[list[Backend], list[int]]:
+    def route(
+        self, model: str, prompt: Prompt, only: set[str] | None = None
+    ) -> tuple[list[Backend], list[int]]:
         """Pods to try, best first (none when none is ready), and the prompt's block
         keys, for :meth:`served` to record where the request went."""
-        ready = self.ready(model)
+        ready = self.ready(model, only)
         if not ready:
             return [], []
         t0 = time.perf_counter()
@@ -289,6 +311,38 @@ class RouterState:
             key=lambda b: (b.draining, decision.estimates.get(b.name, float("inf")), b.name),
         )
         return [by_name[decision.pod], *rest], keys
+
+    def decide(self, path: str, raw: bytes, only: set[str] | None = None) -> Routed:
+        """Parse an OpenAI request and pick its pods (best first): the one decision
+        the proxy and the endpoint picker both make. Raises :class:`Refused` with
+        the status and message the client gets."""
+        try:
+            body = json.loads(raw)
+        except (ValueError, RecursionError):
+            raise Refused(400, "the request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise Refused(400, "the request body must be a JSON object")
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise Refused(400, "'model' must be a non-empty string")
+        if model not in self.models():
+            raise Refused(404, f"The model `{model}` does not exist.")
+        try:
+            prompt = prompt_of(path, body, self.config.tokenizers.get(model))
+        except BadRequest as e:
+            raise Refused(400, str(e)) from None
+        candidates, keys = self.route(model, prompt, only)
+        if not candidates:
+            among = "" if only is None else " among the endpoints the gateway allows"
+            raise Refused(503, f"no ready pod serves the model `{model}`{among}")
+        limit = candidates[0].profile.max_model_len
+        if prompt.tokens is not None and limit and len(prompt.tokens) > limit:
+            raise Refused(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, your "
+                f"request has {len(prompt.tokens)} input tokens.",
+            )
+        return Routed(prompt, candidates, keys)
 
     def served(self, pod: str, prompt: Prompt, keys: list[int]) -> None:
         """``pod`` answered a request with these keys: it now holds them (approximately).
@@ -376,7 +430,7 @@ class RouterApp:
         them all into the index under the pod's name. A pod that lists none (events
         off, or a vLLM without the endpoint) stays approximate."""
         assert self.session is not None
-        host = backend.url.split("://", 1)[1].rsplit(":", 1)[0]
+        host = backend.address.rsplit(":", 1)[0]
         timeout = aiohttp.ClientTimeout(total=max(2.0, self.state.config.probe_interval_s * 2))
         endpoints: list[str] = []
         for _ in range(10):
@@ -470,32 +524,12 @@ class RouterApp:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
             return self._fail(413, f"the request body is larger than {MAX_BODY} bytes")
-        try:
-            body = json.loads(raw)
-        except (ValueError, RecursionError):
-            return self._fail(400, "the request body is not valid JSON")
-        if not isinstance(body, dict):
-            return self._fail(400, "the request body must be a JSON object")
-        model = body.get("model")
-        if not isinstance(model, str) or not model:
-            return self._fail(400, "'model' must be a non-empty string")
         s = self.state
-        if model not in s.models():
-            return self._fail(404, f"The model `{model}` does not exist.")
         try:
-            prompt = prompt_of(request.path, body, s.config.tokenizers.get(model))
-        except BadRequest as e:
-            return self._fail(400, str(e))
-        candidates, keys = s.route(model, prompt)
-        if not candidates:
-            return self._fail(503, f"no ready pod serves the model `{model}`")
-        limit = candidates[0].profile.max_model_len
-        if prompt.tokens is not None and limit and len(prompt.tokens) > limit:
-            return self._fail(
-                400,
-                f"This model's maximum context length is {limit} tokens. However, your "
-                f"request has {len(prompt.tokens)} input tokens.",
-            )
+            decision = s.decide(request.path, raw)
+        except Refused as e:
+            return self._fail(e.status, e.message)
+        candidates, prompt, keys = decision.candidates, decision.prompt, decision.keys
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
         for attempt, backend in enumerate(candidates[: s.config.max_attempts]):
             if attempt:

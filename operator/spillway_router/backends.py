@@ -60,6 +60,11 @@ class Backend:
     profile: Profile = field(default_factory=Profile)
     draining: bool = False
 
+    @property
+    def address(self) -> str:
+        """host:port, as a gateway names an endpoint."""
+        return self.url.split("://", 1)[1]
+
     def cost(self, **flags: float) -> CostModel:
         p = self.profile
         return CostModel(

@@ -30,6 +30,13 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8080)
+    p.add_argument(
+        "--epp-port",
+        type=int,
+        default=0,
+        help="also serve the Gateway API Inference Extension's endpoint picker (Envoy "
+        "ext_proc over gRPC) on this port, from the same state (0: off; GIE uses 9002)",
+    )
     src = p.add_argument_group("backends")
     src.add_argument(
         "--backend",
@@ -124,7 +131,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
     router = build(args)
-    web.run_app(router.build(), host=args.host, port=args.port, access_log=None)
+    app = router.build()
+    if args.epp_port:
+        from .epp import EndpointPickerServer
+
+        picker = EndpointPickerServer(router.state, args.host, args.epp_port)
+
+        async def start_picker(_: web.Application) -> None:
+            await picker.start()
+
+        async def stop_picker(_: web.Application) -> None:
+            await picker.stop()
+
+        app.on_startup.append(start_picker)
+        app.on_cleanup.insert(0, stop_picker)
+    web.run_app(app, host=args.host, port=args.port, access_log=None)
     return 0
 
 

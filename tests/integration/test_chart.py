@@ -729,3 +729,159 @@ def test_router_is_opt_in_least_privilege_and_admitted(helm, cluster, namespace)
                input=yaml.safe_dump_all(docs))
     assert proc.stdout.count("(server dry run)") == len(docs), proc.stdout
     assert "PodSecurity" not in proc.stderr and "violate" not in proc.stderr, proc.stderr
+
+
+# ---------------------------------------------------------------- the endpoint picker
+
+# router.endpointPicker: the InferencePools, in a Role of the release namespace only.
+POOL_RULES = {("inference.networking.k8s.io", "inferencepools", v)
+              for v in ("get", "create", "patch")}
+EPP = ["router.enabled=true", "router.endpointPicker.enabled=true"]
+POOLS_RESOURCE = "inferencepools.inference.networking.k8s.io"
+
+
+def test_endpoint_picker_is_opt_in_and_wires_router_operator_and_rbac(helm):
+    def operator_args(docs: list[dict]) -> list[str]:
+        (dep,) = [d for d in by_kind(docs, "Deployment")
+                  if not d["metadata"]["name"].endswith("-router")]
+        return dep["spec"]["template"]["spec"]["containers"][0]["args"]
+
+    def pool_roles(docs: list[dict], kind: str) -> list[dict]:
+        return [d for d in by_kind(docs, kind)
+                if d["metadata"]["name"].endswith("-inference-pools")]
+
+    for sets in ([], ["router.enabled=true"]):  # off by default, the router's too
+        docs = render(helm, "sys", *sets)
+        assert "--endpoint-picker" not in operator_args(docs)
+        assert not pool_roles(docs, "Role") and "grpc-epp" not in json.dumps(docs)
+        assert all("--epp-port" not in c["args"] for d in by_kind(docs, "Deployment")
+                   for c in d["spec"]["template"]["spec"]["containers"])
+
+    docs = render(helm, "sys", *EPP, "router.endpointPicker.port=9100")
+    router = {d["kind"]: d for d in docs if d["metadata"]["name"] == "spillway-router"}
+    (c,) = router["Deployment"]["spec"]["template"]["spec"]["containers"]
+    assert c["args"][c["args"].index("--epp-port") + 1] == "9100"
+    assert {"name": "grpc-epp", "containerPort": 9100} in c["ports"]
+    assert {"name": "grpc-epp", "port": 9100, "targetPort": "grpc-epp"} in router["Service"][
+        "spec"]["ports"]
+    # The operator names the router's Service and its picker port, in the release namespace.
+    args = operator_args(docs)
+    assert args[args.index("--endpoint-picker") + 1] == "sys/spillway-router:9100"
+    from spillway_operator.flow.routing import parse_endpoint_picker
+
+    picker = parse_endpoint_picker(args[args.index("--endpoint-picker") + 1])
+    assert (picker.namespace, picker.service, picker.port) == (
+        "sys", router["Service"]["metadata"]["name"], 9100)
+    # RBAC: the pools in the release namespace alone, bound to the operator's account; the
+    # operator's other roles are unchanged.
+    (role,) = pool_roles(docs, "Role")
+    assert role["metadata"]["namespace"] == "sys" and rule_set(role["rules"]) == POOL_RULES
+    (binding,) = pool_roles(docs, "RoleBinding")
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "spillway",
+                                    "namespace": "sys"}]
+    (cluster_role,) = by_kind(docs, "ClusterRole")
+    assert rule_set(cluster_role["rules"]) == NAMESPACED_RULES | CRD_READS | NAMESPACE_READS
+    docs = render(helm, "sys", *EPP, "watchNamespaces={a,sys}")
+    operator_roles = [r for r in by_kind(docs, "Role") if r["metadata"]["name"] == RELEASE]
+    assert {r["metadata"]["namespace"] for r in operator_roles} == {"a", "sys"}
+    assert all(rule_set(r["rules"]) == NAMESPACED_RULES for r in operator_roles)
+    assert [r["metadata"]["namespace"] for r in pool_roles(docs, "Role")] == ["sys"]
+    out = helm("lint", "--strict", CHART, *[a for s in EPP for a in ("--set", s)]).stdout
+    assert "0 chart(s) failed" in out, out
+
+    # What cannot work is refused, with the reason.
+    for sets, needle in ((["router.endpointPicker.enabled=true"], "needs router.enabled"),
+                         ([*EPP, "router.namespace=elsewhere"], "release namespace"),
+                         ([*EPP, "watchNamespaces={a}"], "watchNamespaces must include"),
+                         ([*EPP, "router.endpointPicker.port=70000"], "endpointPicker/port"),
+                         ([*EPP, "router.endpointPicker.prot=1"], "prot")):
+        proc = helm("template", RELEASE, CHART, "-n", "sys",
+                    *[a for s in sets for a in ("--set", s)], check=False)
+        assert proc.returncode != 0 and needle in proc.stderr, (sets, proc.stderr)
+
+
+def test_operator_makes_inference_pools_as_the_chart_service_account(
+        helm, cluster, api, crd_installed, work_namespace, fence, tmp_path):
+    """The chart with the endpoint picker, installed into the namespace it serves; GIE's
+    real InferencePool CRD served; the operator run with the chart's ServiceAccount token
+    and the chart's --endpoint-picker: the InferenceDeployment's pool is made through the
+    new Role (the fence keeps the session's admin operator from writing here), nothing is
+    forbidden, and the Role grants nothing more."""
+    from e2e.cluster.controlplane import GIE_INFERENCE_POOL_CRD, locate_gie_crds
+
+    ns = work_namespace
+    pool_crd = "inferencepools.inference.networking.k8s.io"
+    installed_here = not cluster.kubectl("get", "crd", pool_crd, "--ignore-not-found",
+                                         "-o", "name").strip()
+    if installed_here:
+        cluster.kubectl("apply", "--server-side", "-f",
+                        locate_gie_crds() / GIE_INFERENCE_POOL_CRD)
+        cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
+                        f"crd/{pool_crd}")
+    proc = None
+    log = tmp_path / "operator.log"
+    log.touch()
+    text = lambda: log.read_text(errors="replace")  # noqa: E731
+    try:
+        helm("install", RELEASE, CHART, "-n", ns, "--set", "crds.install=false",
+             "--set", "operator.replicas=0", *[a for s in EPP for a in ("--set", s)])
+        live = json.loads(cluster.kubectl("get", "deployment", RELEASE, "-n", ns, "-o", "json"))
+        args = live["spec"]["template"]["spec"]["containers"][0]["args"]
+        picker = args[args.index("--endpoint-picker") + 1]
+        assert picker == f"{ns}/{RELEASE}-router:9002"
+
+        sa_user = f"system:serviceaccount:{ns}:{RELEASE}"
+        for verb in ("get", "create", "patch"):
+            assert _can_i(cluster, sa_user, verb, POOLS_RESOURCE, "-n", ns), verb
+        for verb in ("list", "watch", "update", "delete", "deletecollection"):
+            assert not _can_i(cluster, sa_user, verb, POOLS_RESOURCE, "-n", ns), verb
+        assert not _can_i(cluster, sa_user, "create", POOLS_RESOURCE, "-n", "default")
+
+        kubeconfig = _sa_kubeconfig(cluster, ns, RELEASE, tmp_path / "sa.kubeconfig")
+        env = {**os.environ, "KUBECONFIG": str(kubeconfig), "SPILLWAY_RESYNC_SECONDS": "20",
+               "SPILLWAY_WATCH_TIMEOUT": "60", "PYTHONUNBUFFERED": "1"}
+        env.pop("KUBERNETES_SERVICE_HOST", None)
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "spillway_operator", "-n", ns, "--liveness", "",
+                 "--metrics-port", str(free_port()), "--verbose", "--endpoint-picker", picker],
+                stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
+        wait_for(lambda: proc.poll() is not None or "spillway operator started" in text(), 60,
+                 "the operator to start")
+        assert proc.poll() is None, text()[-3000:]
+
+        core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
+        model_configmap(core, ns, "model", "gemma-3-1b-it.json")
+        fence()  # from here on, only the chart's ServiceAccount can write the results
+        custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, infdep("gemma"))
+
+        def pooled():
+            assert " 403 " not in text(), text()[-4000:]  # fail fast on a missing rule
+            obj = custom.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, "gemma")
+            return obj if (obj.get("status") or {}).get("routing") == "InferencePool" else None
+
+        wait_for(pooled, 90, f"gemma's InferencePool (operator log: {log})")
+        pool = custom.get_namespaced_custom_object("inference.networking.k8s.io", "v1", ns,
+                                                   "inferencepools", "gemma")
+        assert pool["spec"]["endpointPickerRef"]["name"] == f"{RELEASE}-router"
+        assert pool["spec"]["endpointPickerRef"]["port"] == {"number": 9002}
+        # The picker's Service exists where the pool names it, with that port.
+        svc = core.read_namespaced_service(f"{RELEASE}-router", ns)
+        assert {(p.name, p.port) for p in svc.spec.ports} >= {("grpc-epp", 9002)}
+        assert re.search(rf'"(POST|PATCH) /apis/inference\.networking\.k8s\.io/v1/namespaces/'
+                         rf'{ns}/inferencepools[/?][^"]*HTTP/1\.1" 20[01]', text())
+    finally:
+        if proc is not None:
+            proc.terminate()
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        helm("uninstall", RELEASE, "-n", ns, "--wait", "--timeout", "60s", check=False)
+        if installed_here:
+            cluster.kubectl("delete", "crd", pool_crd, "--ignore-not-found")
+    logtext = text()
+    for needle in (" 403 ", "Forbidden", "forbidden", "Traceback"):
+        assert needle not in logtext, f"{needle!r} in the operator log:\n{logtext[-4000:]}"
+

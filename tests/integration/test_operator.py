@@ -282,6 +282,11 @@ def test_delete_cleans_up_children(env):
         ({"replicas": 9, "autoscaling": {"enabled": True, "maxReplicas": 4}},
          "spec.replicas must lie within"),
         ({"offload": {"hostMemory": "0"}}, "positive quantity"),
+        ({"offload": {"hostMemory": "99999999999999999999Ei"}},
+         "spec.offload.hostMemory: Invalid value: hostMemory must be at most 1Pi"),
+        ({"offload": {"memoryLimit": "1025Ti"}}, "spec.offload.memoryLimit"),
+        ({"resources": {"cpu": "65537"}}, "spec.resources.cpu"),
+        ({"resources": {"extraMemory": "2P"}}, "extraMemory must be at most 1Pi"),
         ({"engine": {"bogus": 1}}, "bogus"),
     ],
 )

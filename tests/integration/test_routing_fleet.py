@@ -34,6 +34,7 @@ from pathlib import Path
 import pytest
 from kubernetes import client
 
+from e2e.gateway import Envoy, GatewayConfig
 from e2e.simfleet import ENGINE_PORT, SimulatorFleet
 from spillway_engine.emulator.tiny import llama_config, write_model
 from spillway_router.hashing import BlockHasher, HashConfig
@@ -114,6 +115,7 @@ def test_prefixes_follow_the_pods_events_and_a_killed_pod_is_forgotten(
                             "emulateGPU": {"speed": 0, "kvBytes": 80 * 4096}},
                  "offload": {"hostMemory": "16Mi"}}})  # fmt: skip
     router = None
+    gateways: list[Envoy] = []
     with SimulatorFleet(api, ns, "chat", engine="emulated",
                         model_dirs={MODEL: model_dir}) as fleet:
         try:
@@ -129,11 +131,12 @@ def test_prefixes_follow_the_pods_events_and_a_killed_pod_is_forgotten(
                 sources = json.loads(_get(f"http://{ip}:{ENGINE_PORT}/kv_event_sources")[1])
                 assert re.fullmatch(rf"tcp://{re.escape(ip)}:\d+", sources["0"]["endpoint"])
 
-            port = free_port()
+            port, epp_port = free_port(), free_port()
             url = f"http://127.0.0.1:{port}"
             cmd = [str(Path(sys.executable).with_name("spillway-router")), "--host",
                    "127.0.0.1", "--port", str(port), "--kube-namespace", ns,
-                   "--probe-interval", "0.5", "--log-level", "INFO"]
+                   "--probe-interval", "0.5", "--log-level", "INFO",
+                   "--epp-port", str(epp_port)]
             log = open(tmp_path / "router.log", "wb")  # noqa: SIM115 (the process holds it)
             router = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
@@ -191,6 +194,30 @@ def test_prefixes_follow_the_pods_events_and_a_killed_pod_is_forgotten(
             assert _metric(url, "spillway_router_requests_total", pod=holder,
                            reason="prefix") == 4
 
+            # the same through Envoy, the router process as its endpoint picker
+            for mode in ("FailOpen", "FailClose"):
+                gateways.append(Envoy(GatewayConfig(
+                    picker=f"127.0.0.1:{epp_port}", port=free_port(), admin_port=free_port(),
+                    endpoints=[f"{fleet.sims[n].ip}:{ENGINE_PORT}" for n in sorted(pods)],
+                    failure_mode=mode), tmp_path / f"envoy-{mode}").start())
+            fail_open, fail_closed = gateways
+            for i, gateway in enumerate(gateways * 2):
+                assert _post(gateway.url, shared + _tokens(920 + i, 24)) == 200
+            gateway_after = {n: (_metric(u, hits), _metric(u, queries))
+                             for n, u in direct.items()}
+            assert gateway_after[holder][0] - after[holder][0] >= 4 * (PREFIX_TOKENS - unit)
+            assert gateway_after[other] == after[other]
+            assert _metric(url, "spillway_router_requests_total", pod=holder,
+                           reason="prefix") == 8
+            stream = urllib.request.Request(
+                f"{fail_open.url}/v1/completions", json.dumps(
+                    {"model": MODEL, "prompt": shared, "max_tokens": 8, "stream": True}
+                ).encode(), {"Content-Type": "application/json"})
+            with urllib.request.urlopen(stream, timeout=120) as r:
+                events = [line for line in r if line.startswith(b"data: ")]
+            assert events[-1].strip() == b"data: [DONE]" and len(events) >= 3
+            assert {json.loads(e[6:])["object"] for e in events[:-1]} == {"text_completion"}
+
             # the holder's engine is SIGKILLed in the middle of a run of such requests
             statuses: list[int] = []
             killed = threading.Event()
@@ -221,6 +248,15 @@ def test_prefixes_follow_the_pods_events_and_a_killed_pod_is_forgotten(
             wait_for(lambda: _metric(url, "spillway_router_index_blocks", pod=other,
                                      source="events") >= PREFIX_TOKENS // unit,
                      30, "the survivor's events", interval=0.5)
+
+            # the picker (the router process) goes: fail open keeps answering, on the
+            # survivor (round robin; the dead pod's refusals retried); fail closed, 503
+            kill_group(router)
+            router = None
+            assert [_post(fail_open.url, _tokens(970 + i, 24)) for i in range(4)] == [200] * 4
+            assert _post(fail_closed.url, _tokens(980, 24)) == 503
         finally:
+            for gateway in gateways:
+                gateway.stop()
             if router is not None:
                 kill_group(router)

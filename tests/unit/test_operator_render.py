@@ -173,8 +173,24 @@ def test_emulated_gpu_runs_the_same_launch_without_a_gpu():
     assert c["terminationMessagePolicy"] == "FallbackToLogsOnError"
 
 
+def test_emulated_gpu_can_request_the_planned_gpus():
+    """requestGPUs: the pod asks for GPUs and the GPU product as the real one does (fake-GPU
+    nodes whose device plugin admits it), and still runs the emulated launch."""
+    real = spec_of(engine={"tensorParallelSize": 2}, offload={"hostMemory": "1Gi"})
+    spec = spec_of(engine={"tensorParallelSize": 2, "emulateGPU": {"requestGPUs": True}},
+                   offload={"hostMemory": "1Gi"})
+    plan = plan_for(spec)
+    pod = render.deployment(OWNER, spec, plan)["spec"]["template"]["spec"]
+    real_pod = render.deployment(OWNER, real, plan)["spec"]["template"]["spec"]
+    c, real_c = pod["containers"][0], real_pod["containers"][0]
+    assert c["resources"] == real_c["resources"]
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    assert pod["affinity"] == real_pod["affinity"]
+    assert "--emulate-gpu" in c["args"]
+
+
 @pytest.mark.parametrize("bad", [{"speed": -1}, {"kvBytes": 60000}, {"modelParams": 0},
-                                 {"sped": 1}])
+                                 {"sped": 1}, {"requestGPUs": "yes please"}])
 def test_emulated_gpu_fields_are_checked(bad):
     with pytest.raises(ValueError, match="emulateGPU"):
         spec_of(engine={"emulateGPU": bad})
@@ -248,3 +264,18 @@ def test_speculative_spec_reaches_the_plan_and_the_engine_command():
     }
     assert "--speculative-config" not in build_command(plan_for(spec_of()),
                                                        EngineOptions(model="m"))[0]
+
+
+@pytest.mark.parametrize("cpu", ["250m", "2", "0.5", "1500m"])
+def test_cpu_requests_take_millicores(cpu):
+    """resources.cpu is a Kubernetes CPU quantity: millicores too (a 2-core node holds
+    no 4-CPU engine)."""
+    spec = spec_of(resources={"cpu": cpu})
+    c = render.deployment(OWNER, spec, plan_for(spec))["spec"]["template"]["spec"]["containers"][0]
+    assert c["resources"]["requests"]["cpu"] == cpu
+
+
+@pytest.mark.parametrize("cpu", ["250x", "1.5m", "m", "-1", "2Gi"])
+def test_cpu_requests_refuse_what_is_not_a_cpu_quantity(cpu):
+    with pytest.raises(ValueError, match="cpu"):
+        spec_of(resources={"cpu": cpu})

@@ -408,11 +408,31 @@ def test_an_engine_message_is_cut_to_fit_a_condition():
 
 def test_a_crash_loop_without_a_message_is_pods_failing():
     looping = _engine_pod("p", ready=False, state={"waiting": {"reason": "CrashLoopBackOff"}},
-                          lastState={"terminated": {"exitCode": 137, "reason": "OOMKilled"}})
+                          lastState={"terminated": {"exitCode": 139, "reason": "Error"}})
     c = by_type(conditions_for(Observed(1, 1, deployment=dep(replicas=1, ready=0),
                                         pods=[looping])))
     assert (c["Degraded"].reason, c["Degraded"].message) == (
         "PodsFailing", "pod p: CrashLoopBackOff")
+
+
+@pytest.mark.parametrize("restarts", [1, 2, 7])
+def test_an_engine_killed_at_its_memory_limit_says_so_the_same_way_each_restart(restarts):
+    """OOMKilled wins over the log tail FallbackToLogsOnError puts in the message: the
+    condition names the limit, and is the same at every restart (no status write per
+    crash)."""
+    oom = _engine_pod("p", ready=False, restartCount=restarts,
+                      state={"waiting": {"reason": "CrashLoopBackOff"}},
+                      lastState={"terminated": {"exitCode": 137, "reason": "OOMKilled",
+                                                "message": f"log line {restarts}"}})
+    oom["spec"] = {"containers": [{"name": "engine",
+                                   "resources": {"limits": {"memory": "12Gi"}}}]}
+    c = by_type(conditions_for(Observed(1, 1, deployment=dep(replicas=1, ready=0),
+                                        pods=[oom])))
+    assert c["Degraded"].status is True and c["Degraded"].reason == "EngineOOMKilled"
+    assert c["Degraded"].message == (
+        "pod p: the engine was killed at its memory limit of 12Gi (OOMKilled, exit code 137); "
+        "the plan's memory is too small for what runs in the pod: raise "
+        "spec.resources.extraMemory")
 
 
 @pytest.mark.parametrize(("reason", "message", "shown"), [

@@ -140,3 +140,17 @@ Cluster-scoped reads kopf makes (rbac.clusterScopedReads):
   resources: ["namespaces"]
   verbs: ["list", "watch"]
 {{- end }}
+
+{{/*
+spillway-router's endpoint picker (router.endpointPicker): "NAMESPACE/SERVICE:PORT", the
+operator's --endpoint-picker, or "" when it is off. The router's Service lives in the
+release namespace and an InferencePool names a Service of its own namespace, so pools
+are made there only (templates/router.yaml refuses a router.namespace elsewhere).
+*/}}
+{{- define "spillway.endpointPicker" -}}
+{{- $r := .Values.router | default dict }}
+{{- $epp := $r.endpointPicker | default dict }}
+{{- if and $r.enabled $epp.enabled }}
+{{- printf "%s/%s-router:%d" .Release.Namespace (include "spillway.fullname" .) (int (default 9002 $epp.port)) }}
+{{- end }}
+{{- end }}

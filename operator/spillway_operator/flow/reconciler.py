@@ -26,13 +26,15 @@ from spillway_engine.planner.model_config import (
     parse_config_text,
 )
 from spillway_engine.planner.plan import Plan, PlanRefused, make_plan
-from spillway_operator.flow import render, rollout
+from spillway_operator.flow import render, rollout, routing
+from spillway_operator.flow.routing import EndpointPicker
 from spillway_operator.flow.spec import (
     Condition,
     ConditionType,
     DraftModelSpec,
     InferenceDeploymentSpec,
     ModelSpec,
+    Routing,
 )
 from spillway_operator.flow.status import (
     Observed,
@@ -210,8 +212,14 @@ def newsworthy(old: list[Condition], new: list[Condition]) -> Iterator[tuple[Con
 
 
 class Reconciler:
-    def __init__(self, kube: Kube):
+    def __init__(self, kube: Kube, endpoint_picker: EndpointPicker | None = None,
+                 discovery_seconds: float = 30):
+        """``endpoint_picker``: the Service each InferencePool names (None: no pools);
+        ``discovery_seconds``: how old an answer on whether InferencePools are served
+        may be."""
         self.kube = kube
+        self.endpoint_picker = endpoint_picker
+        self.discovery_seconds = discovery_seconds
         self.configs = ConfigResolver(kube)
         self._crashes: set[tuple[str, str, str]] = set()  # (namespace, name, message)
         # A reconcile's pure steps, kept by their inputs: the spec by (uid, generation)
@@ -345,15 +353,55 @@ class Reconciler:
                              else decision.recheck_after + 1.0)
         writes = 0
         for child in self._children(owner, spec, plan, decision.strategy):
-            action, live = self.kube.ensure(child, surely_absent=first)
+            wrote, live = self._ensure(owner, child, first)
+            writes += wrote
             if child["kind"] == "Deployment":
                 obs.deployment = live
-            if action != "unchanged":
-                writes += 1
-                metrics.CHILD_WRITES.labels(kind=child["kind"], action=action).inc()
-                log.info("%s %s/%s %s", action, owner.namespace, child["metadata"]["name"],
-                         child["kind"])
-        return writes
+        return writes + self._route(owner, spec, obs, first)
+
+    def _ensure(self, owner: render.Owner, child: dict[str, Any],
+                first: bool) -> tuple[int, dict[str, Any]]:
+        """Apply one child if it differs: (writes made, the live object)."""
+        action, live = self.kube.ensure(child, surely_absent=first)
+        if action == "unchanged":
+            return 0, live
+        metrics.CHILD_WRITES.labels(kind=child["kind"], action=action).inc()
+        log.info("%s %s/%s %s", action, owner.namespace, child["metadata"]["name"],
+                 child["kind"])
+        return 1, live
+
+    def _route(self, owner: render.Owner, spec: InferenceDeploymentSpec, obs: Observed,
+               first: bool) -> int:
+        """The InferencePool, when routing.decide wants one; obs.routing says what routes
+        to the pods. Returns the writes made."""
+        picker = self.endpoint_picker
+        served = picker is not None and self.kube.inference_pools_served(self.discovery_seconds)
+        if picker is None or routing.decide(picker, owner.namespace, served) is not (
+                Routing.INFERENCE_POOL):
+            obs.routing = Routing.SPILLWAY_ROUTER
+            return 0
+        pool = render.inference_pool(owner, spec, picker)
+        try:
+            writes = self._ensure(owner, pool, first)[0]
+            obs.routing = Routing.INFERENCE_POOL
+            return writes
+        except ApiException as exc:  # what kube.request leaves unsorted for this object
+            if exc.status == 404:  # GIE's CRD went since discovery said it was there
+                self.kube.inference_pools_gone()
+                obs.routing = Routing.SPILLWAY_ROUTER
+                return 0
+            # A 403 on the read: the operator's role lacks inferencepools (an older
+            # chart). Reported like a refused write, never a crash loop.
+            raise Rejected(f"InferencePool {owner.namespace}/{pool['metadata']['name']}: "
+                           f"HTTP {exc.status} {exc.reason}", exc.status) from None
+
+    def recheck_routing(self) -> int:
+        """Ask the API server now whether InferencePools are served (the controller's
+        periodic check, so a CRD installed or removed later is noticed); returns how
+        many times that API came or went so far."""
+        if self.endpoint_picker is not None:
+            self.kube.inference_pools_served(max_age=0)
+        return self.kube.api_changes
 
     def _write_status(self, obj: dict[str, Any], owner: render.Owner,
                       obs: Observed) -> dict[str, Any] | None:

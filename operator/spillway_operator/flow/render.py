@@ -17,6 +17,7 @@ from spillway_engine.planner.plan import Plan
 from spillway_engine.quantity import format_bytes, parse_bytes
 from spillway_engine.seam import ENGINE_OPTIONS_FILE, PLAN_FILE, READY_PATH, EngineOptions
 from spillway_operator.flow import disruption, rollout
+from spillway_operator.flow.routing import EndpointPicker
 from spillway_operator.flow.spec import (
     GROUP,
     KIND,
@@ -25,7 +26,12 @@ from spillway_operator.flow.spec import (
     InferenceDeploymentSpec,
     WeightsSource,
 )
-from spillway_operator.names import FIELD_MANAGER
+from spillway_operator.names import (
+    FIELD_MANAGER,
+    INFERENCE_POOL_API,
+    INFERENCE_POOL_KIND,
+    inference_pool_name,
+)
 from spillway_operator.plumbing.cache import Memo
 
 ENGINE_PORT = 8000
@@ -172,6 +178,29 @@ def service_monitor(owner: Owner) -> dict[str, Any]:
     }
 
 
+def inference_pool(owner: Owner, spec: InferenceDeploymentSpec,
+                   picker: EndpointPicker) -> dict[str, Any]:
+    """The Gateway API Inference Extension's InferencePool (v1) of the engine pods: the
+    pods the Deployment, Service and spillway-router select, on the engine's HTTP port,
+    with the endpoint picker's Service as the gateway's ext_proc server."""
+    return {
+        "apiVersion": INFERENCE_POOL_API,
+        "kind": INFERENCE_POOL_KIND,
+        "metadata": _meta(owner, inference_pool_name(owner.name)),
+        "spec": {
+            "selector": {"matchLabels": selector_labels(owner)},
+            "targetPorts": [{"number": ENGINE_PORT}],
+            "endpointPickerRef": {
+                "kind": "Service",
+                "name": picker.service,
+                # The Service's port, not the container's (GIE's rule for a Service).
+                "port": {"number": picker.port},
+                "failureMode": spec.routing.endpoint_picker.failure_mode.value,
+            },
+        },
+    }
+
+
 def _node_affinity(spec: InferenceDeploymentSpec) -> dict[str, Any]:
     term = {
         "matchExpressions": [
@@ -241,13 +270,19 @@ def _volumes(owner: Owner, spec: InferenceDeploymentSpec, plan: Plan):
     return volumes, mounts
 
 
+def _runs_anywhere(spec: InferenceDeploymentSpec) -> bool:
+    """An emulated GPU needs no GPU node, unless asked to request the GPUs anyway."""
+    emulated = spec.engine.emulate_gpu
+    return emulated is not None and not emulated.request_gpus
+
+
 def _resources(spec: InferenceDeploymentSpec, plan: Plan) -> dict[str, Any]:
     """GPUs from the spec (none when emulated); memory from the plan, plus the spec's extra."""
     gpus = str(spec.gpus_per_pod)
     extra = parse_bytes(spec.resources.extra_memory, what="resources.extraMemory") if (
         spec.resources.extra_memory) else 0
     cpu = spec.resources.cpu or str(DEFAULT_CPU_PER_GPU * spec.gpus_per_pod)
-    gpu = {} if spec.engine.emulate_gpu else {spec.resources.gpu_resource_name: gpus}
+    gpu = {} if _runs_anywhere(spec) else {spec.resources.gpu_resource_name: gpus}
     return {
         "requests": {**gpu, "cpu": cpu,
                      "memory": format_bytes(plan.pod.memory_request_bytes + extra)},
@@ -313,7 +348,7 @@ def _pod_spec(owner: Owner, spec: InferenceDeploymentSpec, plan: Plan) -> dict[s
     gpu_name = spec.resources.gpu_resource_name
     tolerations = [{"key": gpu_name, "operator": "Exists", "effect": "NoSchedule"}]
     tolerations += list(spec.resources.tolerations or [])
-    emulated = spec.engine.emulate_gpu is not None
+    emulated = _runs_anywhere(spec)
     pod_spec: dict[str, Any] = {
         "containers": [_engine_container(spec, plan, mounts)],
         "volumes": volumes,

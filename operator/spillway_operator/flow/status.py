@@ -25,6 +25,7 @@ from spillway_operator.flow.spec import (
     InferenceDeploymentStatus,
     KVGroupSummary,
     PlanSummary,
+    Routing,
 )
 from spillway_operator.plumbing.kube import now_rfc3339
 
@@ -61,6 +62,9 @@ class Observed:
     rollout_stuck: tuple[str, str] | None = None  # (reason, message)
     rollout_in_place: bool = False
     recheck_after: float | None = None
+    # What routes to the pods, decided when the children were applied (None: not this
+    # time, the status keeps what it said)
+    routing: Routing | None = None
 
 
 # ------------------------------------------------------------------ wire format
@@ -160,9 +164,19 @@ FAILING_WAITING_REASONS = frozenset({
 })
 
 
+def _memory_limit(pod: dict[str, Any], container: str | None) -> str | None:
+    for c in pod.get("spec", {}).get("containers", []) or []:
+        if c.get("name") == container:
+            return ((c.get("resources") or {}).get("limits") or {}).get("memory")
+    return None
+
+
 def pod_failure(pods: list[dict[str, Any]]) -> tuple[str, str] | None:
     """(reason, message) for the first engine pod that is failing, if any.
 
+    ``EngineOOMKilled``: the kernel killed the engine at its container's memory limit
+    (the message names the limit, not the log tail, so it stays the same from one
+    restart to the next);
     ``EngineStartFailed``: the engine exited non-zero before it served and said why
     (the launcher's preflight and the plan check write the termination message);
     ``PodsFailing``: a container the kubelet cannot start (``FAILING_WAITING_REASONS``)
@@ -175,6 +189,13 @@ def pod_failure(pods: list[dict[str, Any]]) -> tuple[str, str] | None:
             if cs.get("ready"):
                 continue
             exited = _exit_of(cs)
+            if exited and exited.get("reason") == "OOMKilled":
+                limit = _memory_limit(pod, cs.get("name"))
+                return ("EngineOOMKilled",
+                        f"pod {name}: the engine was killed at its memory limit"
+                        f"{f' of {limit}' if limit else ''} (OOMKilled, exit code "
+                        f"{exited.get('exitCode')}); the plan's memory is too small for what "
+                        "runs in the pod: raise spec.resources.extraMemory")
             message = ((exited or {}).get("message") or "").strip()
             if exited and message:
                 if len(message) > ENGINE_MESSAGE_CHARS:
@@ -386,4 +407,5 @@ def build_status(obs: Observed, old: InferenceDeploymentStatus, now: str | None 
         conditions=merge_conditions(old.conditions, conds, obs.generation, now),
         # No plan this time (refused, or config unavailable): the pods run the last one.
         plan=obs.plan_summary if obs.plan_summary is not None else old.plan,
+        routing=obs.routing if obs.routing is not None else old.routing,
     )

@@ -116,6 +116,13 @@ class WatchCache:
             elif not older(body, pods.get(name)):
                 pods[name] = dict(body)
 
+    def forget_kind(self, api_version: str, kind: str) -> None:
+        """Every body of a kind whose API came or went (a CRD installed or removed):
+        none of them is known any more, so the next reconcile reads or writes anew."""
+        with self._lock:
+            for ref in [r for r in self._objects if r[:2] == (api_version, kind)]:
+                del self._objects[ref]
+
     # ------------------------------------------------------------ reads
 
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict | None:

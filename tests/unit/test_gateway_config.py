@@ -1,0 +1,76 @@
+"""e2e.gateway's rendered Envoy bootstrap: with the endpoint picker (ext_proc, override
+host) and without one (``picker=None``: plain round robin, bench/routing.py --gateway's
+baseline), each accepted by Envoy itself (``envoy --mode validate``)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from e2e.gateway import GatewayConfig, envoy_binary, render
+from e2e.gateway.envoy import FAIL_CLOSE, FAIL_OPEN
+
+POOL = ["127.0.0.1:8001", "127.0.0.1:8002"]
+
+
+def _config(picker: str | None, failure_mode: str = FAIL_OPEN) -> GatewayConfig:
+    return GatewayConfig(picker=picker, endpoints=POOL, port=8080, admin_port=9901,
+                         failure_mode=failure_mode)  # fmt: skip
+
+
+def _filters(boot: dict) -> list[str]:
+    hcm = boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    return [f["name"] for f in hcm["typed_config"]["http_filters"]]
+
+
+def _clusters(boot: dict) -> dict[str, dict]:
+    return {c["name"]: c for c in boot["static_resources"]["clusters"]}
+
+
+def test_without_a_picker_the_gateway_round_robins_with_no_ext_proc():
+    for mode in (FAIL_OPEN, FAIL_CLOSE):
+        boot = render(_config(None, mode))
+        assert _filters(boot) == ["envoy.filters.http.router"]
+        clusters = _clusters(boot)
+        assert list(clusters) == ["pool"]
+        pool = clusters["pool"]
+        assert pool["lb_policy"] == "ROUND_ROBIN" and "load_balancing_policy" not in pool
+        # the same buffering as the picked gateway's pool: only the routing differs
+        picked = _clusters(render(_config("127.0.0.1:9002", mode)))["pool"]
+        assert pool["per_connection_buffer_limit_bytes"] == picked[
+            "per_connection_buffer_limit_bytes"]
+        hosts = [e["endpoint"]["address"]["socket_address"]
+                 for e in pool["load_assignment"]["endpoints"][0]["lb_endpoints"]]  # fmt: skip
+        assert [f"{h['address']}:{h['port_value']}" for h in hosts] == POOL
+        hcm = boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+        assert "local_reply_config" not in hcm["typed_config"]  # nothing to fail closed
+
+
+def test_with_a_picker_the_gateway_asks_it_and_overrides_the_host():
+    boot = render(_config("127.0.0.1:9002", FAIL_CLOSE))
+    assert _filters(boot) == ["envoy.filters.http.ext_proc", "envoy.filters.http.router"]
+    clusters = _clusters(boot)
+    assert list(clusters) == ["picker", "pool"]
+    policy = clusters["pool"]["load_balancing_policy"]["policies"][0]["typed_extension_config"]
+    assert policy["name"] == "envoy.load_balancing_policies.override_host"
+    assert "lb_policy" not in clusters["pool"]
+
+
+@pytest.mark.parametrize(
+    ("picker", "mode"),
+    [(None, FAIL_OPEN), ("127.0.0.1:9002", FAIL_OPEN), ("127.0.0.1:9002", FAIL_CLOSE)],
+)
+def test_envoy_accepts_the_config(tmp_path, picker, mode):
+    try:
+        binary = envoy_binary()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    path = tmp_path / "envoy.json"
+    path.write_text(json.dumps(render(_config(picker, mode))))
+    out = subprocess.run([str(binary), "--mode", "validate", "-c", str(path),
+                          "--disable-hot-restart", "--log-level", "warn"],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "OK" in out.stdout + out.stderr
