@@ -1,7 +1,8 @@
 """One trace through the emulated engine (vLLM 0.33.0's real server, scheduler, prefix
 cache and Spillway's connector on the CPU) and through the simulator on the same plan,
-for a single-group model (Llama), a sliding-window + full model (Gemma 3: window 64)
-and a Mamba hybrid (Qwen3-Next: 3 Gated DeltaNet layers + 1 full attention layer).
+for a single-group model (Llama), sliding-window + full models (Gemma 3: window 64,
+two groups; and 12 layers, window 32, six groups), MLA (DeepSeek) and a Mamba hybrid
+(Qwen3-Next: 3 Gated DeltaNet layers + 1 full attention layer).
 
 The trace is serial (each request is sent when the previous one returned) and uses
 prompts whose prompt + output stays inside the last stored chunk, so the engine's
@@ -32,11 +33,19 @@ difference is a modelling error, not noise. What the simulator models to get the
   on the GPU, so a GPU hit does not refresh its host copy), stored by a call of its
   own before the step's chunk store; that call protects only its own key, so it may
   evict the request's own older chunks, which the chunk store then stores again.
+- A window group's chunk is offered only when none of the blocks vLLM stores or names
+  in it is the null block. A request that hit a prefix on the GPU holds only the
+  window's blocks before the hit point, so the window chunks inside the hit are not
+  offered: their host copies are not refreshed and age out, while the full group's
+  chunks are refreshed. Before this, the simulator refreshed them too; on the six-group
+  Gemma below it kept a prompt's window keys the engine had evicted (33 evictions each,
+  but host hits 1024 against the engine's 512).
 
 Seen (engine = simulator): Llama GPU 128 / host 1408 tokens, 14 evictions, 16 used
 chunks; Gemma 3 GPU 1184 / host 1536, 7 evictions, 16 used chunks; Qwen3-Next GPU
-1152 / host 576, 61 evictions (keys: one per group and chunk), 38 used chunks; no
-preemptions. The per-request cumulative figures are printed to locate a drift.
+1152 / host 576, 61 evictions (keys: one per group and chunk), 38 used chunks;
+six-group Gemma GPU 1184 / host 512, 33 evictions, 10 used chunks; no preemptions.
+The per-request cumulative figures are printed to locate a drift.
 """
 
 from __future__ import annotations
@@ -47,7 +56,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from spillway_engine.emulator.tiny import qwen3_next_config, write_model
+from spillway_engine.emulator.tiny import gemma3_config, qwen3_next_config, write_model
 from spillway_engine.planner.plan import read_plan
 from spillway_engine.simulator.core import EngineCore, LatencyModel, SchedulerConfig
 from spillway_engine.simulator.plan_input import parse_plan
@@ -73,17 +82,26 @@ from tests.contract.test_emulated_engine import (
 SIM_MODELS: dict[str, tuple[dict, int]] = {
     **MODELS,
     "qwen3_next": (qwen3_next_config(num_layers=4), 64 * 8192),
+    # Gemma-3-shaped with six KV-cache groups: 10 sliding-window layers (window 32)
+    # and 2 full, in groups of two layers (5 window groups + 1 full group)
+    "gemma3_6g": (
+        gemma3_config(num_layers=12, sliding_window=32, sliding_window_pattern=6,
+                      head_dim=32, query_pre_attn_scalar=32),
+        400 * 4096,
+    ),
 }
 #: Host pool per model, small enough for the trace to evict. Llama and Gemma: 1 MiB,
 #: 16 chunks of 256 tokens (Gemma: 32 units, a sliding-window and a full key of one
 #: unit each per chunk). Qwen3-Next: 768 KiB, 192 units of 4 KiB; a 64-token chunk of
 #: every group takes 5 (1 per GDN state, 2 for the full layer's page). DeepSeek (MLA):
-#: 9 MiB, 16 chunks of 256 tokens of 576 KiB (two layers' latents).
+#: 9 MiB, 16 chunks of 256 tokens of 576 KiB (two layers' latents). Six-group Gemma:
+#: 4 MiB, 64 keys of 64 KiB; a prompt stores 7 (5 window keys + 2 full chunks).
 POOL_BYTES = {
     "llama": 1 * MIB,
     "gemma3": 1 * MIB,
     "qwen3_next": 3 * MIB // 4,
     "deepseek": 9 * MIB,
+    "gemma3_6g": 4 * MIB,
 }
 #: two 256-token chunks (Qwen3-Next: nine of 64); + 2 output tokens stays inside the
 #: next chunk (below 768; 640)

@@ -180,6 +180,7 @@ class SimRequest:
         "local_hit",
         "mamba_want",
         "max_tokens",
+        "null_upto",
         "num_computed",
         "num_output",
         "num_preemptions",
@@ -208,6 +209,9 @@ class SimRequest:
         self.blocks: list[list[_Block | None]] = []
         self.cached_upto: list[int] = []
         self.freed_upto: list[int] = []
+        #: per class: blocks before this index were null at admission (a window
+        #: group's blocks before its window at the hit point)
+        self.null_upto: list[int] = []
         self.num_computed = 0
         self.num_output = 0
         self.target = self.prompt_len  # tokens to prefill (prompt + outputs after preemption)
@@ -895,14 +899,30 @@ class EngineCore:
         return pinned
 
     def _offered_from(self, req: SimRequest, gi: int, first: int) -> int:
-        """Index in a run of chunks from which the store offers keys. vLLM's connector
-        offers a Mamba state only when this request named its GPU block (a boundary
-        hand-off), never for a state it hit on the GPU, so such a key is neither
-        stored nor refreshed; other groups offer every chunk again."""
+        """Index in a run of chunks from which the store offers keys; the keys before
+        it are neither stored nor refreshed. vLLM's connector offers a Mamba state
+        only when this request named its GPU block (a boundary hand-off), never for a
+        state it hit on the GPU. A window group's chunk is skipped when its last block,
+        or a block vLLM would keep named (``reachable_block_mask``), is the null block:
+        a request that hit a prefix holds only the window's blocks before the hit
+        point, so the window chunks inside a hit are not offered again (their host
+        copies age) while full-attention chunks are. Other chunks are offered again."""
         g = self.groups[gi]
-        if g.kind != "mamba":
+        if g.kind == "mamba":
+            return max(0, req.local_hit // g.tokens_per_chunk - first)
+        null = req.null_upto[gi] if req.null_upto else 0
+        if not g.windowed or not null:
             return 0
-        return max(0, req.local_hit // g.tokens_per_chunk - first)
+        bpc = g.blocks_per_chunk
+        reach = self._swa_reachable(req, g)
+        skip = 0
+        for c in range(first, null // bpc + 1):
+            blocks = range(c * bpc, (c + 1) * bpc)
+            named = blocks if reach is None else [b for b in blocks if b in reach]
+            if blocks[-1] >= null and all(b >= null for b in named):
+                break
+            skip += 1
+        return skip
 
     def _store_units(self, req: SimRequest) -> None:
         """Store the prompt's chunks in the unit pool. Like vLLM's connector, a
@@ -1095,6 +1115,7 @@ class EngineCore:
             req.blocks.append([None] * first + hit if first else hit)
         req.cached_upto = [local // g.tokens_per_block for g in self.groups]
         req.freed_upto = firsts
+        req.null_upto = list(firsts)
         req.mamba_want = self._mamba_want(req, computed)
         self._grow(req, upto)
         req.admitted = True
