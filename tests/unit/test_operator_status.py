@@ -15,16 +15,23 @@ from pydantic import ValidationError
 from spillway_engine.planner.model_config import load_local
 from spillway_operator.controller import Backoff
 from spillway_operator.flow import crd
+from spillway_operator.flow import scaler as scaler_module
 from spillway_operator.flow.pressure import Aggregate
 from spillway_operator.flow.reconciler import Reconciler
 from spillway_operator.flow.scaler import Autoscaler
-from spillway_operator.flow.spec import AutoscalingStatus, Condition, InferenceDeploymentStatus
+from spillway_operator.flow.spec import (
+    AutoscalingStatus,
+    Condition,
+    InferenceDeploymentSpec,
+    InferenceDeploymentStatus,
+)
 from spillway_operator.flow.status import (
     Observed,
     build_status,
     conditions_for,
     merge_patch,
     read_status,
+    scaling_condition,
     to_wire,
     transitions,
 )
@@ -197,6 +204,9 @@ class FakeKube:
     def patch_scale(self, namespace: str, name: str, replicas: int) -> None:
         self.writes.append(("scale", replicas))
 
+    def pods_of(self, namespace: str, name: str, selector: str) -> list[dict]:
+        return []
+
     def post_event(self, owner: dict, type_: str, reason: str, message: str) -> None:
         self.events.append((type_, reason))
 
@@ -354,6 +364,41 @@ def test_scaler_clears_metrics_problems_once_they_are_gone():
     for _ in range(3):  # steady state
         write(Aggregate(0.5, {"load": 0.5}, 2, 0))
     assert len(kube.writes) == writes
+
+
+@pytest.mark.parametrize("where", ["decide", "aggregate"])
+def test_a_policy_that_raises_holds_replicas_says_so_and_logs_once(monkeypatch, caplog, where):
+    """The policy is pure code; if it raises (a bug, a value it never met), the tick
+    scales nothing, status.autoscaling and ScalingActive say PolicyFailed, and the log
+    has one line for the whole episode, then one when it recovers."""
+    obj = infdep(replicas=3, autoscaling={"enabled": True, "minReplicas": 1})
+    kube = FakeKube(obj, {})
+    scaler = Autoscaler(kube)
+    spec = InferenceDeploymentSpec.model_validate(obj["spec"])
+    real = getattr(scaler_module, where)
+
+    def broken(*args: Any) -> Any:
+        raise ZeroDivisionError("float division by zero")
+
+    monkeypatch.setattr(scaler_module, where, broken)
+    broken.__name__ = where
+    caplog.set_level("INFO", logger="spillway.scaler")
+    for t in range(3):
+        asyncio.run(scaler.tick(("team-a", "chat"), obj, spec, 100.0 + t))
+    assert not [w for w in kube.writes if w[0] == "scale"]
+    auto = obj["status"]["autoscaling"]
+    assert auto["desiredReplicas"] == 3 and auto["lastDecision"] == "hold"
+    assert auto["lastDecisionReason"].startswith(
+        f"PolicyFailed: {where}: ZeroDivisionError: float division by zero")
+    cond = scaling_condition(read_status(obj["status"]).autoscaling)
+    assert (cond.status, cond.reason) == (False, "PolicyFailed")
+    assert len(kube.writes) == 1  # the status, once: the later ticks wrote nothing
+    errors = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and "the scaling policy failed" in errors[0].getMessage()
+    monkeypatch.setattr(scaler_module, where, real)
+    asyncio.run(scaler.tick(("team-a", "chat"), obj, spec, 110.0))
+    assert "PolicyFailed" not in obj["status"]["autoscaling"]["lastDecisionReason"]
+    assert [r.getMessage() for r in caplog.records][-1].endswith("the scaling policy recovered")
 
 
 def test_merge_patch_sets_changes_and_clears_what_is_gone():

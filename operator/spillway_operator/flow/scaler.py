@@ -68,6 +68,19 @@ PARSE_WORKERS = 2
 MAX_LISTED_PROBLEMS = 5
 
 
+class PolicyError(Exception):
+    """The scaling policy (the pure code of ``pressure``) raised: this tick takes no
+    scaling action, status says so (ScalingActive=False, PolicyFailed), one log line."""
+
+
+def _policy(fn: Any, *args: Any) -> Any:
+    """Run a pure policy function; whatever it raises becomes a PolicyError naming it."""
+    try:
+        return fn(*args)
+    except Exception as exc:
+        raise PolicyError(f"{fn.__name__}: {type(exc).__name__}: {exc}"[:300]) from exc
+
+
 @dataclass(frozen=True)
 class Scrape:
     """One pod's scrape: the body, or why there is none (``reason`` is a metric label)."""
@@ -117,6 +130,7 @@ class Autoscaler:
         self._exported: set[tuple[str, str]] = set()
         self._parser = ThreadPoolExecutor(PARSE_WORKERS, thread_name_prefix="metrics-parse")
         self._failing: set[tuple[str, str]] = set()  # keys whose last tick failed
+        self._policy_failing: set[tuple[str, str]] = set()  # keys whose policy raised
         # Per key: the ready pods of the last tick whose /metrics were unusable, and why.
         self.problems: dict[tuple[str, str], list[str]] = {}
         # Loops run only while active: from activate() (Controller.start: on start-up
@@ -135,6 +149,7 @@ class Autoscaler:
             self._hot.pop(key, None)
             self.problems.pop(key, None)
             self._failing.discard(key)
+            self._policy_failing.discard(key)
             if key in self._exported:
                 metrics.OFFLOAD_PRESSURE.remove(*key)
                 self._exported.discard(key)
@@ -174,6 +189,7 @@ class Autoscaler:
             task.cancel()
         self._tasks.clear()
         self._failing.clear()
+        self._policy_failing.clear()
         for key in self._exported:
             metrics.OFFLOAD_PRESSURE.remove(*key)
         self._exported.clear()
@@ -225,8 +241,11 @@ class Autoscaler:
                     log.warning("autoscaler %s/%s: %s; retrying every %.0fs", *key, exc,
                                 interval)
                 self._failing.add(key)
-            except Exception:
-                log.exception("autoscaler %s/%s: tick failed", *key)
+            except Exception:  # one traceback per episode, not one per interval
+                if key not in self._failing:
+                    log.exception("autoscaler %s/%s: tick failed; retrying every %.0fs",
+                                  *key, interval)
+                self._failing.add(key)
             await asyncio.sleep(interval)
 
     async def _scrape(self, pod: str, ip: str) -> Scrape:
@@ -275,19 +294,36 @@ class Autoscaler:
         pods = await asyncio.to_thread(self.kube.pods_of, ns, name, render.selector_string(owner))
         live = [p for p in pods if not p.get("metadata", {}).get("deletionTimestamp")]
         ready = [p for p in live if _ready(p) and p.get("status", {}).get("podIP")]
-        agg = await self._measure(key, ready, spec, now)
+        failed: PolicyError | None = None
+        try:
+            agg = await self._measure(key, ready, spec, now)
+        except PolicyError as exc:
+            agg, failed = Aggregate(None, {}, 0, len(ready)), exc
         if agg.pressure is not None:
             metrics.OFFLOAD_PRESSURE.labels(ns, name).set(agg.pressure)
             self._exported.add(key)
 
         current = int(body.get("spec", {}).get("replicas", spec.replicas))
         marked: list[str] = []
-        if spec.autoscaling.enabled:
+        desired, decision, reason = current, "disabled", "autoscaling is off"
+        if spec.autoscaling.enabled and failed is None:
             starting = len(live) - len(ready)
-            desired, decision, reason, marked = await self._scale(
-                key, body, spec, now, current, live, ready, starting, agg)
-        else:
-            desired, decision, reason = current, "disabled", "autoscaling is off"
+            try:
+                desired, decision, reason, marked = await self._scale(
+                    key, body, spec, now, current, live, ready, starting, agg)
+            except PolicyError as exc:
+                failed = exc
+        if failed is not None:
+            desired, decision = current, "hold"
+            reason = f"PolicyFailed: {failed}; replicas held until the policy recovers"
+            if key not in self._policy_failing:
+                self._policy_failing.add(key)
+                log.error("autoscaler %s/%s: the scaling policy failed (%s); holding "
+                          "replicas at %d", ns, name, failed, current)
+                log.debug("autoscaler %s/%s: policy traceback", ns, name, exc_info=failed)
+        elif key in self._policy_failing:
+            self._policy_failing.discard(key)
+            log.info("autoscaler %s/%s: the scaling policy recovered", ns, name)
         await self._unmark_stale(ns, live, desired, marked)
         live = (body.get("status") or {}).get("autoscaling") or {}
         old = read_status(body.get("status")).autoscaling or AutoscalingStatus()
@@ -327,15 +363,15 @@ class Autoscaler:
                 per_pod.append(None)
                 continue
             cur[pod_name] = result
-            per_pod.append(pod_pressure(prev.get(pod_name), result, max_dt))
-            hot[pod_name] = hot_host_tokens(hot.get(pod_name, 0.0), prev.get(pod_name), result,
-                                            tau)
+            per_pod.append(_policy(pod_pressure, prev.get(pod_name), result, max_dt))
+            hot[pod_name] = _policy(hot_host_tokens, hot.get(pod_name, 0.0),
+                                    prev.get(pod_name), result, tau)
         self._samples[key] = cur
         # Kept while a pod is unmeasured for a tick; gone with the pod.
         self._hot[key] = {p["metadata"]["name"]: hot.get(p["metadata"]["name"], 0.0)
                           for p in ready}
         self.problems[key] = problems
-        return aggregate(per_pod)
+        return _policy(aggregate, per_pod)
 
     async def _scale(self, key: tuple[str, str], body: dict[str, Any],
                      spec: InferenceDeploymentSpec, now: float, current: int,
@@ -348,7 +384,7 @@ class Autoscaler:
         state = self._states.get(key)
         if state is None:  # operator start or a new leader: windows start from now
             state = resume_state(now, current)
-        d = decide(policy_of(spec), now, current, len(ready), starting, agg, state)
+        d = _policy(decide, policy_of(spec), now, current, len(ready), starting, agg, state)
         self._states[key] = d.state
         marked: list[str] = []
         if d.replicas != current:
@@ -389,7 +425,7 @@ class Autoscaler:
                 host_tokens=sample.values.get("host_tokens", 0.0) if sample else 0.0,
                 created=meta.get("creationTimestamp") or "",
                 marked=_annotation(p, DRAINING) == "true"))
-        chosen = choose_removals(candidates, remove)
+        chosen = _policy(choose_removals, candidates, remove)
         kept = [parse_cost(_annotation(p, DELETION_COST)) for p in live
                 if p["metadata"]["name"] not in chosen]
         cost = str(removal_cost(kept))

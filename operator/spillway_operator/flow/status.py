@@ -323,8 +323,9 @@ def scaling_condition(autoscaling: AutoscalingStatus | None) -> Cond:
     if autoscaling is None or autoscaling == AutoscalingStatus():
         return Cond(SCALING_ACTIVE, None, "NoDecisionYet", "waiting for the first metrics")
     reason = autoscaling.last_decision_reason or ""
-    if reason.startswith("MetricsUnavailable"):
-        return Cond(SCALING_ACTIVE, False, "MetricsUnavailable", reason)
+    for refusal in ("MetricsUnavailable", "PolicyFailed"):
+        if reason.startswith(refusal):
+            return Cond(SCALING_ACTIVE, False, refusal, reason)
     pressure: float | int | None = autoscaling.pressure
     if pressure is not None and pressure.is_integer():
         pressure = int(pressure)  # as the API server hands back a whole JSON number: "1"
