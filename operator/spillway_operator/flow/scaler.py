@@ -314,8 +314,9 @@ class Autoscaler:
             except PolicyError as exc:
                 failed = exc
         if failed is not None:
-            desired, decision = current, "hold"
-            reason = f"PolicyFailed: {failed}; replicas held until the policy recovers"
+            if spec.autoscaling.enabled:
+                desired, decision = current, "hold"
+                reason = f"PolicyFailed: {failed}; replicas held until the policy recovers"
             if key not in self._policy_failing:
                 self._policy_failing.add(key)
                 log.error("autoscaler %s/%s: the scaling policy failed (%s); holding "
