@@ -334,38 +334,44 @@ class TestServing:
     def test_evictions_honour_the_pod_disruption_budget(self, real_cluster, api, deployment):
         """A node drain goes through the Eviction API, which the operator's
         PodDisruptionBudget (one engine pod at a time) holds: with one replica already
-        evicted and its replacement not Ready, draining the other node is refused; once
-        the replacement serves, the drain completes and the replicas run on one node."""
+        evicted and its replacement not Ready, draining a node that runs the other is
+        refused; once the replacement serves, the drain completes and no replica is
+        left on the drained node.
+
+        The node is cordoned before the first eviction, so the replacement cannot land
+        on it: the replicas' spread is ScheduleAnyway (``disruption.topology_spread``),
+        and after the earlier tests replaced pods both may run on one node."""
         core = deployment
-        pods = [p for p in _pods(core, self.NAME)
-                if p.status.container_statuses and p.status.container_statuses[0].ready]
-        assert len(pods) == 2 and len({p.spec.node_name for p in pods}) == 2
-        first, second = sorted(pods, key=lambda p: p.spec.node_name)
-        core.create_namespaced_pod_eviction(first.metadata.name, SERVING, client.V1Eviction(
-            metadata=client.V1ObjectMeta(name=first.metadata.name, namespace=SERVING)))
+
+        def ready() -> list:
+            return [p for p in _pods(core, self.NAME)
+                    if p.status.container_statuses and p.status.container_statuses[0].ready]
+
+        pods = ready()
+        assert len(pods) == 2
+        second, first = sorted(pods, key=lambda p: p.spec.node_name)
         node = second.spec.node_name
+        kubectl = [str(real_cluster.config.binaries["kubectl"]),
+                   f"--kubeconfig={real_cluster.config.kubeconfig}"]
+        drain = ["drain", node, "--ignore-daemonsets", "--delete-emptydir-data",
+                 f"--pod-selector=spillway.dev/inference-deployment={self.NAME}"]
         try:
-            refused = subprocess.run(
-                [str(real_cluster.config.binaries["kubectl"]),
-                 f"--kubeconfig={real_cluster.config.kubeconfig}", "drain", node,
-                 "--ignore-daemonsets", "--delete-emptydir-data", "--timeout=20s",
-                 f"--pod-selector=spillway.dev/inference-deployment={self.NAME}"],
-                capture_output=True, text=True, timeout=120, check=False)
+            real_cluster.kubectl("cordon", node)
+            core.create_namespaced_pod_eviction(
+                first.metadata.name, SERVING, client.V1Eviction(metadata=client.V1ObjectMeta(
+                    name=first.metadata.name, namespace=SERVING)))
+            refused = subprocess.run([*kubectl, *drain, "--timeout=20s"], capture_output=True,
+                                     text=True, timeout=120, check=False)
             assert refused.returncode != 0, refused.stdout
             assert "disruption budget" in refused.stderr + refused.stdout, refused.stderr
-            wait_for(lambda: len([p for p in _pods(core, self.NAME)
-                                  if p.status.container_statuses
-                                  and p.status.container_statuses[0].ready]) == 2,
-                     START_S, "the evicted replica's replacement Ready", interval=2)
-            real_cluster.kubectl("drain", node, "--ignore-daemonsets",
-                                 "--delete-emptydir-data", "--timeout=50s",
-                                 f"--pod-selector=spillway.dev/inference-deployment={self.NAME}")
-            wait_for(lambda: len([p for p in _pods(core, self.NAME)
-                                  if p.status.container_statuses
-                                  and p.status.container_statuses[0].ready]) == 2,
-                     START_S, "both replicas Ready after the drain", interval=2)
-            assert {p.spec.node_name for p in _pods(core, self.NAME)} == {
-                first.spec.node_name}
+            assert any(p.metadata.name == second.metadata.name for p in ready()), (
+                "the drain evicted the replica the budget protects")
+            wait_for(lambda: len(ready()) == 2, START_S,
+                     "the evicted replica's replacement Ready", interval=2)
+            real_cluster.kubectl(*drain, "--timeout=50s")
+            wait_for(lambda: len(ready()) == 2, START_S, "both replicas Ready after the drain",
+                     interval=2)
+            assert node not in {p.spec.node_name for p in _pods(core, self.NAME)}
         finally:
             real_cluster.kubectl("uncordon", node, check=False)
 
