@@ -252,6 +252,15 @@ class TestServing:
             label_selector="app.kubernetes.io/name=spillway-router").items
         port = svc.spec.ports[0].port
         url = f"http://{svc.spec.cluster_ip}:{port}"
+        model = SAMPLE["spec"]["model"]["name"]
+
+        def router_sees_both() -> bool:
+            # The router learns Ready pods from its watch and its own probes, a moment
+            # after the Deployment says Available: before that it answers 503.
+            with urllib.request.urlopen(f"{url}/healthz", timeout=10) as r:
+                return json.loads(r.read())["ready_pods"].get(model) == 2
+
+        wait_for(router_sees_both, 60, "the router's /healthz counting both pods", interval=1)
         for i in range(8):
             answer = _complete(url, [3 + i] * 200)
             assert answer["choices"][0]["finish_reason"] == "length", answer
