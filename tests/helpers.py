@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 
 
@@ -37,3 +39,15 @@ def fresh_namespace(api, name: str) -> Iterator[str]:
     finally:
         core.delete_namespace(name)
         wait_for(lambda: not core.list_namespaced_pod(name).items, 60, f"pods of {name} to go")
+
+
+def http_get(url: str, timeout: float = 30) -> tuple[int, str]:
+    """(status, body) of a GET; an HTTP error is its status and body, and a server that
+    does not answer is status 0 with the reason (so a wait can poll one that starts)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode(errors="replace")
+    except OSError as e:
+        return 0, str(e)

@@ -46,6 +46,7 @@ from tests.contract.test_emulated_engine import (
     metrics,
     prompt,
 )
+from tests.helpers import http_get
 
 # ------------------------------------------------------------------ 1. hashes
 
@@ -182,14 +183,6 @@ ROUTER_START_S = 60
 NAME = "tiny"
 
 
-def _get(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=30) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode(errors="replace")
-
-
 def _post(url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     req = urllib.request.Request(
         url, data=json.dumps(body).encode(), headers={"content-type": "application/json"}
@@ -202,7 +195,7 @@ def _post(url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
 
 
 def _router_metric(url: str, name: str, **labels: str) -> float:
-    status, text = _get(url + "/metrics")
+    status, text = http_get(url + "/metrics")
     assert status == 200
     total = 0.0
     for line in text.splitlines():
@@ -245,7 +238,7 @@ def test_prefix_follows_the_events_and_failover_forgets(tmp_path: Path) -> None:
         for e in engines:
             _wait_ready(e)
         # both bound 127.0.0.1 (their --host) on ports of their own: no clash
-        sources = [json.loads(_get(e.url("/kv_event_sources"))[1]) for e in engines]
+        sources = [json.loads(http_get(e.url("/kv_event_sources"))[1]) for e in engines]
         endpoints = [s["0"]["endpoint"] for s in sources]
         assert all(re.fullmatch(r"tcp://127\.0\.0\.1:\d+", ep) for ep in endpoints), sources
         assert endpoints[0] != endpoints[1]
@@ -266,7 +259,7 @@ def test_prefix_follows_the_events_and_failover_forgets(tmp_path: Path) -> None:
 
         def ready() -> bool:
             try:
-                return json.loads(_get(url + "/healthz")[1])["ready_pods"] == {NAME: 2}
+                return json.loads(http_get(url + "/healthz")[1])["ready_pods"] == {NAME: 2}
             except (OSError, ValueError, KeyError):
                 return False
 
@@ -379,7 +372,7 @@ def test_prefix_follows_the_events_and_failover_forgets(tmp_path: Path) -> None:
         _wait(lambda: _router_metric(url, "spillway_router_index_blocks",
                                      pod="pod1", source="events") == 0,
               "the router to forget pod1's blocks")  # fmt: skip
-        assert json.loads(_get(url + "/healthz")[1])["ready_pods"] == {NAME: 1}
+        assert json.loads(http_get(url + "/healthz")[1])["ready_pods"] == {NAME: 1}
         assert metrics(other)["vllm:prefix_cache_queries_total"] > 0
         # and pod0's own events now describe the shared prefix there
         _wait(lambda: _router_metric(url, "spillway_router_index_blocks",

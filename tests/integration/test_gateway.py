@@ -28,7 +28,7 @@ import pytest
 
 from e2e.gateway import Envoy, GatewayConfig
 from tests.contract.engine_process import free_port, kill_group
-from tests.helpers import wait_for
+from tests.helpers import http_get, wait_for
 from tests.unit.simulator_support import LLAMA, PLANS
 
 MODEL = "m"
@@ -79,7 +79,7 @@ def pool(request, tmp_path) -> Iterator[Pool]:
                  tmp_path)
 
         def ready() -> bool:
-            status, text = _get(p.router_url + "/healthz")
+            status, text = http_get(p.router_url + "/healthz")
             return status == 200 and json.loads(text)["ready_pods"] == {MODEL: 3}
 
         wait_for(ready, 60, "the router to see 3 ready simulators", interval=0.2,
@@ -98,16 +98,6 @@ def _envoy(pool: Pool, tmp_path: Path, failure_mode: str = "FailOpen") -> Envoy:
     return Envoy(GatewayConfig(picker=pool.picker, endpoints=list(pool.addresses.values()),
                                port=free_port(), admin_port=free_port(),
                                failure_mode=failure_mode), tmp_path / f"envoy-{failure_mode}")
-
-
-def _get(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=30) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode(errors="replace")
-    except OSError as e:
-        return 0, str(e)
 
 
 def _post(url: str, body: dict | bytes, path: str = "/v1/completions"
@@ -133,7 +123,7 @@ def _complete(url: str, prompt: list[int]) -> tuple[int, dict, dict[str, str]]:
 def _routed(pool: Pool) -> dict[str, float]:
     """Requests the picker sent to each pod (its first choice), from its /metrics."""
     out: dict[str, float] = {}
-    for line in _get(pool.router_url + "/metrics")[1].splitlines():
+    for line in http_get(pool.router_url + "/metrics")[1].splitlines():
         if line.startswith("spillway_router_requests_total{"):
             pod = line.split('pod="', 1)[1].split('"', 1)[0]
             out[pod] = out.get(pod, 0) + float(line.rsplit(" ", 1)[1])
@@ -179,7 +169,7 @@ def test_through_envoy_a_shared_prefix_lands_where_it_is_cached_and_streams(
         status, reply, _ = _post(gateway.url, {"model": "nope", "prompt": [1, 2]})
         assert status == 404 and reply["type"] == "NotFoundError"
         # a request without a body still reaches a pod (the gateway's fallback)
-        assert _get(gateway.url + "/health")[0] == 200
+        assert http_get(gateway.url + "/health")[0] == 200
 
 
 # probes every 30 s: a pod killed between probes is still picked, so the gateway's

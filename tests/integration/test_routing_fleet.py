@@ -40,7 +40,7 @@ from spillway_engine.emulator.tiny import llama_config, write_model
 from spillway_router.hashing import BlockHasher, HashConfig
 from spillway_router.scoring import Ring, cold_key
 from tests.contract.engine_process import free_port, kill_group
-from tests.helpers import fresh_namespace, wait_for
+from tests.helpers import fresh_namespace, http_get, wait_for
 
 pytestmark = [pytest.mark.usefixtures("operator"), pytest.mark.local_only]
 
@@ -61,14 +61,6 @@ def _tokens(seed: int, n: int) -> list[int]:
     return [rng.randrange(3, 500) for _ in range(n)]
 
 
-def _get(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=30) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode(errors="replace")
-
-
 def _post(url: str, tokens: list[int]) -> int:
     body = json.dumps({"model": MODEL, "prompt": tokens, "max_tokens": 2}).encode()
     req = urllib.request.Request(f"{url}/v1/completions", body,
@@ -82,7 +74,7 @@ def _post(url: str, tokens: list[int]) -> int:
 
 
 def _series(url: str) -> list[tuple[str, dict[str, str], float]]:
-    status, text = _get(f"{url}/metrics")
+    status, text = http_get(f"{url}/metrics")
     assert status == 200, text
     out = []
     for line in text.splitlines():
@@ -128,7 +120,7 @@ def test_prefixes_follow_the_pods_events_and_a_killed_pod_is_forgotten(
                 assert pod.metadata.annotations["spillway.dev/kv-events"] == "on"
                 # each publisher is bound on its own pod IP (no clash on this one host)
                 ip = fleet.sims[name].ip
-                sources = json.loads(_get(f"http://{ip}:{ENGINE_PORT}/kv_event_sources")[1])
+                sources = json.loads(http_get(f"http://{ip}:{ENGINE_PORT}/kv_event_sources")[1])
                 assert re.fullmatch(rf"tcp://{re.escape(ip)}:\d+", sources["0"]["endpoint"])
 
             port, epp_port = free_port(), free_port()
@@ -147,7 +139,7 @@ def test_prefixes_follow_the_pods_events_and_a_killed_pod_is_forgotten(
 
             def ready() -> bool:
                 try:
-                    return json.loads(_get(f"{url}/healthz")[1])["ready_pods"] == {MODEL: 2}
+                    return json.loads(http_get(f"{url}/healthz")[1])["ready_pods"] == {MODEL: 2}
                 except (OSError, ValueError, KeyError):
                     return False
 
@@ -241,7 +233,7 @@ def test_prefixes_follow_the_pods_events_and_a_killed_pod_is_forgotten(
             wait_for(lambda: _metric(url, "spillway_router_index_blocks", pod=holder) == 0,
                      60, "the router to forget the killed pod's blocks", interval=0.5,
                      on_timeout=router_log)
-            wait_for(lambda: json.loads(_get(f"{url}/healthz")[1])["ready_pods"] == {MODEL: 1},
+            wait_for(lambda: json.loads(http_get(f"{url}/healthz")[1])["ready_pods"] == {MODEL: 1},
                      60, "the router to list one ready pod", interval=0.5,
                      on_timeout=router_log)
             # the survivor's own events now place the shared prefix there
