@@ -1,0 +1,655 @@
+"""A bounded disk tier under the host pool (issue 31), for vLLM 0.33's tiering.
+
+vLLM 0.33 ships multi-tier offloading (``vllm/v1/kv_offload/tiering``): the CPU
+pool is the primary tier and secondary tiers hang under it. Its ``fs`` tier
+writes one file per chunk and never evicts, so nothing bounds it. This module
+adds a secondary tier that does:
+
+* a byte budget: least recently used chunk files are deleted *before* a store
+  would go over it, so the files of the tier never hold more than the budget
+  (counted as the bytes the filesystem allocates for them, page rounded);
+* crash safety: a chunk is written to a hidden temporary name, fsynced and
+  renamed into place; at start leftover temporaries (and complete-looking files
+  of the wrong size) are deleted and the LRU index and byte count are rebuilt
+  from the complete files already there, so a restarted pod, or a second
+  replica on a shared volume, finds them;
+* a namespace directory derived from a plan key (and from the chunk size and,
+  where vLLM's spec says so, the model's storage identity), so files written
+  under another plan are never read;
+* clean failure: ENOSPC, EROFS, EACCES or any other ``OSError`` fails the
+  store job (``success=False``, which feeds vLLM's back-pressure detector
+  through ``TieringOffloadingManager._update_backpressure``), is counted, is
+  logged once per episode, and starts a short backoff during which stores are
+  dropped without touching the disk. Nothing raises into a request.
+
+Use it from ``kv_connector_extra_config`` of ``TieringOffloadingSpec``::
+
+    "secondary_tiers": [{
+        "type": "SpillwayDiskTier",
+        "module_path": "spillway_engine.offloader.disk_tier",
+        "root_dir": "/var/cache/spillway/kv",
+        "budget_bytes": 200 * 2**30,
+        "plan_key": "<the plan hash>",
+        "backpressure": {"backpressure_cls": "EMABackpressureDetector",
+                         "failure_threshold": 3}
+    }]
+
+(vLLM gives ``failure_threshold`` by default only to its own ``fs``/``obj``
+tier types, so it is named here.) The budget is per instance: two replicas on
+one shared directory each count the files they saw at start plus their own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from vllm.v1.kv_offload.base import (
+    LookupResult,
+    Medium,
+    OffloadKey,
+    ReqContext,
+    RequestOffloadingContext,
+)
+from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
+from vllm.v1.kv_offload.tiering.base import (
+    JobId,
+    JobResult,
+    SecondaryTierManager,
+    TransferJob,
+)
+from vllm.v1.kv_offload.tiering.fs.io import batch_load_block
+from vllm.v1.kv_offload.tiering.fs.thread_pool import DualQueueThreadPool
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_offload.base import OffloadingSpec
+
+logger = logging.getLogger(__name__)
+
+CHUNK_SUFFIX = ".kv"
+TMP_SUFFIX = ".tmp"
+TMP_PREFIX = "."
+NAMESPACE_PREFIX = "spillway-"
+# Errors that mean "the disk will not take this write"; any other OSError is
+# treated the same way, these are only named in the log line.
+_DISK_ERRNOS = {
+    errno.ENOSPC: "full",
+    errno.EDQUOT: "over quota",
+    errno.EROFS: "read-only",
+    errno.EACCES: "not writable",
+    errno.EPERM: "not writable",
+    errno.EIO: "failing",
+}
+
+
+@dataclass
+class DiskTierStats:
+    """A plain snapshot of the tier's counters."""
+
+    budget_bytes: int = 0
+    bytes_used: int = 0
+    chunks_held: int = 0
+    hits: int = 0
+    misses: int = 0
+    loads: int = 0
+    load_failures: int = 0
+    stores: int = 0
+    evictions: int = 0
+    write_failures: int = 0
+    stores_dropped: int = 0
+    temp_files_removed: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def plan_namespace(plan_key: str, chunk_bytes: int | None, extra: str = "") -> str:
+    """The directory name every file of one plan lives under."""
+    ident = f"plan={plan_key}\nchunk_bytes={chunk_bytes}\n{extra}"
+    return NAMESPACE_PREFIX + hashlib.sha256(ident.encode()).hexdigest()[:20]
+
+
+def _alloc_unit(path: str) -> int:
+    try:
+        unit = os.statvfs(path).f_frsize
+    except OSError:
+        unit = 4096
+    return max(512, unit or 4096)
+
+
+def _describe(exc: OSError) -> str:
+    return _DISK_ERRNOS.get(exc.errno or 0, "failing")
+
+
+class ChunkDir:
+    """A directory of whole chunk files, bounded by bytes, evicted LRU.
+
+    Thread safe: the index is guarded by one lock; file writes happen outside
+    it, but the deletions that make room for a write happen inside it, before
+    the write, so the bytes on disk never pass the budget while writers race.
+    Keys are ``bytes``; sizes may differ per chunk unless ``chunk_bytes`` is
+    given, in which case a file of any other size is never indexed.
+    """
+
+    def __init__(
+        self,
+        directory: str,
+        budget_bytes: int,
+        chunk_bytes: int | None = None,
+        fsync: bool = True,
+    ) -> None:
+        if budget_bytes <= 0:
+            raise ValueError(f"budget_bytes must be > 0, got {budget_bytes}")
+        self.directory = directory
+        self.budget_bytes = int(budget_bytes)
+        self.chunk_bytes = chunk_bytes
+        self._fsync = fsync
+        self._lock = threading.Lock()
+        # key -> charged bytes, oldest first.
+        self._lru: OrderedDict[bytes, int] = OrderedDict()
+        self._pins: dict[bytes, int] = {}
+        self._writing: set[bytes] = set()
+        self._used = 0  # bytes of indexed files plus reservations of writes
+        self._held = 0  # bytes of indexed files
+        self.stats = DiskTierStats(budget_bytes=self.budget_bytes)
+        self.usable = True
+        self._unit = 4096
+        try:
+            os.makedirs(directory, exist_ok=True)
+            self._unit = _alloc_unit(directory)
+            self._rebuild()
+        except OSError as exc:
+            # A directory we cannot even list: run empty, every store fails.
+            self.usable = False
+            logger.warning(
+                "spillway disk tier: %s is %s (%s); running without it",
+                directory,
+                _describe(exc),
+                exc,
+            )
+
+    # ---- naming -------------------------------------------------------
+    def path_of(self, key: bytes) -> str:
+        hx = key.hex()
+        return os.path.join(self.directory, hx[:2], hx + CHUNK_SUFFIX)
+
+    def _tmp_path(self, key: bytes) -> str:
+        hx = key.hex()
+        name = f"{TMP_PREFIX}{hx}.{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}"
+        return os.path.join(self.directory, hx[:2], name)
+
+    def charge(self, nbytes: int) -> int:
+        """Bytes the filesystem allocates for a file of ``nbytes``."""
+        unit = self._unit
+        return -(-nbytes // unit) * unit
+
+    # ---- start --------------------------------------------------------
+    def _rebuild(self) -> None:
+        found: list[tuple[float, bytes, int]] = []
+        for dirpath, _dirs, files in os.walk(self.directory):
+            for name in files:
+                path = os.path.join(dirpath, name)
+                if name.endswith(TMP_SUFFIX) or name.startswith(TMP_PREFIX):
+                    self._remove_quietly(path)
+                    self.stats.temp_files_removed += 1
+                    continue
+                if not name.endswith(CHUNK_SUFFIX):
+                    continue
+                try:
+                    key = bytes.fromhex(name[: -len(CHUNK_SUFFIX)])
+                    st = os.stat(path)
+                except (ValueError, OSError):
+                    continue
+                if self.chunk_bytes is not None and st.st_size != self.chunk_bytes:
+                    # Renamed files are whole by construction; a wrong size
+                    # is not ours to read (or a torn foreign write).
+                    self._remove_quietly(path)
+                    self.stats.temp_files_removed += 1
+                    continue
+                charged = max(self.charge(st.st_size), st.st_blocks * 512)
+                found.append((st.st_mtime, key, charged))
+        found.sort()
+        for _mtime, key, charged in found:
+            self._lru[key] = charged
+            self._used += charged
+            self._held += charged
+        # Files already over a (new, smaller) budget: trim oldest first.
+        with self._lock:
+            self._evict_locked(0)
+        self._publish_locked()
+
+    @staticmethod
+    def _remove_quietly(path: str) -> bool:
+        try:
+            os.remove(path)
+            return True
+        except FileNotFoundError:
+            return True
+        except OSError:
+            return False
+
+    # ---- index --------------------------------------------------------
+    def _publish_locked(self) -> None:
+        self.stats.bytes_used = self._held
+        self.stats.chunks_held = len(self._lru)
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return self.stats.as_dict()
+
+    def count(self, name: str, n: int = 1) -> None:
+        """Add to a counter from any thread."""
+        with self._lock:
+            setattr(self.stats, name, getattr(self.stats, name) + n)
+
+    def contains(self, key: bytes, refresh: bool = True) -> bool:
+        with self._lock:
+            if key not in self._lru:
+                return False
+            if refresh:
+                self._lru.move_to_end(key)
+            return True
+
+    def touch(self, keys: Iterable[bytes]) -> None:
+        with self._lock:
+            for key in keys:
+                if key in self._lru:
+                    self._lru.move_to_end(key)
+
+    def pin(self, key: bytes) -> bool:
+        with self._lock:
+            if key not in self._lru:
+                return False
+            self._pins[key] = self._pins.get(key, 0) + 1
+            self._lru.move_to_end(key)
+            return True
+
+    def unpin(self, key: bytes) -> None:
+        with self._lock:
+            n = self._pins.get(key, 0) - 1
+            if n <= 0:
+                self._pins.pop(key, None)
+            else:
+                self._pins[key] = n
+
+    def forget(self, key: bytes) -> None:
+        """Drop a key whose file turned out missing or unreadable."""
+        with self._lock:
+            charged = self._lru.pop(key, None)
+            if charged is not None:
+                self._used -= charged
+                self._held -= charged
+                self._remove_quietly(self.path_of(key))
+            self._publish_locked()
+
+    def _evict_locked(self, need: int) -> bool:
+        """Delete LRU files until ``need`` more bytes fit. Under the lock."""
+        if self._used + need <= self.budget_bytes:
+            return True
+        for key in list(self._lru):
+            if self._used + need <= self.budget_bytes:
+                break
+            if self._pins.get(key):
+                continue
+            path = self.path_of(key)
+            if not self._remove_quietly(path):
+                continue  # cannot delete it; it still occupies the disk
+            charged = self._lru.pop(key)
+            self._used -= charged
+            self._held -= charged
+            self.stats.evictions += 1
+        return self._used + need <= self.budget_bytes
+
+    # ---- I/O ----------------------------------------------------------
+    def put(self, key: bytes, data: memoryview | bytes) -> bool:
+        """Store one chunk; True when it is (now or already) on disk.
+
+        Returns False when it does not fit (nothing evictable) and raises
+        ``OSError`` when the disk refuses the write; the caller counts it.
+        """
+        data = memoryview(data).cast("B")
+        nbytes = len(data)
+        if self.chunk_bytes is not None and nbytes != self.chunk_bytes:
+            raise ValueError(f"chunk of {nbytes} bytes, tier holds {self.chunk_bytes}")
+        reserve = self.charge(nbytes)
+        with self._lock:
+            if key in self._lru:
+                self._lru.move_to_end(key)
+                return True
+            if key in self._writing:
+                return True  # a concurrent store of the same content
+            if reserve > self.budget_bytes or not self._evict_locked(reserve):
+                self._publish_locked()
+                return False
+            self._used += reserve
+            self._writing.add(key)
+            self._publish_locked()
+        final = self.path_of(key)
+        tmp = self._tmp_path(key)
+        charged = reserve
+        published = False
+        try:
+            os.makedirs(os.path.dirname(final), exist_ok=True)
+            fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_TRUNC, 0o644)
+            try:
+                view = data
+                while view:
+                    written = os.write(fd, view)
+                    if written <= 0:
+                        raise OSError(errno.EIO, "short write")
+                    view = view[written:]
+                if self._fsync:
+                    os.fsync(fd)
+                charged = max(reserve, os.fstat(fd).st_blocks * 512)
+            finally:
+                os.close(fd)
+            os.replace(tmp, final)
+            published = True
+        except BaseException:
+            self._remove_quietly(tmp)
+            with self._lock:
+                self._used -= reserve
+                self._writing.discard(key)
+                self._publish_locked()
+            raise
+        finally:
+            if not published:
+                self._remove_quietly(tmp)
+        with self._lock:
+            self._writing.discard(key)
+            self._used += charged - reserve
+            self._held += charged
+            self._lru[key] = charged
+            self.stats.stores += 1
+            # The filesystem allocated more than predicted: trim at once.
+            self._evict_locked(0)
+            self._publish_locked()
+        if self._fsync:
+            self._fsync_dir(os.path.dirname(final))
+        return True
+
+    @staticmethod
+    def _fsync_dir(path: str) -> None:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError:
+            return
+        try:
+            os.fsync(fd)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+    def read_into(self, key: bytes, view: memoryview, offset: int, nbytes: int) -> None:
+        """Read one whole chunk into ``view[offset:offset+nbytes]``.
+
+        Uses vLLM's fs tier reader (a short file raises and is removed). Only
+        renamed, complete files are ever named by ``path_of``.
+        """
+        batch_load_block([self.path_of(key)], view, [offset], nbytes, False)
+        with contextlib.suppress(OSError):
+            os.utime(self.path_of(key))  # keeps LRU order across a restart
+
+    def get(self, key: bytes) -> bytes | None:
+        """Whole chunk as bytes (tests and tools); None when not held."""
+        if not self.pin(key):
+            return None
+        try:
+            with open(self.path_of(key), "rb") as f:
+                return f.read()
+        except OSError:
+            self.forget(key)
+            return None
+        finally:
+            self.unpin(key)
+
+    def disk_bytes(self) -> tuple[int, int]:
+        """(sum of st_size, sum of allocated bytes) over the tier's files."""
+        size = alloc = 0
+        for dirpath, _dirs, files in os.walk(self.directory):
+            for name in files:
+                try:
+                    st = os.stat(os.path.join(dirpath, name))
+                except OSError:
+                    continue
+                size += st.st_size
+                alloc += st.st_blocks * 512
+        return size, alloc
+
+
+class SpillwayDiskTier(SecondaryTierManager):
+    """vLLM 0.33 ``SecondaryTierManager`` over a bounded :class:`ChunkDir`.
+
+    Every vLLM chunk is one primary-tier row of ``block_size_bytes``; a store
+    copies rows out of the primary memoryview, a load copies a file back into
+    the row the tiering manager allocated. The I/O runs on vLLM's fs tier
+    thread pool; the scheduler-thread methods only touch the in-memory index.
+    """
+
+    medium: ClassVar[Medium] = Medium.STORAGE
+
+    def __init__(
+        self,
+        offloading_spec: OffloadingSpec | None,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        root_dir: str,
+        budget_bytes: int,
+        plan_key: str,
+        n_read_threads: int = 4,
+        n_write_threads: int = 4,
+        fsync: bool = True,
+        failure_backoff_s: float = 1.0,
+        max_failure_backoff_s: float = 30.0,
+        locality: str | None = None,
+        backpressure_detector: BackpressureDetector | None = None,
+    ) -> None:
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        if not plan_key:
+            raise ValueError("SpillwayDiskTier needs a non-empty plan_key")
+        self.namespace = plan_namespace(
+            plan_key, self.block_size_bytes, _spec_identity(offloading_spec)
+        )
+        self.chunks = ChunkDir(
+            os.path.join(root_dir, self.namespace),
+            budget_bytes,
+            chunk_bytes=self.block_size_bytes,
+            fsync=fsync,
+        )
+        self.stats = self.chunks.stats
+        self._failure_backoff_s = failure_backoff_s
+        self._max_failure_backoff_s = max_failure_backoff_s
+        self._backoff = 0.0
+        self._backoff_until = 0.0
+        self._failing = False  # inside a write-failure episode
+        self._episode_failures = 0
+        self._state_lock = threading.Lock()
+        self._results: dict[JobId, JobResult] = {}
+        self._immediate: list[JobResult] = []
+        self._pool = DualQueueThreadPool(
+            n_read_threads, n_write_threads, thread_name_prefix="spillway_disk"
+        )
+
+    # ---- scheduler-thread interface ----------------------------------
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        if self.chunks.contains(key):
+            self.chunks.count("hits")
+            return LookupResult.HIT
+        self.chunks.count("misses")
+        return LookupResult.MISS
+
+    def touch(self, keys, req_context: ReqContext) -> None:
+        self.chunks.touch(keys)
+
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        keys = list(job_metadata.keys)
+        job_id = job_metadata.job_id
+        if not self.chunks.usable or time.monotonic() < self._backoff_until:
+            self.chunks.count("stores_dropped", len(keys))
+            self._immediate.append(JobResult(job_id=job_id, success=False))
+            return
+        offsets = [int(c) * self.block_size_bytes for c in job_metadata.chunk_ids]
+        self._pool.enqueue_store(job_id, 1, [lambda: self._store_task(job_id, keys, offsets)])
+
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        keys = list(job_metadata.keys)
+        job_id = job_metadata.job_id
+        offsets = [int(c) * self.block_size_bytes for c in job_metadata.chunk_ids]
+        pinned = [self.chunks.pin(k) for k in keys]
+        self._pool.enqueue_load(job_id, 1, [lambda: self._load_task(job_id, keys, offsets, pinned)])
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        done, self._immediate = self._immediate, []
+        for job_id, _ok, transfer_time in self._pool.get_finished():
+            result = self._results.pop(job_id, None)
+            if result is None:  # the task itself died; should not happen
+                result = JobResult(job_id=job_id, success=False)
+            result.transfer_time = transfer_time
+            done.append(result)
+        return done
+
+    def has_pending_work(self) -> bool:
+        return bool(self._immediate)
+
+    def drain_jobs(self) -> None:
+        self._pool.wait_idle()
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def config_info(self):
+        return {}
+
+    def snapshot(self) -> dict[str, int]:
+        return self.chunks.snapshot()
+
+    # ---- pool-thread work --------------------------------------------
+    def _store_task(self, job_id: JobId, keys: list, offsets: list[int]) -> None:
+        size = self.block_size_bytes
+        flat = self._primary_kv_view.cast("B")
+        ok = True
+        written = 0
+        for key, off in zip(keys, offsets, strict=True):
+            try:
+                stored = self.chunks.put(key, flat[off : off + size])
+            except OSError as exc:
+                self._on_write_failure(exc)
+                ok = False
+                break
+            except Exception as exc:  # never into a request
+                logger.exception("spillway disk tier: store failed: %s", exc)
+                ok = False
+                break
+            if stored:
+                written += size
+            else:
+                self.chunks.count("stores_dropped")
+        if ok:
+            self._on_write_success()
+        self._results[job_id] = JobResult(job_id=job_id, success=ok, transfer_bytes=written or None)
+
+    def _load_task(self, job_id: JobId, keys: list, offsets: list[int], pinned: list[bool]) -> None:
+        size = self.block_size_bytes
+        loaded: list = []
+        failed = False
+        try:
+            for key, off, pin in zip(keys, offsets, pinned, strict=True):
+                if failed or not pin:
+                    failed = True
+                    continue
+                try:
+                    self.chunks.read_into(key, self._primary_kv_view, off, size)
+                except (OSError, ValueError) as exc:
+                    logger.debug("spillway disk tier: load %s: %s", key.hex(), exc)
+                    self.chunks.count("load_failures")
+                    self.chunks.forget(key)
+                    failed = True
+                    continue
+                self.chunks.count("loads")
+                loaded.append(key)
+        finally:
+            for key, pin in zip(keys, pinned, strict=True):
+                if pin:
+                    self.chunks.unpin(key)
+        if not failed:
+            result = JobResult(job_id=job_id, success=True, transfer_bytes=size * len(keys))
+        else:
+            # Keep only a prefix, as vLLM's fs tier does.
+            prefix = []
+            for key in keys:
+                if key not in loaded:
+                    break
+                prefix.append(key)
+            result = JobResult(
+                job_id=job_id,
+                success=False,
+                successful_keys=tuple(prefix) or None,
+                transfer_bytes=size * len(prefix) or None,
+            )
+        self._results[job_id] = result
+
+    def _on_write_failure(self, exc: OSError) -> None:
+        self.chunks.count("write_failures")
+        with self._state_lock:
+            self._episode_failures += 1
+            self._backoff = min(
+                self._max_failure_backoff_s,
+                max(self._failure_backoff_s, self._backoff * 2),
+            )
+            self._backoff_until = time.monotonic() + self._backoff
+            first = not self._failing
+            self._failing = True
+        if first:
+            logger.warning(
+                "spillway disk tier: disk is %s (%s); stores fail and back off "
+                "until a write succeeds",
+                _describe(exc),
+                exc,
+            )
+
+    def _on_write_success(self) -> None:
+        with self._state_lock:
+            if not self._failing:
+                return
+            n, self._episode_failures = self._episode_failures, 0
+            self._failing = False
+            self._backoff = 0.0
+        logger.warning("spillway disk tier: writes recovered after %d failures", n)
+
+
+def _spec_identity(offloading_spec: Any) -> str:
+    """The storage identity vLLM's fs tier would use, when a spec is given."""
+    if offloading_spec is None or getattr(offloading_spec, "config", None) is None:
+        return ""
+    try:
+        from vllm.v1.kv_offload.file_mapper import FileMapper
+
+        mapper = FileMapper.from_offloading_spec(
+            root_dir="",
+            offloading_spec=offloading_spec,
+            blocks_per_file=getattr(offloading_spec, "blocks_per_chunk", 1),
+        )
+        return f"{sorted(mapper.get_run_config().items())!r} rank={mapper.rank}"
+    except Exception:  # a spec this vLLM does not describe: plan key only
+        return ""
+
+
+__all__ = [
+    "ChunkDir",
+    "DiskTierStats",
+    "SpillwayDiskTier",
+    "plan_namespace",
+]

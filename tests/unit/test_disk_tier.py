@@ -1,0 +1,425 @@
+"""The bounded disk tier (issue 31): budget, LRU, crash safety, plan namespaces, failures.
+
+The tier is driven the way vLLM's TieringOffloadingManager drives a secondary tier:
+TransferJobs whose chunk ids index rows of the primary memoryview, completion polled
+through get_finished_jobs().
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import random
+import time
+
+import numpy as np
+import pytest
+from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key
+from vllm.v1.kv_offload.tiering.backpressure import EMABackpressureDetector
+from vllm.v1.kv_offload.tiering.base import TransferJob
+
+from spillway_engine.offloader import disk_tier
+from spillway_engine.offloader.disk_tier import (
+    CHUNK_SUFFIX,
+    ChunkDir,
+    SpillwayDiskTier,
+    plan_namespace,
+)
+
+CHUNK = 8192  # bytes per primary row (a multiple of the 4 KiB allocation unit)
+ROWS = 16
+REQ = ReqContext(req_id="r0")
+
+
+def key(i: int, group: int = 0) -> bytes:
+    return make_offload_key(i.to_bytes(16, "big"), group)
+
+
+def disk_usage(directory) -> tuple[int, int, int]:
+    """(files, sum of st_size, sum of allocated bytes), measured with os.stat."""
+    n = size = alloc = 0
+    for dirpath, _dirs, files in os.walk(directory):
+        for name in files:
+            st = os.stat(os.path.join(dirpath, name))
+            n += 1
+            size += st.st_size
+            alloc += st.st_blocks * 512
+    return n, size, alloc
+
+
+class Harness:
+    """A primary memoryview plus a tier, driven like vLLM's tiering manager."""
+
+    def __init__(self, root, budget_chunks=4, plan_key="plan-a", **kw):
+        self.primary = np.zeros((ROWS, CHUNK), dtype=np.uint8)
+        self.tier = SpillwayDiskTier(
+            None,
+            memoryview(self.primary),
+            "SpillwayDiskTier",
+            root_dir=str(root),
+            budget_bytes=budget_chunks * CHUNK,
+            plan_key=plan_key,
+            n_read_threads=1,
+            n_write_threads=1,
+            **kw,
+        )
+        self.job = 0
+
+    def fill(self, row: int, seed: int) -> bytes:
+        data = np.random.default_rng(seed).integers(0, 256, CHUNK, dtype=np.uint8)
+        self.primary[row] = data
+        return data.tobytes()
+
+    def _run(self, keys, rows, promotion):
+        self.job += 1
+        job = TransferJob(
+            job_id=self.job,
+            keys=list(keys),
+            chunk_ids=np.array(rows, dtype=np.int32),
+            is_promotion=promotion,
+            req_context=REQ,
+        )
+        (self.tier.submit_load if promotion else self.tier.submit_store)(job)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            for res in self.tier.get_finished_jobs():
+                assert res.job_id == job.job_id
+                return res
+            time.sleep(0.002)
+        raise AssertionError("job never finished")
+
+    def store(self, keys, rows):
+        return self._run(keys, rows, False)
+
+    def load(self, keys, rows):
+        return self._run(keys, rows, True)
+
+    def close(self):
+        self.tier.shutdown()
+
+
+@pytest.fixture
+def harness(tmp_path):
+    made = []
+
+    def make(**kw):
+        h = Harness(tmp_path / "kv", **kw)
+        made.append(h)
+        return h
+
+    yield make
+    for h in made:
+        h.close()
+
+
+def test_stored_chunk_loads_back_byte_exact(harness):
+    h = harness()
+    want = h.fill(3, seed=1)
+    assert h.store([key(1)], [3]).success
+    assert h.tier.lookup(key(1), REQ) is LookupResult.HIT
+    h.primary[7] = 0
+    res = h.load([key(1)], [7])
+    assert res.success
+    assert h.primary[7].tobytes() == want
+    snap = h.tier.snapshot()
+    assert (snap["stores"], snap["loads"], snap["hits"], snap["chunks_held"]) == (1, 1, 1, 1)
+    assert h.tier.lookup(key(2), REQ) is LookupResult.MISS
+    assert h.tier.snapshot()["misses"] == 1
+
+
+def test_lru_evicts_least_recently_used_first(harness):
+    h = harness(budget_chunks=3)
+    for i in range(3):
+        h.fill(i, seed=i)
+        assert h.store([key(i)], [i]).success
+    # Refresh 0 by a lookup hit and 1 by a load: 2 is now the oldest.
+    assert h.tier.lookup(key(0), REQ) is LookupResult.HIT
+    assert h.load([key(1)], [8]).success
+    h.fill(3, seed=3)
+    assert h.store([key(3)], [3]).success
+    held = {i for i in range(4) if h.tier.chunks.contains(key(i), refresh=False)}
+    assert held == {0, 1, 3}
+    assert not os.path.exists(h.tier.chunks.path_of(key(2)))
+    # A store of a chunk already held refreshes it too: 0 is now newest, 1 oldest.
+    h.tier.touch([key(3)], REQ)
+    assert h.store([key(0)], [0]).success
+    h.fill(4, seed=4)
+    assert h.store([key(4)], [4]).success
+    held = {i for i in range(5) if h.tier.chunks.contains(key(i), refresh=False)}
+    assert held == {0, 3, 4}
+    assert h.tier.snapshot()["evictions"] == 2
+
+
+def test_budget_never_exceeded_mixed_sizes_soak(tmp_path, monkeypatch):
+    budget = 256 * 1024
+    d = ChunkDir(str(tmp_path / "soak"), budget, fsync=False)
+    peaks = []
+    real_replace = os.replace
+
+    def measure_then_replace(src, dst):
+        # The complete temp file is on disk here: eviction must already be done.
+        peaks.append(disk_usage(d.directory)[1:])
+        real_replace(src, dst)
+
+    monkeypatch.setattr(disk_tier.os, "replace", measure_then_replace)
+    rng = random.Random(7)
+    written = 0
+    i = 0
+    while written < 5 * budget:
+        n = rng.choice([1, 700, 4096, 5000, 12_288, 40_000, 65_536, 100_000])
+        data = rng.randbytes(n)
+        assert d.put(key(i), data)
+        written += n
+        files, size, alloc = disk_usage(d.directory)
+        assert size <= budget, (i, size)
+        assert alloc <= budget, (i, alloc)
+        assert d.snapshot()["bytes_used"] <= budget
+        assert files == d.snapshot()["chunks_held"]
+        if rng.random() < 0.3:  # reread a random recent chunk: a hit refreshes it
+            j = rng.randrange(max(0, i - 5), i + 1)
+            got = d.get(key(j))
+            assert got is None or len(got) > 0
+        i += 1
+    assert len(peaks) == i
+    assert max(size for size, _ in peaks) <= budget
+    assert max(alloc for _, alloc in peaks) <= budget
+    snap = d.snapshot()
+    assert snap["evictions"] > 0
+    assert snap["stores"] == i
+    # A chunk larger than the whole budget is refused, never written.
+    assert not d.put(key(10**6), b"x" * (budget + 1))
+    assert disk_usage(d.directory)[1] <= budget
+
+
+def test_tier_soak_through_jobs_keeps_budget(harness):
+    h = harness(budget_chunks=5)
+    rng = random.Random(3)
+    for i in range(25):  # 5x the budget
+        rows = rng.sample(range(ROWS), 2)
+        for r in rows:
+            h.fill(r, seed=i * 100 + r)
+        assert h.store([key(2 * i), key(2 * i + 1)], rows).success
+        _files, size, alloc = disk_usage(h.tier.chunks.directory)
+        assert size <= 5 * CHUNK and alloc <= 5 * CHUNK
+    assert h.tier.snapshot()["chunks_held"] == 5
+
+
+def test_partial_temp_files_are_removed_at_start_and_never_read(harness, tmp_path):
+    h = harness()
+    h.fill(0, seed=9)
+    assert h.store([key(1)], [0]).success
+    d = h.tier.chunks.directory
+    h.close()
+    # A crash mid-write leaves a temp file; a torn file under a final name is
+    # also possible on filesystems without atomic rename semantics.
+    sub = os.path.join(d, key(2).hex()[:2])
+    os.makedirs(sub, exist_ok=True)
+    tmp = os.path.join(sub, f".{key(2).hex()}.123.456.tmp")
+    with open(tmp, "wb") as f:
+        f.write(b"partial")
+    torn = os.path.join(os.path.dirname(h.tier.chunks.path_of(key(3))), key(3).hex() + CHUNK_SUFFIX)
+    os.makedirs(os.path.dirname(torn), exist_ok=True)
+    with open(torn, "wb") as f:
+        f.write(b"y" * (CHUNK // 2))
+    h2 = harness()
+    assert not os.path.exists(tmp)
+    assert not os.path.exists(torn)
+    assert h2.tier.lookup(key(2), REQ) is LookupResult.MISS
+    assert h2.tier.lookup(key(3), REQ) is LookupResult.MISS
+    assert h2.tier.lookup(key(1), REQ) is LookupResult.HIT
+    assert h2.tier.snapshot()["temp_files_removed"] == 2
+
+
+def test_write_goes_through_a_temp_name(harness, monkeypatch):
+    h = harness()
+    h.fill(0, seed=5)
+    seen = []
+    real_replace = os.replace
+
+    def spy(src, dst):
+        seen.append((src, dst, os.path.getsize(src)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(disk_tier.os, "replace", spy)
+    assert h.store([key(1)], [0]).success
+    [(src, dst, size)] = seen
+    assert src.endswith(".tmp") and os.path.basename(src).startswith(".")
+    assert dst == h.tier.chunks.path_of(key(1)) and size == CHUNK
+
+
+def test_restart_rebuilds_index_bytes_and_lru_order(harness):
+    h = harness(budget_chunks=3)
+    wants = {}
+    for i in range(3):
+        wants[i] = h.fill(i, seed=20 + i)
+        assert h.store([key(i)], [i]).success
+        time.sleep(0.02)  # distinct mtimes
+    assert h.load([key(0)], [9]).success  # 0 becomes newest (mtime refreshed)
+    used = h.tier.snapshot()["bytes_used"]
+    h.close()
+    h2 = harness(budget_chunks=3)
+    snap = h2.tier.snapshot()
+    assert snap["chunks_held"] == 3 and snap["bytes_used"] == used
+    h2.fill(5, seed=99)
+    assert h2.store([key(5)], [5]).success
+    held = {i for i in (0, 1, 2, 5) if h2.tier.chunks.contains(key(i), refresh=False)}
+    assert held == {0, 2, 5}  # 1 was least recently used before the restart
+    assert h2.load([key(2)], [10]).success
+    assert h2.primary[10].tobytes() == wants[2]
+
+
+def test_restart_with_smaller_budget_trims(harness):
+    h = harness(budget_chunks=4)
+    for i in range(4):
+        h.fill(i, seed=i)
+        assert h.store([key(i)], [i]).success
+    h.close()
+    h2 = harness(budget_chunks=2)
+    assert h2.tier.snapshot()["chunks_held"] == 2
+    assert disk_usage(h2.tier.chunks.directory)[1] <= 2 * CHUNK
+
+
+def test_second_instance_same_plan_finds_chunks_other_plan_does_not(harness):
+    a = harness(plan_key="plan-a")
+    want = a.fill(0, seed=42)
+    assert a.store([key(7)], [0]).success
+    same = harness(plan_key="plan-a")
+    other = harness(plan_key="plan-b")
+    assert same.tier.lookup(key(7), REQ) is LookupResult.HIT
+    assert same.load([key(7)], [4]).success
+    assert same.primary[4].tobytes() == want
+    assert other.tier.lookup(key(7), REQ) is LookupResult.MISS
+    assert other.tier.chunks.directory != a.tier.chunks.directory
+    assert plan_namespace("plan-a", CHUNK) != plan_namespace("plan-a", 2 * CHUNK)
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EIO])
+def test_disk_refusing_writes_counts_failure_and_never_raises(harness, monkeypatch, caplog, code):
+    detector = EMABackpressureDetector(
+        **EMABackpressureDetector.default_config("fs"),
+    )
+    h = harness(backpressure_detector=detector, failure_backoff_s=0.0)
+    h.fill(0, seed=1)
+
+    def refuse(fd, data):
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(disk_tier.os, "write", refuse)
+    with caplog.at_level(logging.WARNING, logger=disk_tier.__name__):
+        for i in range(4):
+            res = h.store([key(i)], [0])
+            assert res.success is False
+            # vLLM's manager feeds a failed cascade to the tier's detector.
+            detector.on_store_failed()
+    assert h.tier.snapshot()["write_failures"] == 4
+    assert detector.is_under_pressure()
+    episode_lines = [r for r in caplog.records if "stores fail" in r.getMessage()]
+    assert len(episode_lines) == 1  # once per episode
+    # Nothing partial was left or indexed.
+    assert disk_usage(h.tier.chunks.directory)[0] == 0
+    assert h.tier.lookup(key(0), REQ) is LookupResult.MISS
+    # The disk comes back: the next store succeeds and closes the episode.
+    monkeypatch.undo()
+    with caplog.at_level(logging.WARNING, logger=disk_tier.__name__):
+        assert h.store([key(9)], [0]).success
+    assert any("recovered" in r.getMessage() for r in caplog.records)
+
+
+def test_failure_backoff_drops_stores_without_touching_disk(harness, monkeypatch):
+    h = harness(failure_backoff_s=60.0)
+    h.fill(0, seed=1)
+    calls = []
+
+    def refuse(fd, data):
+        calls.append(1)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(disk_tier.os, "write", refuse)
+    assert h.store([key(1)], [0]).success is False
+    assert h.store([key(2)], [0]).success is False  # dropped during backoff
+    assert len(calls) == 1
+    snap = h.tier.snapshot()
+    assert snap["write_failures"] == 1 and snap["stores_dropped"] == 1
+
+
+def test_unwritable_directory_at_start_does_not_raise(tmp_path, monkeypatch):
+    def refuse(*a, **k):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(disk_tier.os, "makedirs", refuse)
+    primary = np.zeros((2, CHUNK), dtype=np.uint8)
+    tier = SpillwayDiskTier(
+        None,
+        memoryview(primary),
+        "SpillwayDiskTier",
+        root_dir=str(tmp_path),
+        budget_bytes=4 * CHUNK,
+        plan_key="p",
+        n_read_threads=1,
+        n_write_threads=1,
+    )
+    try:
+        assert not tier.chunks.usable
+        job = TransferJob(1, [key(1)], np.array([0], dtype=np.int32), False, REQ)
+        tier.submit_store(job)
+        [res] = list(tier.get_finished_jobs())
+        assert res.success is False
+        assert tier.lookup(key(1), REQ) is LookupResult.MISS
+    finally:
+        tier.shutdown()
+
+
+def test_load_of_a_chunk_deleted_underneath_fails_cleanly(harness):
+    h = harness()
+    for i in range(2):
+        h.fill(i, seed=i)
+    assert h.store([key(0), key(1)], [0, 1]).success
+    os.remove(h.tier.chunks.path_of(key(1)))  # e.g. another replica evicted it
+    res = h.load([key(0), key(1)], [5, 6])
+    assert res.success is False
+    assert list(res.successful_keys) == [key(0)]
+    assert h.tier.lookup(key(1), REQ) is LookupResult.MISS
+    assert h.tier.snapshot()["load_failures"] == 1
+
+
+def test_pinned_chunk_is_not_evicted_while_loading(tmp_path):
+    d = ChunkDir(str(tmp_path / "pin"), 2 * 4096, fsync=False)
+    assert d.put(key(0), b"a" * 4096) and d.put(key(1), b"b" * 4096)
+    assert d.pin(key(0))
+    d.touch([key(0)])
+    d.touch([key(1)])  # 0 is the LRU one, but pinned
+    assert d.put(key(2), b"c" * 4096)
+    assert d.contains(key(0), refresh=False) and not d.contains(key(1), refresh=False)
+    d.unpin(key(0))
+    assert d.get(key(0)) == b"a" * 4096
+
+
+def test_factory_builds_the_tier_from_module_path(tmp_path):
+    from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+
+    primary = np.zeros((4, CHUNK), dtype=np.uint8)
+    tier = SecondaryTierFactory.create_secondary_tier(
+        {
+            "type": "SpillwayDiskTier",
+            "module_path": "spillway_engine.offloader.disk_tier",
+            "root_dir": str(tmp_path),
+            "budget_bytes": 4 * CHUNK,
+            "plan_key": "plan-a",
+            "n_read_threads": 1,
+            "n_write_threads": 1,
+            "backpressure": {
+                "backpressure_cls": "EMABackpressureDetector",
+                "failure_threshold": 3,
+            },
+        },
+        memoryview(primary),
+        None,
+    )
+    try:
+        assert isinstance(tier, SpillwayDiskTier)
+        assert tier.tier_type == "SpillwayDiskTier"
+        assert isinstance(tier.bp_detector, EMABackpressureDetector)
+        assert tier.block_size_bytes == CHUNK
+    finally:
+        tier.shutdown()
