@@ -24,6 +24,7 @@ from spillway_engine import vllm_cli
 from spillway_engine.planner.plan import Plan
 
 __all__ = [
+    "DISK_TIER_MOUNT",
     "DRAIN_PATH",
     "ENGINE_OPTIONS_FILE",
     "PLAN_FILE",
@@ -45,6 +46,9 @@ ENGINE_OPTIONS_FILE = "engine.json"
 #: and the operator's pod spec points at: readiness (not ready once a drain starts),
 #: and the preStop drain.
 READY_PATH = "/spillway/ready"
+#: Where the pod mounts the disk tier's volume (plan.disk); the tier keeps its files
+#: under <mount>/<plan.disk.cache_key>, so another plan's files are never read.
+DISK_TIER_MOUNT = "/var/cache/spillway/kv"
 DRAIN_PATH = "/spillway/drain"
 
 

@@ -107,6 +107,10 @@ def _add_plan(sub: Any) -> None:
     )
     p.add_argument("--memory-limit", type=_quantity, help="container memory limit to fit")
     p.add_argument("--offloader", choices=("upstream", "spillway"), default="spillway")
+    p.add_argument("--disk", type=_quantity,
+                   help="a disk tier under the host pool: the pod's volume (200Gi, bytes)")
+    p.add_argument("--disk-writers", type=_positive_int, default=1,
+                   help="pods sharing the --disk volume, each keeping an equal share")
     p.add_argument("--gpu", default="h100", help="h100 (default), h200, a100, a100-40gb, l40s")
     p.add_argument(
         "--speculative-config",
@@ -199,6 +203,8 @@ def _run_plan(args: argparse.Namespace) -> int:
         host_memory_scope=args.cpu_memory_per,
         memory_limit_bytes=args.memory_limit,
         offloader=args.offloader,
+        disk_bytes=args.disk,
+        disk_writers=args.disk_writers,
         gpu=args.gpu,
         speculative_method=(args.speculative_config or {}).get("method"),
         num_speculative_tokens=(args.speculative_config or {}).get("num_speculative_tokens", 0),
@@ -227,6 +233,22 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
         for r in cells
     ]
     return out
+
+
+def _disk_lines(plan: Plan) -> list[str]:
+    d = plan.disk
+    if d is None:
+        return ["Disk tier  none (offload.disk)"]
+    shared = f", shared by up to {d.writers} pods" if d.writers > 1 else ""
+    return [
+        f"Disk tier  {human_bytes(d.volume_bytes)} volume{shared}; per engine "
+        f"{human_bytes(d.volume_bytes_per_engine)}, budget {human_bytes(d.budget_bytes_per_engine)}"
+        f" of chunk files ({', '.join(human_bytes(b) for b in d.file_bytes)} per chunk of "
+        f"each group), {d.num_chunks} chunks, {d.capacity_tokens} tokens per engine",
+        f"           files under <volume>/{d.cache_key}, prefix hash {d.hash_algo}",
+        f"Held       host {plan.capacity_tokens} + disk {d.capacity_tokens} = "
+        f"{plan.capacity_tokens + d.capacity_tokens} tokens per engine",
+    ]
 
 
 def render_table(plan: Plan) -> str:
@@ -302,6 +324,7 @@ def render_table(plan: Plan) -> str:
         f"{human_bytes(pod.engines * pod.pool_bytes_per_engine)} mapped per pod",
         f"Pod        /dev/shm {human_bytes(pod.shm_bytes)}, memory request "
         f"{human_bytes(pod.memory_request_bytes)}, limit {human_bytes(pod.memory_limit_bytes)}",
+        *_disk_lines(plan),
         f"extra cfg  {json.dumps(plan.kv_connector_extra_config)}",
     ]
     lines += [f"note       {n}" for n in plan.notes]

@@ -288,6 +288,16 @@ def test_delete_cleans_up_children(env):
         ({"resources": {"cpu": "65537"}}, "spec.resources.cpu"),
         ({"resources": {"extraMemory": "2P"}}, "extraMemory must be at most 1Pi"),
         ({"engine": {"bogus": 1}}, "bogus"),
+        ({"offload": {"disk": {"size": "0"}}}, "spec.offload.disk.size"),
+        ({"offload": {"disk": {"size": "10Gi", "volume": "SharedPVC"}}},
+         "spec.offload.disk.claimName: Invalid value: offload.disk.claimName is required"),
+        ({"offload": {"disk": {"size": "10Gi", "claimName": "kv"}}},
+         "spec.offload.disk.claimName"),
+        ({"offload": {"disk": {"size": "10Gi", "storageClassName": "nvme"}}},
+         "storageClassName is only for volume Ephemeral"),
+        ({"offload": {"disk": {"size": "10Gi", "volume": "Tape"}}}, "spec.offload.disk.volume"),
+        ({"offload": {"offloader": "upstream", "disk": {"size": "10Gi"}}},
+         "spec.offload.disk: Invalid value: offload.disk runs under offloader spillway only"),
     ],
 )
 def test_invalid_spec_is_refused_at_apply_naming_the_field(env, tmp_path, patch, needle):

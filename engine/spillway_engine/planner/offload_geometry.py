@@ -440,6 +440,54 @@ def spillway_connector_refusal(layout: KVLayout) -> str | None:
     return None
 
 
+#: A chunk file takes whole filesystem blocks on disk (ext4/xfs default).
+FS_BLOCK_BYTES = 4096
+#: Share of the disk tier's volume kept free of complete chunk files, for the temporary
+#: files of writes in flight and directories (at least one chunk of every group).
+DISK_RESERVE_DIVISOR = 50
+
+
+@dataclass(frozen=True)
+class DiskGeometry:
+    """The second tier under the host pool: chunk files on a volume, one engine's share."""
+
+    volume_bytes: int
+    #: bytes of complete chunk files the tier keeps at most (it evicts LRU before)
+    budget_bytes: int
+    #: on-disk bytes of one chunk of each offloaded group (one file per rank copy)
+    file_bytes: tuple[int, ...]
+    chunk_set_bytes: int
+    num_chunks: int
+    capacity_tokens: int
+
+
+def disk_geometry(spillway: SpillwayGeometry, volume_bytes: int) -> DiskGeometry:
+    """Chunks the disk tier holds in volume_bytes: each group's chunk is a file per rank
+    copy of its true bytes (no host-unit padding), rounded up to filesystem blocks."""
+    copies = spillway.copies
+    files = tuple(
+        copies * -(-(g.chunk_bytes // copies) // FS_BLOCK_BYTES) * FS_BLOCK_BYTES
+        for g in spillway.groups
+    )
+    chunk_set = sum(files)
+    budget = volume_bytes - max(volume_bytes // DISK_RESERVE_DIVISOR, chunk_set)
+    if budget < chunk_set:
+        raise OffloadRefused(
+            f"the disk tier's share of {volume_bytes} bytes is below one chunk of every "
+            f"group ({chunk_set} bytes on disk) plus as much again kept free for writes in "
+            f"flight: give it at least {2 * chunk_set} bytes"
+        )
+    num_chunks = budget // chunk_set
+    return DiskGeometry(
+        volume_bytes=volume_bytes,
+        budget_bytes=budget,
+        file_bytes=files,
+        chunk_set_bytes=chunk_set,
+        num_chunks=num_chunks,
+        capacity_tokens=num_chunks * spillway.chunk_tokens,
+    )
+
+
 def spillway_geometry(layout: KVLayout, request: OffloadRequest) -> SpillwayGeometry:
     """Spillway's per-group chunking: one token span, rows sized by each group's bytes."""
     if layout.mamba_cache_mode == "none":

@@ -13,6 +13,8 @@ context parallelism,
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -29,6 +31,7 @@ from spillway_engine.planner.offload_geometry import (
     OffloadRequest,
     SpillwayGeometry,
     UpstreamGeometry,
+    disk_geometry,
     spillway_connector_refusal,
     spillway_geometry,
     upstream_geometry,
@@ -94,6 +97,17 @@ class PlanRequest(_Model):
     )
     offloader: Literal["upstream", "spillway"] = Field(
         "spillway", description="Which offloader's geometry sizes the pool."
+    )
+    disk_bytes: int | None = Field(
+        None,
+        ge=1,
+        description="Disk tier under the host pool: the pod's volume (a shared volume's "
+        "whole size), split across its engines and disk_writers; null: no disk tier.",
+    )
+    disk_writers: int = Field(
+        1,
+        ge=1,
+        description="Pods writing one shared disk volume (at most): each keeps its share.",
     )
     gpu: str = Field(DEFAULT_GPU, description="GPU model (see spillway_engine.planner.gpus).")
     speculative_method: Literal["mtp", "draft_model", "eagle3"] | None = Field(
@@ -218,6 +232,32 @@ class PodInfo(_Model):
     headroom_bytes: int = Field(description="Limit minus request.")
 
 
+class DiskTierInfo(_Model):
+    """The second tier: chunk files on a volume, evicted LRU within a byte budget."""
+
+    volume_bytes: int = Field(description="The volume's size (a shared volume's whole).")
+    writers: int = Field(description="Pods sharing the volume, each keeping its share.")
+    volume_bytes_per_engine: int = Field(description="volume_bytes // (engines x writers).")
+    budget_bytes_per_engine: int = Field(
+        description="Complete chunk files an engine keeps at most (the rest stays free "
+        "for writes in flight)."
+    )
+    file_bytes: list[int] = Field(
+        description="On disk, one chunk of each offloaded group (all rank copies)."
+    )
+    chunk_set_bytes: int = Field(description="Sum of file_bytes: one span, all groups.")
+    num_chunks: int = Field(description="budget_bytes_per_engine // chunk_set_bytes.")
+    capacity_tokens: int = Field(description="num_chunks x chunk_tokens, per engine.")
+    cache_key: str = Field(
+        description="Digest of what a chunk file's bytes depend on: files are kept under "
+        "it, so a plan with another key never reads them."
+    )
+    hash_algo: str = Field(
+        description="--prefix-caching-hash-algo: a fixed-seed hash, so every writer of "
+        "a shared volume names the same prefix alike."
+    )
+
+
 class Plan(_Model):
     """Everything the operator and the engine need to agree on. Stable JSON."""
 
@@ -252,6 +292,7 @@ class Plan(_Model):
     )
     kv_transfer_config: dict[str, Any] = Field(description="The whole --kv-transfer-config.")
     pod: PodInfo
+    disk: DiskTierInfo | None = Field(None, description="The disk tier, or null.")
     notes: list[str]
     speculative_method: str | None = Field(
         None, description="--speculative-config method the groups include a drafter for."
@@ -499,6 +540,7 @@ def _make_plan(
         )
         chosen = _chosen_offload(request.offloader, upstream, spillway)
     pod = _sized_pod(chosen.region_bytes, workers, dp, limit, chosen.host_keys)
+    disk = _disk_tier(request, layout, spillway, workers, dp, max_len)
     # One validation of nested dicts (pydantic's core walks them) instead of a model
     # per group and chunk: a tenth of a millisecond on many-group models.
     return Plan.model_validate(dict(
@@ -548,12 +590,68 @@ def _make_plan(
             process_overhead_bytes=pod.process_overhead_bytes,
             headroom_bytes=pod.headroom_bytes,
         ),
+        disk=disk,
         notes=list(layout.notes),
         speculative_method=request.speculative_method,
         num_speculative_tokens=request.num_speculative_tokens if request.speculative_method else 0,
         speculative_model=request.speculative_model if request.speculative_method else None,
         draft_layer_indices=_draft_layers(layout),
     ))
+
+
+#: vLLM's default prefix hash: cryptographic, so its NONE_HASH seed is a fixed default
+#: (kv_cache_utils.resolve_none_hash_seed) and every process hashes a prefix alike.
+DISK_HASH_ALGO = "sha256"
+
+
+def _disk_tier(
+    request: PlanRequest,
+    layout: KVLayout,
+    spillway: SpillwayGeometry,
+    workers: int,
+    dp: int,
+    max_len: int,
+) -> dict[str, Any] | None:
+    if request.disk_bytes is None:
+        return None
+    if request.offloader != "spillway":
+        raise OffloadRefused("the disk tier runs under Spillway's offloader only")
+    share = request.disk_bytes // (dp * request.disk_writers)
+    try:
+        disk = disk_geometry(spillway, share)
+    except OffloadRefused as e:
+        how = f" ({request.disk_bytes} bytes for {dp} engine(s) x {request.disk_writers} " \
+            "writer(s))" if dp * request.disk_writers > 1 else ""
+        raise OffloadRefused(f"offload.disk.size (--disk){how}: {e}") from None
+    # Everything a chunk file's bytes depend on: another model, dtype, layout, chunk
+    # span, rank count or vLLM release writes other bytes under the same prefix hash.
+    key = json.dumps(dict(
+        vllm=VLLM_VERSION,
+        model=request.model_name,
+        architecture=layout.shape.architecture,
+        kv_cache_dtype=layout.kv_cache_dtype,
+        max_model_len=max_len,
+        block_size=layout.block_size,
+        tokens_per_hash=layout.tokens_per_hash,
+        groups=_kv_groups(layout),
+        chunk_tokens=spillway.chunk_tokens,
+        blocks_per_chunk=[g.blocks_per_chunk for g in spillway.groups],
+        workers=workers,
+        copies=spillway.copies,
+        hash_algo=DISK_HASH_ALGO,
+    ), sort_keys=True)
+    return dict(
+        volume_bytes=request.disk_bytes,
+        writers=request.disk_writers,
+        volume_bytes_per_engine=share,
+        budget_bytes_per_engine=disk.budget_bytes,
+        file_bytes=list(disk.file_bytes),
+        chunk_set_bytes=disk.chunk_set_bytes,
+        num_chunks=disk.num_chunks,
+        capacity_tokens=disk.capacity_tokens,
+        cache_key=hashlib.sha256(key.encode()).hexdigest()[:16],
+        hash_algo=DISK_HASH_ALGO,
+    )
 
 
 def _pool_bytes(request: PlanRequest, workers: int, dp: int) -> int:

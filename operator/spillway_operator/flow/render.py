@@ -15,13 +15,20 @@ from typing import Any
 
 from spillway_engine.planner.plan import Plan
 from spillway_engine.quantity import format_bytes, parse_bytes
-from spillway_engine.seam import ENGINE_OPTIONS_FILE, PLAN_FILE, READY_PATH, EngineOptions
+from spillway_engine.seam import (
+    DISK_TIER_MOUNT,
+    ENGINE_OPTIONS_FILE,
+    PLAN_FILE,
+    READY_PATH,
+    EngineOptions,
+)
 from spillway_operator.flow import disruption, rollout
 from spillway_operator.flow.routing import EndpointPicker
 from spillway_operator.flow.spec import (
     GROUP,
     KIND,
     VERSION,
+    DiskVolume,
     GPUProduct,
     InferenceDeploymentSpec,
     WeightsSource,
@@ -267,7 +274,30 @@ def _volumes(owner: Owner, spec: InferenceDeploymentSpec, plan: Plan):
     else:
         volumes.append({"name": "model-cache", "emptyDir": {}})
         mounts.append({"name": "model-cache", "mountPath": MODEL_CACHE})
+    if disk := _disk_volume(owner, spec):
+        volumes.append(disk)
+        mounts.append({"name": "kv-disk", "mountPath": DISK_TIER_MOUNT})
     return volumes, mounts
+
+
+def _disk_volume(owner: Owner, spec: InferenceDeploymentSpec) -> dict[str, Any] | None:
+    """The disk tier's volume: the node's ephemeral storage, a claim of the pod's own,
+    or the shared claim every replica mounts."""
+    disk = spec.offload.disk
+    if disk is None:
+        return None
+    size = format_bytes(parse_bytes(disk.size, what="offload.disk.size"))
+    if disk.volume == DiskVolume.SHARED_PVC:
+        return {"name": "kv-disk", "persistentVolumeClaim": {"claimName": disk.claim_name}}
+    if disk.volume == DiskVolume.EPHEMERAL:
+        claim: dict[str, Any] = {"accessModes": ["ReadWriteOnce"],
+                                 "resources": {"requests": {"storage": size}}}
+        if disk.storage_class_name:
+            claim["storageClassName"] = disk.storage_class_name
+        return {"name": "kv-disk", "ephemeral": {"volumeClaimTemplate": {
+            "metadata": {"labels": selector_labels(owner)}, "spec": claim}}}
+    # The kubelet evicts a pod whose emptyDir outgrows sizeLimit; the tier stays below.
+    return {"name": "kv-disk", "emptyDir": {"sizeLimit": size}}
 
 
 def _runs_anywhere(spec: InferenceDeploymentSpec) -> bool:
@@ -283,8 +313,13 @@ def _resources(spec: InferenceDeploymentSpec, plan: Plan) -> dict[str, Any]:
         spec.resources.extra_memory) else 0
     cpu = spec.resources.cpu or str(DEFAULT_CPU_PER_GPU * spec.gpus_per_pod)
     gpu = {} if _runs_anywhere(spec) else {spec.resources.gpu_resource_name: gpus}
+    disk = spec.offload.disk
+    # A request only, so the scheduler picks a node with room for the tier; a limit
+    # would also count the model cache, whose size the plan does not know.
+    local = {} if disk is None or disk.volume != DiskVolume.EMPTY_DIR else {
+        "ephemeral-storage": format_bytes(parse_bytes(disk.size, what="offload.disk.size"))}
     return {
-        "requests": {**gpu, "cpu": cpu,
+        "requests": {**gpu, "cpu": cpu, **local,
                      "memory": format_bytes(plan.pod.memory_request_bytes + extra)},
         "limits": {**gpu, "memory": format_bytes(plan.pod.memory_limit_bytes + extra)},
     }

@@ -476,8 +476,64 @@ class HostMemoryScope(StrEnum):
     POD = "Pod"
 
 
+class DiskVolume(StrEnum):
+    EMPTY_DIR = "EmptyDir"
+    EPHEMERAL = "Ephemeral"
+    SHARED_PVC = "SharedPVC"
+
+
+DISK_CLAIM_MESSAGE = "offload.disk.claimName is required with volume SharedPVC, and only then"
+DISK_CLASS_MESSAGE = "offload.disk.storageClassName is only for volume Ephemeral"
+
+
+class DiskTierSpec(_Model):
+    """A second tier under the host pool: chunk files on a volume, bounded and evicted LRU."""
+
+    size: Annotated[
+        str,
+        Field(
+            pattern=QUANTITY_PATTERN,
+            description="the volume's size: the pod's emptyDir sizeLimit and "
+            "ephemeral-storage request, the ephemeral claim's request, or a shared claim's "
+            "whole size (each of up to maxReplicas pods keeps an equal share)",
+        ),
+    ]
+    volume: Annotated[
+        DiskVolume,
+        Field(description="EmptyDir: the node's ephemeral storage; Ephemeral: a claim per "
+              "pod from storageClassName (e.g. local NVMe); SharedPVC: an existing "
+              "ReadWriteMany claim every replica reads and writes"),
+    ] = DiskVolume.EMPTY_DIR
+    storage_class_name: Annotated[
+        str | None,
+        Field(min_length=1, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+              description="Ephemeral only: the claim's StorageClass (default: the "
+              "cluster's default class)"),
+    ] = None
+    claim_name: Annotated[
+        str | None,
+        Field(min_length=1, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+              description="SharedPVC only: the ReadWriteMany claim"),
+    ] = None
+
+    @field_validator("size")
+    @classmethod
+    def _size_bounded(cls, value: str) -> str:
+        if parse_bytes(value, what="offload.disk.size") <= 0:
+            raise ValueError("must be a positive quantity")
+        return _at_most(value, MAX_MEMORY, parse_bytes)
+
+    @model_validator(mode="after")
+    def _volume_fields(self) -> DiskTierSpec:
+        if (self.volume == DiskVolume.SHARED_PVC) != (self.claim_name is not None):
+            raise ValueError(DISK_CLAIM_MESSAGE)
+        if self.storage_class_name is not None and self.volume != DiskVolume.EPHEMERAL:
+            raise ValueError(DISK_CLASS_MESSAGE)
+        return self
+
+
 class OffloadSpec(_Model):
-    """The host (CPU) KV-cache tier."""
+    """The host (CPU) KV-cache tier, and an optional disk tier under it."""
 
     enabled: bool = True
     host_memory: Annotated[
@@ -518,11 +574,21 @@ class OffloadSpec(_Model):
     offloader: Annotated[
         Offloader, Field(description="spillway (per-group rows) or vLLM's upstream offloader")
     ] = Offloader.SPILLWAY
+    disk: Annotated[
+        DiskTierSpec | None,
+        Field(description="a disk tier under the host pool (Spillway's offloader only)"),
+    ] = None
 
     @field_validator("host_memory", "memory_limit")
     @classmethod
     def _memory_bounded(cls, value: str | None) -> str | None:
         return _at_most(value, MAX_MEMORY, parse_bytes)
+
+    @model_validator(mode="after")
+    def _disk_needs_spillway(self) -> OffloadSpec:
+        if self.disk is not None and self.offloader != Offloader.SPILLWAY:
+            raise ValueError("offload.disk runs under offloader spillway only")
+        return self
 
 
 #: The autoscaler's own defaults (``pressure.Policy``): the CRD's defaults are these.
@@ -670,6 +736,16 @@ class InferenceDeploymentSpec(_Model):
             return parse_bytes(self.offload.memory_limit, what="offload.memoryLimit")
         return DEFAULT_MEMORY_PER_GPU * self.gpus_per_pod
 
+    @property
+    def disk_writers(self) -> int:
+        """Pods that may write a shared disk volume at once, each keeping its share: the
+        most the autoscaler may run (a surge pod reuses a leaving pod's share)."""
+        disk = self.offload.disk
+        if disk is None or disk.volume != DiskVolume.SHARED_PVC:
+            return 1
+        return self.autoscaling.max_replicas if self.autoscaling.enabled else max(
+            1, self.replicas)
+
     def plan_request(self) -> PlanRequest:
         """What the planner needs from the spec (the spec's one way into the plan)."""
         off = self.offload
@@ -689,6 +765,9 @@ class InferenceDeploymentSpec(_Model):
             host_memory_scope=off.host_memory_scope.value.lower(),
             memory_limit_bytes=self.memory_limit_bytes if host is None else None,
             offloader=off.offloader.value,
+            disk_bytes=None if off.disk is None else parse_bytes(off.disk.size,
+                                                                 what="offload.disk.size"),
+            disk_writers=self.disk_writers,
             gpu=self.resources.gpu_product.value.lower(),
             **({} if speculative is None else {
                 "speculative_method": speculative.method.value,
@@ -843,6 +922,29 @@ CEL_RULES: dict[str, list[dict[str, str]]] = {
             "self.hostMemory == 'auto' || quantity(self.hostMemory).isGreaterThan(quantity('0'))",
             "offload.hostMemory must be auto or a positive quantity",
             ".hostMemory",
+        ),
+        cel(
+            "!has(self.disk) || self.offloader == 'spillway'",
+            "offload.disk runs under offloader spillway only",
+            ".disk",
+        ),
+    ],
+    "spec.offload.disk": [
+        _quantity_bound_rule("size", MAX_MEMORY),
+        cel(
+            "quantity(self.size).isGreaterThan(quantity('0'))",
+            "offload.disk.size must be a positive quantity",
+            ".size",
+        ),
+        cel(
+            "(self.volume == 'SharedPVC') == has(self.claimName)",
+            DISK_CLAIM_MESSAGE,
+            ".claimName",
+        ),
+        cel(
+            "!has(self.storageClassName) || self.volume == 'Ephemeral'",
+            DISK_CLASS_MESSAGE,
+            ".storageClassName",
         ),
     ],
 }
