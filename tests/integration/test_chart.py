@@ -58,6 +58,7 @@ NAMESPACED_RULES = {
     *{("", "pods", v) for v in ("list", "watch")},
     ("", "pods", "patch"),  # the autoscaler's scale-down marks (deletion cost, draining)
     ("", "secrets", "get"),
+    ("", "persistentvolumeclaims", "get"),  # a shared disk tier's claim, checked
     ("", "events", "create"),
     *{("monitoring.coreos.com", "servicemonitors", v) for v in ("get", "patch", "create")},
 }
@@ -66,6 +67,10 @@ CRD_READS = {("apiextensions.k8s.io", "customresourcedefinitions", v) for v in (
 # Lease, in the release namespace only.
 LEASE_RULES = {("coordination.k8s.io", "leases", v) for v in ("get", "create", "update")}
 NAMESPACE_READS = {("", "namespaces", v) for v in ("list", "watch")}
+# An Ephemeral disk tier's storageClassName, checked (a cluster-scoped read).
+STORAGE_CLASS_READS = {("storage.k8s.io", "storageclasses", "get")}
+# rbac.clusterScopedReads: what the chart adds cluster-wide.
+CLUSTER_READS = CRD_READS | NAMESPACE_READS | STORAGE_CLASS_READS
 
 
 def model_configmap(core: client.CoreV1Api, ns: str, name: str, fixture: str) -> None:
@@ -208,7 +213,7 @@ def test_rbac_rules_are_exactly_what_the_operator_calls(helm):
     # Cluster-wide (default): one ClusterRole, no Role but the Lease's.
     docs = render(helm, "spillway-system")
     (role,) = by_kind(docs, "ClusterRole")
-    assert rule_set(role["rules"]) == NAMESPACED_RULES | CRD_READS | NAMESPACE_READS
+    assert rule_set(role["rules"]) == NAMESPACED_RULES | CLUSTER_READS
     roles, lease_role = split_lease_role(docs, "Role")
     assert not roles
     assert lease_role["metadata"]["namespace"] == "spillway-system"
@@ -234,7 +239,7 @@ def test_rbac_rules_are_exactly_what_the_operator_calls(helm):
     bindings, _ = split_lease_role(docs, "RoleBinding")
     assert {b["metadata"]["namespace"] for b in bindings} == {"a", "b"}
     (reads,) = by_kind(docs, "ClusterRole")
-    assert rule_set(reads["rules"]) == CRD_READS | NAMESPACE_READS
+    assert rule_set(reads["rules"]) == CLUSTER_READS
     (dep,) = by_kind(docs, "Deployment")
     args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[:4] == ["-n", "a", "-n", "b"] and "--all-namespaces" not in args
@@ -499,7 +504,7 @@ def test_operator_runs_as_the_chart_service_account(helm, cluster, api, namespac
     else:
         role = json.loads(cluster.kubectl("get", "clusterrole", f"{RELEASE}-{release_ns}", "-o",
                                           "json"))
-        assert rule_set(role["rules"]) == NAMESPACED_RULES | CRD_READS | NAMESPACE_READS
+        assert rule_set(role["rules"]) == NAMESPACED_RULES | CLUSTER_READS
 
     sa_user = f"system:serviceaccount:{release_ns}:{RELEASE}"
     # Granted: what the operator does.
@@ -514,6 +519,8 @@ def test_operator_runs_as_the_chart_service_account(helm, cluster, api, namespac
                ["patch", "poddisruptionbudgets.policy", "-n", work],
                ["watch", "customresourcedefinitions.apiextensions.k8s.io"],
                ["list", "namespaces"], ["watch", "namespaces"],
+               ["get", "persistentvolumeclaims", "-n", work],
+               ["get", "storageclasses.storage.k8s.io"],
                *[[v, "leases.coordination.k8s.io", "-n", release_ns]
                  for v in ("get", "create", "update")]]
     # Denied: everything else, including what a looser role would hand out.
@@ -539,6 +546,10 @@ def test_operator_runs_as_the_chart_service_account(helm, cluster, api, namespac
               ["create", "customresourcedefinitions.apiextensions.k8s.io"],
               ["get", "nodes"], ["create", "clusterrolebindings.rbac.authorization.k8s.io"],
               ["delete", "namespaces"], ["create", "namespaces"],
+              ["list", "persistentvolumeclaims", "-n", work],
+              ["create", "persistentvolumeclaims", "-n", work],
+              ["list", "storageclasses.storage.k8s.io"],
+              ["create", "storageclasses.storage.k8s.io"],
               *[[v, "leases.coordination.k8s.io", "-n", release_ns]
                 for v in ("list", "watch", "patch", "delete")],
               ["update", "leases.coordination.k8s.io", "-n", work],
@@ -687,7 +698,7 @@ def test_helm_upgrade_upgrades_the_crd_and_uninstall_keeps_it(helm, cluster, nam
         assert "Chart-Test" not in columns()
         cr = json.loads(cluster.kubectl("get", "clusterrole", f"{RELEASE}-{namespace}", "-o",
                                         "json"))
-        assert rule_set(cr["rules"]) == NAMESPACED_RULES | CRD_READS | NAMESPACE_READS
+        assert rule_set(cr["rules"]) == NAMESPACED_RULES | CLUSTER_READS
 
         helm("upgrade", RELEASE, changed, "-n", namespace, "--set", "operator.replicas=0",
              "--wait", "--timeout", "60s")
@@ -781,7 +792,7 @@ def test_endpoint_picker_is_opt_in_and_wires_router_operator_and_rbac(helm):
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "spillway",
                                     "namespace": "sys"}]
     (cluster_role,) = by_kind(docs, "ClusterRole")
-    assert rule_set(cluster_role["rules"]) == NAMESPACED_RULES | CRD_READS | NAMESPACE_READS
+    assert rule_set(cluster_role["rules"]) == NAMESPACED_RULES | CLUSTER_READS
     docs = render(helm, "sys", *EPP, "watchNamespaces={a,sys}")
     operator_roles = [r for r in by_kind(docs, "Role") if r["metadata"]["name"] == RELEASE]
     assert {r["metadata"]["namespace"] for r in operator_roles} == {"a", "sys"}

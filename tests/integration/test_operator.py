@@ -239,6 +239,53 @@ def test_missing_configmap_is_retried_until_it_appears(env):
     env.wait_condition("late", "Available", "True", timeout=60)
 
 
+def claim(env, name, size, modes):
+    env.core.create_namespaced_persistent_volume_claim(env.ns, client.V1PersistentVolumeClaim(
+        metadata=client.V1ObjectMeta(name=name),
+        spec=client.V1PersistentVolumeClaimSpec(
+            access_modes=modes, storage_class_name="",
+            resources=client.V1VolumeResourceRequirements(requests={"storage": size}))))
+
+
+def test_a_shared_disk_tier_waits_for_its_claim_and_refuses_one_that_cannot_hold_it(env):
+    shared = {"hostMemory": "16Gi",
+              "disk": {"size": "100Gi", "volume": "SharedPVC", "claimName": "kv"}}
+    env.create(infdep("late-disk", offload=shared))
+    c = env.wait_condition("late-disk", "PlanReady", "False", "DiskVolumeUnavailable")
+    assert c["message"] == f"offload.disk.claimName: PersistentVolumeClaim kv not found in {env.ns}"
+    assert env.deployment("late-disk") is None
+    claim(env, "kv", "200Gi", ["ReadWriteMany"])
+    env.wait_condition("late-disk", "PlanReady", "True", timeout=60)
+    pod = env.deployment("late-disk").spec.template.spec
+    assert [v.persistent_volume_claim.claim_name for v in pod.volumes if v.name == "kv-disk"] \
+        == ["kv"]
+    assert env.get("late-disk")["status"]["plan"]["diskCapacityTokens"] > 0
+
+    claim(env, "kv-rwo", "200Gi", ["ReadWriteOnce"])
+    env.create(infdep("rwo", offload={**shared, "disk": {**shared["disk"], "claimName": "kv-rwo"}}))
+    c = env.wait_condition("rwo", "PlanReady", "False", "DiskVolumeInvalid")
+    assert c["message"].startswith("offload.disk.claimName: PersistentVolumeClaim kv-rwo is "
+                                   "ReadWriteOnce; a disk tier every replica shares needs "
+                                   "ReadWriteMany")
+    claim(env, "kv-small", "10Gi", ["ReadWriteMany"])
+    env.create(infdep("small", offload={**shared,
+                                        "disk": {**shared["disk"], "claimName": "kv-small"}}))
+    c = env.wait_condition("small", "PlanReady", "False", "DiskVolumeInvalid")
+    assert c["message"] == ("offload.disk.size: 100Gi is more than PersistentVolumeClaim "
+                            "kv-small holds (10Gi)")
+    wait_for(lambda: any(e.reason == "DiskVolumeInvalid" for e in env.events("small")), 30,
+             "the DiskVolumeInvalid Event")
+    assert env.deployment("rwo") is None and env.deployment("small") is None
+
+
+def test_an_ephemeral_disk_tier_names_a_missing_storage_class(env):
+    env.create(infdep("nvme", offload={"hostMemory": "16Gi", "disk": {
+        "size": "1Ti", "volume": "Ephemeral", "storageClassName": "local-nvme"}}))
+    c = env.wait_condition("nvme", "PlanReady", "False", "DiskVolumeUnavailable")
+    assert c["message"] == "offload.disk.storageClassName: StorageClass local-nvme not found"
+    assert env.deployment("nvme") is None
+
+
 def test_drift_on_the_deployment_is_repaired(env):
     env.create(infdep("drift"))
     env.wait_condition("drift", "Available", "True")

@@ -112,7 +112,7 @@ Events, pods/exec, pods/log, nodes, and any write to the InferenceDeployment's s
   resources: ["pods"]
   verbs: ["list", "watch", "patch"]
 - apiGroups: [""]
-  resources: ["secrets"]
+  resources: ["secrets", "persistentvolumeclaims"]
   verbs: ["get"]
 - apiGroups: [""]
   resources: ["events"]
@@ -131,6 +131,8 @@ Cluster-scoped reads kopf makes (rbac.clusterScopedReads):
   deletion); in namespaced mode kopf also resolves the -n namespaces against them and
   follows their creation. Without it (clusterScopedReads: false) a namespace being
   deleted is learned from the API server's refusal of a create in it.
+- storageclasses get: an Ephemeral disk tier's storageClassName is checked before any
+  pod waits on a claim no class can provision (without it, the pending pod says so).
 */}}
 {{- define "spillway.clusterReadRules" -}}
 - apiGroups: ["apiextensions.k8s.io"]
@@ -139,6 +141,9 @@ Cluster-scoped reads kopf makes (rbac.clusterScopedReads):
 - apiGroups: [""]
   resources: ["namespaces"]
   verbs: ["list", "watch"]
+- apiGroups: ["storage.k8s.io"]
+  resources: ["storageclasses"]
+  verbs: ["get"]
 {{- end }}
 
 {{/*

@@ -31,6 +31,7 @@ from spillway_operator.flow.routing import EndpointPicker
 from spillway_operator.flow.spec import (
     Condition,
     ConditionType,
+    DiskVolume,
     DraftModelSpec,
     InferenceDeploymentSpec,
     ModelSpec,
@@ -47,7 +48,12 @@ from spillway_operator.flow.status import (
 )
 from spillway_operator.plumbing import metrics
 from spillway_operator.plumbing.cache import Memo
-from spillway_operator.plumbing.kube import Kube, NamespaceTerminating, Rejected, TemporaryError
+from spillway_operator.plumbing.kube import (
+    Kube,
+    NamespaceTerminating,
+    Rejected,
+    TemporaryError,
+)
 
 log = logging.getLogger("spillway.reconciler")
 
@@ -68,6 +74,14 @@ class Result:
 
 class ConfigUnavailable(TemporaryError):
     """config.json cannot be read yet (missing ConfigMap/Secret, hub unreachable)."""
+
+
+class DiskVolumeUnavailable(TemporaryError):
+    """The disk tier's claim or StorageClass is not there (yet)."""
+
+
+class DiskVolumeInvalid(Exception):
+    """The disk tier's shared claim cannot hold it: the user must change something."""
 
 
 class ConfigInvalid(Exception):
@@ -149,7 +163,8 @@ class PlanCrashed(Exception):
 
 
 # Planning failures: the PlanReady reason, and the outcome (retry or refused).
-_PLAN_FAILURES = (ValidationError, ConfigUnavailable, ConfigInvalid, PlanRefused, PlanCrashed)
+_PLAN_FAILURES = (ValidationError, ConfigUnavailable, ConfigInvalid, PlanRefused, PlanCrashed,
+                  DiskVolumeUnavailable, DiskVolumeInvalid)
 MAX_MESSAGE = 600
 
 
@@ -181,6 +196,10 @@ def plan_failure(exc: Exception) -> tuple[str, str, str]:
         return "SpecInvalid", f"spec.{where}: {first['msg']}", "refused"
     if isinstance(exc, ConfigUnavailable):
         return "ModelConfigUnavailable", str(exc), "retry"
+    if isinstance(exc, DiskVolumeUnavailable):
+        return "DiskVolumeUnavailable", str(exc), "retry"
+    if isinstance(exc, DiskVolumeInvalid):
+        return "DiskVolumeInvalid", str(exc), "refused"
     if isinstance(exc, ConfigInvalid | PlanCrashed):
         return "ModelConfigInvalid", _short(str(exc)), "refused"
     return "OffloadPlanInvalid", _short(str(exc)), "refused"
@@ -249,6 +268,32 @@ class Reconciler:
         self._plans.put(key, (config, draft, plan))
         return plan
 
+    def _check_disk_volume(self, namespace: str, spec: InferenceDeploymentSpec) -> None:
+        """The disk tier's volume exists and can hold it, before any pod waits on it.
+        Without the RBAC to read it (a StorageClass needs rbac.clusterScopedReads), the
+        pods' own scheduling says so instead."""
+        disk = spec.offload.disk
+        if disk is None or disk.volume == DiskVolume.EMPTY_DIR:
+            return
+        try:
+            if disk.volume == DiskVolume.SHARED_PVC:
+                claim = self.kube.get_claim(namespace, disk.claim_name)
+                if claim is None:
+                    raise DiskVolumeUnavailable(
+                        f"offload.disk.claimName: PersistentVolumeClaim {disk.claim_name} "
+                        f"not found in {namespace}")
+                if why := render.disk_claim_refusal(spec, claim):
+                    raise DiskVolumeInvalid(why)
+            elif disk.storage_class_name and self.kube.get_storage_class(
+                    disk.storage_class_name) is None:
+                raise DiskVolumeUnavailable(
+                    f"offload.disk.storageClassName: StorageClass {disk.storage_class_name} "
+                    "not found")
+        except ApiException as exc:
+            if exc.status != 403:
+                raise TemporaryError(f"reading the disk tier's volume: HTTP {exc.status}",
+                                     exc.status) from None
+
     def _log_crash(self, owner: render.Owner, exc: PlanCrashed) -> None:
         """A planner crash is a bug: its traceback, once per object and message."""
         seen = (owner.namespace, owner.name, str(exc))
@@ -296,6 +341,7 @@ class Reconciler:
             config = self.configs.resolve(owner.namespace, spec, owner.name)
             draft = self.configs.resolve_draft(owner.namespace, spec, owner.name)
             plan = self._plan(config, spec, draft)
+            self._check_disk_volume(owner.namespace, spec)
         except _PLAN_FAILURES as exc:
             reason, message, outcome = plan_failure(exc)
             obs.plan_error = (reason, message)

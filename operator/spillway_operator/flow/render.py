@@ -300,6 +300,25 @@ def _disk_volume(owner: Owner, spec: InferenceDeploymentSpec) -> dict[str, Any] 
     return {"name": "kv-disk", "emptyDir": {"sizeLimit": size}}
 
 
+def disk_claim_refusal(spec: InferenceDeploymentSpec, claim: dict[str, Any]) -> str | None:
+    """Why the shared claim cannot hold the disk tier (its access modes, its size), or
+    None. The size is the bound claim's capacity, else what it requests."""
+    disk = spec.offload.disk
+    assert disk is not None and disk.volume == DiskVolume.SHARED_PVC
+    modes = (claim.get("spec") or {}).get("accessModes") or []
+    if "ReadWriteMany" not in modes:
+        return (f"offload.disk.claimName: PersistentVolumeClaim {disk.claim_name} is "
+                f"{'/'.join(modes) or 'without access modes'}; a disk tier every replica "
+                "shares needs ReadWriteMany")
+    size = ((claim.get("status") or {}).get("capacity") or {}).get("storage") or (
+        (claim.get("spec") or {}).get("resources") or {}).get("requests", {}).get("storage")
+    want = parse_bytes(disk.size, what="offload.disk.size")
+    if size is not None and parse_bytes(size) < want:
+        return (f"offload.disk.size: {disk.size} is more than PersistentVolumeClaim "
+                f"{disk.claim_name} holds ({size})")
+    return None
+
+
 def _runs_anywhere(spec: InferenceDeploymentSpec) -> bool:
     """An emulated GPU needs no GPU node, unless asked to request the GPUs anyway."""
     emulated = spec.engine.emulate_gpu

@@ -999,6 +999,10 @@ class PlanSummary(_Model):
     shm_bytes: int | None = None
     memory_request_bytes: int | None = None
     memory_limit_bytes: int | None = None
+    disk_budget_bytes_per_engine: Annotated[
+        int | None, Field(description="the disk tier's chunk files, at most, per engine")] = None
+    disk_capacity_tokens: Annotated[
+        int | None, Field(description="prefix tokens the disk tier holds per engine")] = None
     hash: Annotated[str | None, Field(description="digest of the plan the pods run")] = None
 
 

@@ -389,6 +389,9 @@ def plan_summary(plan: Plan, gpus_per_pod: int, digest: str) -> PlanSummary:
         shm_bytes=plan.pod.shm_bytes,
         memory_request_bytes=plan.pod.memory_request_bytes,
         memory_limit_bytes=plan.pod.memory_limit_bytes,
+        disk_budget_bytes_per_engine=None if plan.disk is None else
+        plan.disk.budget_bytes_per_engine,
+        disk_capacity_tokens=None if plan.disk is None else plan.disk.capacity_tokens,
         hash=digest,
     )
 

@@ -73,6 +73,7 @@ _PLURALS = {
     ("v1", "Pod"): "pods",
     ("v1", "Event"): "events",
     ("v1", "Service"): "services",
+    ("v1", "PersistentVolumeClaim"): "persistentvolumeclaims",
     ("apps/v1", "Deployment"): "deployments",
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
     (SERVICE_MONITOR_API, "ServiceMonitor"): "servicemonitors",
@@ -526,6 +527,12 @@ class Kube:
         if cm is None:
             return None
         return (cm.get("data") or {}).get(key)
+
+    def get_claim(self, namespace: str, name: str) -> dict | None:
+        return self.get(resource_path("v1", "PersistentVolumeClaim", namespace, name))
+
+    def get_storage_class(self, name: str) -> dict | None:
+        return self.get(f"{api_path('storage.k8s.io/v1')}/storageclasses/{name}")
 
     def read_secret_key(self, namespace: str, name: str, key: str) -> str | None:
         secret = self.get(resource_path("v1", "Secret", namespace, name))
