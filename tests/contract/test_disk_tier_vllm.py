@@ -40,6 +40,7 @@ from spillway_engine.offloader.disk_tier import SpillwayDiskTier
 BLOCK_BYTES = 64 * 1024  # one worker, one block per chunk: a 64 KiB primary row
 PRIMARY_CHUNKS = 4
 DISK_CHUNKS = 8
+MODULE = "spillway_engine.offloader.disk_tier"
 STEP = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
 
 
@@ -55,7 +56,7 @@ def build(root: str, plan_key: str = "plan-a") -> TieringOffloadingManager:
         "secondary_tiers": [
             {
                 "type": "SpillwayDiskTier",
-                "module_path": "spillway_engine.offloader.disk_tier",
+                "module_path": MODULE,
                 "root_dir": root,
                 "budget_bytes": DISK_CHUNKS * BLOCK_BYTES,
                 "plan_key": plan_key,
@@ -220,6 +221,15 @@ def test_chunks_spill_from_the_primary_to_disk_and_promote_back_byte_exact(tmp_p
     with manager.lock:
         manager.on_request_finished(req)
         manager.on_schedule_end(STEP)
+        stats = manager.get_stats()
+    # The tier's series ride vLLM's own stats pull and metric registration.
+    data = stats.data["data"]
+    assert data["spillway_disk_tier_stores"][()] == 12
+    assert data["spillway_disk_tier_loads"][()] == 4
+    assert data["spillway_disk_tier_chunks"][()] == DISK_CHUNKS
+    extra = {"secondary_tiers": [{"type": "SpillwayDiskTier", "module_path": MODULE}]}
+    defs = TieringOffloadingSpec.build_metric_definitions(extra)
+    assert "spillway_disk_tier_used_bytes" in defs
 
 
 def test_a_restarted_engine_finds_the_chunks_a_different_plan_does_not(tmp_path, managers):

@@ -423,3 +423,46 @@ def test_factory_builds_the_tier_from_module_path(tmp_path):
         assert tier.block_size_bytes == CHUNK
     finally:
         tier.shutdown()
+
+
+def test_young_temp_files_of_a_live_replica_survive_start_when_asked(tmp_path):
+    d = str(tmp_path / "shared")
+    os.makedirs(os.path.join(d, "ab"))
+    young = os.path.join(d, "ab", ".abcd.1.2.tmp")
+    old = os.path.join(d, "ab", ".abce.1.2.tmp")
+    for path in (young, old):
+        with open(path, "wb") as f:
+            f.write(b"partial")
+    os.utime(old, (time.time() - 3600, time.time() - 3600))
+    c = ChunkDir(d, 1 << 20, stale_temp_s=600)
+    assert os.path.exists(young) and not os.path.exists(old)
+    assert c.snapshot()["chunks_held"] == 0  # a temp file is never indexed
+
+
+def test_stats_for_vllm_metrics_are_deltas_and_gauges(harness):
+    h = harness(budget_chunks=2)
+    defs = SpillwayDiskTier.build_metric_definitions({})
+    assert set(defs) == set(disk_tier.DISK_METRICS)
+    assert all(name.startswith("spillway_disk_tier_") for name in defs)
+    for i in range(3):
+        h.fill(i, seed=i)
+        assert h.store([key(i)], [i]).success
+    h.tier.lookup(key(0), REQ)
+    h.tier.lookup(key(2), REQ)
+
+    def values(stats):
+        return {name: v[()] for name, v in stats.data["data"].items()}
+
+    first = values(h.tier.get_stats())
+    assert first["spillway_disk_tier_stores"] == 3
+    assert first["spillway_disk_tier_evictions"] == 1
+    assert first["spillway_disk_tier_hits"] == 1 and first["spillway_disk_tier_misses"] == 1
+    assert first["spillway_disk_tier_used_bytes"] == 2 * CHUNK
+    assert first["spillway_disk_tier_budget_bytes"] == 2 * CHUNK
+    assert first["spillway_disk_tier_chunks"] == 2
+    h.fill(3, seed=3)
+    assert h.store([key(3)], [3]).success
+    second = values(h.tier.get_stats())
+    assert second["spillway_disk_tier_stores"] == 1  # only what happened since
+    assert second["spillway_disk_tier_evictions"] == 1
+    assert second["spillway_disk_tier_chunks"] == 2

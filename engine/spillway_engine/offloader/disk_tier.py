@@ -35,8 +35,16 @@ Use it from ``kv_connector_extra_config`` of ``TieringOffloadingSpec``::
     }]
 
 (vLLM gives ``failure_threshold`` by default only to its own ``fs``/``obj``
-tier types, so it is named here.) The budget is per instance: two replicas on
-one shared directory each count the files they saw at start plus their own.
+tier types, so it is named here; its LOCAL water marks assume NVMe, and an
+fsynced small chunk on a slow disk can trip them, which drops cascades.)
+
+The budget is per instance: two replicas on one shared directory each count
+the files they saw at start plus their own, and either may delete the other's
+files (a load of a vanished file fails cleanly and is forgotten). On a shared
+volume set ``stale_temp_s`` so that start-up cleanup spares another replica's
+write in flight. Counters: :meth:`SpillwayDiskTier.snapshot` (a dict), and the
+``spillway_disk_tier_*`` series in :data:`DISK_METRICS`, reported through
+vLLM's tier ``get_stats``/``build_metric_definitions`` hooks.
 """
 
 from __future__ import annotations
@@ -56,6 +64,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from vllm.v1.kv_offload.base import (
     LookupResult,
     Medium,
+    OffloadingCounterMetadata,
+    OffloadingGaugeMetadata,
+    OffloadingMetricMetadata,
     OffloadKey,
     ReqContext,
     RequestOffloadingContext,
@@ -71,6 +82,9 @@ from vllm.v1.kv_offload.tiering.fs.io import batch_load_block
 from vllm.v1.kv_offload.tiering.fs.thread_pool import DualQueueThreadPool
 
 if TYPE_CHECKING:
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+        OffloadingConnectorStats,
+    )
     from vllm.v1.kv_offload.base import OffloadingSpec
 
 logger = logging.getLogger(__name__)
@@ -88,6 +102,43 @@ _DISK_ERRNOS = {
     errno.EACCES: "not writable",
     errno.EPERM: "not writable",
     errno.EIO: "failing",
+}
+
+
+#: Prometheus series the tier exports through vLLM's offloading stats (name: kind,
+#: help); vLLM registers them from ``build_metric_definitions``.
+DISK_METRICS: dict[str, tuple[str, str]] = {
+    "spillway_disk_tier_budget_bytes": ("gauge", "Byte budget of the disk KV tier."),
+    "spillway_disk_tier_used_bytes": (
+        "gauge",
+        "Bytes the disk KV tier's chunk files take (allocation-rounded).",
+    ),
+    "spillway_disk_tier_chunks": ("gauge", "Chunk files held by the disk KV tier."),
+    "spillway_disk_tier_hits": ("counter", "Disk KV tier lookups that found the chunk."),
+    "spillway_disk_tier_misses": ("counter", "Disk KV tier lookups that did not."),
+    "spillway_disk_tier_loads": ("counter", "Chunks read back from the disk KV tier."),
+    "spillway_disk_tier_load_failures": (
+        "counter",
+        "Chunk reads from the disk KV tier that failed (file gone or unreadable).",
+    ),
+    "spillway_disk_tier_stores": ("counter", "Chunk files written by the disk KV tier."),
+    "spillway_disk_tier_evictions": (
+        "counter",
+        "Chunk files the disk KV tier deleted to stay within its budget.",
+    ),
+    "spillway_disk_tier_write_failures": (
+        "counter",
+        "Chunk writes the disk refused (full, read-only, failing).",
+    ),
+    "spillway_disk_tier_stores_dropped": (
+        "counter",
+        "Chunks not written: no room left to evict, or backing off after a failure.",
+    ),
+}
+_GAUGE_FIELDS = {
+    "spillway_disk_tier_budget_bytes": "budget_bytes",
+    "spillway_disk_tier_used_bytes": "bytes_used",
+    "spillway_disk_tier_chunks": "chunks_held",
 }
 
 
@@ -146,6 +197,7 @@ class ChunkDir:
         budget_bytes: int,
         chunk_bytes: int | None = None,
         fsync: bool = True,
+        stale_temp_s: float = 0.0,
     ) -> None:
         if budget_bytes <= 0:
             raise ValueError(f"budget_bytes must be > 0, got {budget_bytes}")
@@ -153,6 +205,7 @@ class ChunkDir:
         self.budget_bytes = int(budget_bytes)
         self.chunk_bytes = chunk_bytes
         self._fsync = fsync
+        self._stale_temp_s = stale_temp_s
         self._lock = threading.Lock()
         # key -> charged bytes, oldest first.
         self._lru: OrderedDict[bytes, int] = OrderedDict()
@@ -199,8 +252,11 @@ class ChunkDir:
             for name in files:
                 path = os.path.join(dirpath, name)
                 if name.endswith(TMP_SUFFIX) or name.startswith(TMP_PREFIX):
-                    self._remove_quietly(path)
-                    self.stats.temp_files_removed += 1
+                    # Left by a crash (never renamed, so never read). On a shared
+                    # volume a young one may be a live replica's write in flight.
+                    if self._stale_temp_s <= 0 or self._older_than(path, self._stale_temp_s):
+                        self._remove_quietly(path)
+                        self.stats.temp_files_removed += 1
                     continue
                 if not name.endswith(CHUNK_SUFFIX):
                     continue
@@ -226,6 +282,13 @@ class ChunkDir:
         with self._lock:
             self._evict_locked(0)
         self._publish_locked()
+
+    @staticmethod
+    def _older_than(path: str, seconds: float) -> bool:
+        try:
+            return time.time() - os.stat(path).st_mtime > seconds
+        except OSError:
+            return False
 
     @staticmethod
     def _remove_quietly(path: str) -> bool:
@@ -449,6 +512,7 @@ class SpillwayDiskTier(SecondaryTierManager):
         n_read_threads: int = 4,
         n_write_threads: int = 4,
         fsync: bool = True,
+        stale_temp_s: float = 0.0,
         failure_backoff_s: float = 1.0,
         max_failure_backoff_s: float = 30.0,
         locality: str | None = None,
@@ -465,8 +529,10 @@ class SpillwayDiskTier(SecondaryTierManager):
             budget_bytes,
             chunk_bytes=self.block_size_bytes,
             fsync=fsync,
+            stale_temp_s=stale_temp_s,
         )
         self.stats = self.chunks.stats
+        self._reported: dict[str, int] = {}
         self._failure_backoff_s = failure_backoff_s
         self._max_failure_backoff_s = max_failure_backoff_s
         self._backoff = 0.0
@@ -532,6 +598,31 @@ class SpillwayDiskTier(SecondaryTierManager):
 
     def config_info(self):
         return {}
+
+    @classmethod
+    def build_metric_definitions(
+        cls, extra_config: dict[str, Any]
+    ) -> dict[str, OffloadingMetricMetadata]:
+        kinds = {"gauge": OffloadingGaugeMetadata, "counter": OffloadingCounterMetadata}
+        return {name: kinds[kind](documentation=doc) for name, (kind, doc) in DISK_METRICS.items()}
+
+    def get_stats(self) -> OffloadingConnectorStats:
+        """The counters since the last call and the gauges now (vLLM's per-step pull)."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+            OffloadingConnectorStats,
+        )
+
+        snap = self.snapshot()
+        stats = OffloadingConnectorStats()
+        for name, (kind, _doc) in DISK_METRICS.items():
+            if kind == "gauge":
+                stats.set_gauge(name, snap[_GAUGE_FIELDS[name]])
+                continue
+            field = name.removeprefix("spillway_disk_tier_")
+            delta = snap[field] - self._reported.get(field, 0)
+            self._reported[field] = snap[field]
+            stats.increase_counter(name, delta)
+        return stats
 
     def snapshot(self) -> dict[str, int]:
         return self.chunks.snapshot()
@@ -648,6 +739,7 @@ def _spec_identity(offloading_spec: Any) -> str:
 
 
 __all__ = [
+    "DISK_METRICS",
     "ChunkDir",
     "DiskTierStats",
     "SpillwayDiskTier",
