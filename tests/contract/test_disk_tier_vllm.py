@@ -255,3 +255,114 @@ def test_a_restarted_engine_finds_the_chunks_a_different_plan_does_not(tmp_path,
     with other.lock:
         other.on_new_request(req_b)
     assert load_back(other, key(0), req_b) is None
+
+
+def test_spillways_unit_pool_as_the_primary_tier_a_prototype(tmp_path):
+    """Spillway's host manager (per-group units, one LRU) under vLLM's own
+    TieringOffloadingManager, with the read/write aliases vLLM's
+    CPUPrimaryTierOffloadingManager adds (defined here, as the adapter would be),
+    and the disk tier told the units per group. Chunks of two groups of different
+    sizes spill from the unit pool and promote back byte-exact."""
+    from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+
+    from spillway_engine.offloader.host_layout import GroupSlots, HostLayout
+    from spillway_engine.offloader.manager import make_manager_class
+
+    unit = 4096
+    layout = HostLayout(
+        chunk_tokens=16,
+        unit_bytes=unit,
+        copies=1,
+        num_units=6,
+        groups=(
+            GroupSlots(0, 0, 16, 1, chunk_bytes=2 * unit, units=2),
+            GroupSlots(1, 1, 16, 1, chunk_bytes=unit, units=1),
+        ),
+    )
+
+    class UnitPoolPrimary(make_manager_class()):
+        def __init__(self, layout: HostLayout):
+            super().__init__(layout, cache_policy="lru", enable_events=False)
+            self.rows = np.zeros((layout.num_units, layout.unit_bytes), dtype=np.uint8)
+            self.complete_read = self.complete_load
+            self.prepare_write = self.prepare_store
+            self.complete_write = self.complete_store
+
+        def prepare_read(self, keys, req_context):
+            return self._prepare_load(keys, req_context, record_access=False)
+
+        def get_kv_memoryview(self) -> memoryview:
+            return memoryview(self.rows)
+
+    primary = UnitPoolPrimary(layout)
+    tier = SecondaryTierFactory.create_secondary_tier(
+        {
+            "type": "SpillwayDiskTier",
+            "module_path": MODULE,
+            "root_dir": str(tmp_path),
+            "budget_bytes": 64 * unit,
+            "plan_key": "units",
+            "group_units": {"0": 2, "1": 1},  # JSON keys arrive as strings
+            "n_read_threads": 1,
+            "n_write_threads": 1,
+        },
+        primary.get_kv_memoryview(),
+        None,
+    )
+    manager = TieringOffloadingManager(primary, [tier], tier_poll_interval_s=0)
+    try:
+        rng = np.random.default_rng(5)
+        want: dict = {}
+        req = ReqContext(req_id="writer")
+        with manager.lock:
+            manager.on_new_request(req)
+        pairs = [
+            (make_offload_key(bytes([i]) * 16, 0), make_offload_key(bytes([i]) * 16, 1))
+            for i in range(5)
+        ]
+        for pair in pairs:  # 3 units a pair, 6 units in the pool
+            with manager.lock:
+                out = manager.prepare_store(list(pair), req)
+            assert out is not None and out.keys_to_store == list(pair)
+            ids = [int(c) for c in out.store_spec.chunk_ids]
+            assert len(ids) == 3  # unit ids, key after key: not one row per key
+            for k, units in zip(pair, (ids[:2], ids[2:]), strict=True):
+                data = rng.integers(0, 256, (len(units), unit), dtype=np.uint8)
+                primary.rows[units] = data
+                want[k] = data.tobytes()
+            with manager.lock:
+                manager.complete_store(out.keys_to_store, req, True)
+                manager.on_schedule_end(STEP)
+            wait_until(lambda p=pair: all(tier.chunks.contains(k, False) for k in p), "cascade")
+        with manager.lock:
+            manager.on_request_finished(req)
+            manager.on_schedule_end(STEP)
+        assert tier.snapshot()["stores"] == 10
+
+        reader = ReqContext(req_id="reader")
+        with manager.lock:
+            manager.on_new_request(reader)
+        for k in pairs[0]:  # long evicted from the 6-unit pool
+            with manager.lock:
+                assert manager.primary_tier.lookup(k, reader) is LookupResult.MISS
+                result = manager.lookup(k, reader)
+            deadline = time.monotonic() + 10
+            while result is not LookupResult.HIT:
+                assert result is LookupResult.HIT_PENDING, result
+                assert time.monotonic() < deadline
+                time.sleep(0.005)
+                with manager.lock:
+                    manager.on_schedule_end(STEP)
+                    result = manager.lookup(k, reader)
+            with manager.lock:
+                spec = manager.prepare_load([k], reader)
+            units = [int(c) for c in spec.chunk_ids]
+            assert len(units) == (2 if k == pairs[0][0] else 1)
+            assert primary.rows[units].tobytes() == want[k]
+            with manager.lock:
+                manager.complete_load([k], reader)
+        with manager.lock:
+            manager.on_request_finished(reader)
+            manager.on_schedule_end(STEP)
+    finally:
+        manager.shutdown()

@@ -466,3 +466,40 @@ def test_stats_for_vllm_metrics_are_deltas_and_gauges(harness):
     assert second["spillway_disk_tier_stores"] == 1  # only what happened since
     assert second["spillway_disk_tier_evictions"] == 1
     assert second["spillway_disk_tier_chunks"] == 2
+
+
+def test_unit_pool_keys_span_several_rows_and_load_back_exact(harness):
+    """Spillway's unit pool gives a key of group g ``units_g`` rows: a job's chunk ids
+    are the keys' rows back to back, and each key's file holds all of its rows."""
+    h = harness(budget_chunks=8, group_units={0: 2, 1: 1})
+    a, b = make_offload_key(b"a" * 16, 0), make_offload_key(b"b" * 16, 1)
+    rows = {r: h.fill(r, seed=r) for r in (5, 2, 7)}
+    assert h.store([a, b], [5, 2, 7]).success
+    assert os.path.getsize(h.tier.chunks.path_of(a)) == 2 * CHUNK
+    assert os.path.getsize(h.tier.chunks.path_of(b)) == CHUNK
+    h.primary[:] = 0
+    res = h.load([b, a], [4, 1, 3])
+    assert res.success
+    assert h.primary[4].tobytes() == rows[7]
+    assert (h.primary[1].tobytes(), h.primary[3].tobytes()) == (rows[5], rows[2])
+    # A restart keeps them (sizes checked per group) and another unit split does not
+    # share the namespace.
+    h.close()
+    again = harness(budget_chunks=8, group_units={0: 2, 1: 1})
+    assert again.tier.snapshot()["chunks_held"] == 2
+    other = harness(budget_chunks=8, group_units={0: 1, 1: 1})
+    assert other.tier.lookup(a, REQ) is LookupResult.MISS
+
+
+def test_a_job_whose_rows_do_not_add_up_fails_whole_and_writes_nothing(harness, caplog):
+    h = harness(budget_chunks=8)  # vLLM's contract: one row per key
+    h.fill(0, seed=0)
+    with caplog.at_level(logging.ERROR, logger=disk_tier.__name__):
+        res1 = h.store([key(1), key(2)], [0, 1, 2])  # three unit rows for two keys
+        res2 = h.load([key(1)], [0, 1])
+    assert res1.success is False and res2.success is False
+    assert disk_usage(h.tier.chunks.directory)[0] == 0
+    assert len([r for r in caplog.records if "primary rows" in r.getMessage()]) == 1
+    u = harness(budget_chunks=8, group_units={0: 2}, plan_key="units")
+    assert u.store([key(3)], [0]).success is False  # a group-0 key needs two rows
+    assert u.store([make_offload_key(b"z" * 16, 5)], [0]).success is False  # unknown group

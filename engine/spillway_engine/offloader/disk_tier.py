@@ -57,9 +57,9 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Union
 
 from vllm.v1.kv_offload.base import (
     LookupResult,
@@ -70,6 +70,7 @@ from vllm.v1.kv_offload.base import (
     OffloadKey,
     ReqContext,
     RequestOffloadingContext,
+    get_offload_group_idx,
 )
 from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 from vllm.v1.kv_offload.tiering.base import (
@@ -88,6 +89,8 @@ if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
 
 logger = logging.getLogger(__name__)
+
+Buffer = Union[bytes, bytearray, memoryview]  # noqa: UP007 (a runtime alias)
 
 CHUNK_SUFFIX = ".kv"
 TMP_SUFFIX = ".tmp"
@@ -187,8 +190,9 @@ class ChunkDir:
     Thread safe: the index is guarded by one lock; file writes happen outside
     it, but the deletions that make room for a write happen inside it, before
     the write, so the bytes on disk never pass the budget while writers race.
-    Keys are ``bytes``; sizes may differ per chunk unless ``chunk_bytes`` is
-    given, in which case a file of any other size is never indexed.
+    Keys are ``bytes``; sizes may differ per chunk unless ``chunk_bytes`` (one
+    size) or ``size_of`` (a size per key, None for a key the tier cannot hold)
+    is given, in which case a file of any other size is never indexed.
     """
 
     def __init__(
@@ -198,12 +202,14 @@ class ChunkDir:
         chunk_bytes: int | None = None,
         fsync: bool = True,
         stale_temp_s: float = 0.0,
+        size_of: Callable[[bytes], int | None] | None = None,
     ) -> None:
         if budget_bytes <= 0:
             raise ValueError(f"budget_bytes must be > 0, got {budget_bytes}")
         self.directory = directory
         self.budget_bytes = int(budget_bytes)
         self.chunk_bytes = chunk_bytes
+        self._size_of = size_of
         self._fsync = fsync
         self._stale_temp_s = stale_temp_s
         self._lock = threading.Lock()
@@ -240,6 +246,13 @@ class ChunkDir:
         name = f"{TMP_PREFIX}{hx}.{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}"
         return os.path.join(self.directory, hx[:2], name)
 
+    def expected_size(self, key: bytes) -> int | None:
+        """The one size a complete file of ``key`` has; None: any size; -1: none."""
+        if self._size_of is not None:
+            size = self._size_of(key)
+            return -1 if size is None else size
+        return self.chunk_bytes
+
     def charge(self, nbytes: int) -> int:
         """Bytes the filesystem allocates for a file of ``nbytes``."""
         unit = self._unit
@@ -265,7 +278,8 @@ class ChunkDir:
                     st = os.stat(path)
                 except (ValueError, OSError):
                     continue
-                if self.chunk_bytes is not None and st.st_size != self.chunk_bytes:
+                expected = self.expected_size(key)
+                if expected is not None and st.st_size != expected:
                     # Renamed files are whole by construction; a wrong size
                     # is not ours to read (or a torn foreign write).
                     self._remove_quietly(path)
@@ -373,16 +387,19 @@ class ChunkDir:
         return self._used + need <= self.budget_bytes
 
     # ---- I/O ----------------------------------------------------------
-    def put(self, key: bytes, data: memoryview | bytes) -> bool:
-        """Store one chunk; True when it is (now or already) on disk.
+    def put(self, key: bytes, data: Buffer | Sequence[Buffer]) -> bool:
+        """Store one chunk (one buffer, or pieces written one after another); True
+        when it is (now or already) on disk.
 
         Returns False when it does not fit (nothing evictable) and raises
         ``OSError`` when the disk refuses the write; the caller counts it.
         """
-        data = memoryview(data).cast("B")
-        nbytes = len(data)
-        if self.chunk_bytes is not None and nbytes != self.chunk_bytes:
-            raise ValueError(f"chunk of {nbytes} bytes, tier holds {self.chunk_bytes}")
+        pieces = data if isinstance(data, (list, tuple)) else [data]
+        parts = [memoryview(p).cast("B") for p in pieces]
+        nbytes = sum(len(p) for p in parts)
+        expected = self.expected_size(key)
+        if expected is not None and nbytes != expected:
+            raise ValueError(f"chunk of {nbytes} bytes, tier holds {expected} for this key")
         reserve = self.charge(nbytes)
         with self._lock:
             if key in self._lru:
@@ -404,12 +421,12 @@ class ChunkDir:
             os.makedirs(os.path.dirname(final), exist_ok=True)
             fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_TRUNC, 0o644)
             try:
-                view = data
-                while view:
-                    written = os.write(fd, view)
-                    if written <= 0:
-                        raise OSError(errno.EIO, "short write")
-                    view = view[written:]
+                for view in parts:
+                    while view:
+                        written = os.write(fd, view)
+                        if written <= 0:
+                            raise OSError(errno.EIO, "short write")
+                        view = view[written:]
                 if self._fsync:
                     os.fsync(fd)
                 charged = max(reserve, os.fstat(fd).st_blocks * 512)
@@ -453,13 +470,26 @@ class ChunkDir:
         finally:
             os.close(fd)
 
-    def read_into(self, key: bytes, view: memoryview, offset: int, nbytes: int) -> None:
-        """Read one whole chunk into ``view[offset:offset+nbytes]``.
-
-        Uses vLLM's fs tier reader (a short file raises and is removed). Only
-        renamed, complete files are ever named by ``path_of``.
+    def read_into(self, key: bytes, view: memoryview, offsets: Sequence[int], row: int) -> None:
+        """Read one whole chunk into the ``row``-byte slices of ``view`` at ``offsets``,
+        in order (one slice: vLLM's fs tier reader, which raises on a short file and
+        removes it). Only renamed, complete files are ever named by ``path_of``.
         """
-        batch_load_block([self.path_of(key)], view, [offset], nbytes, False)
+        path = self.path_of(key)
+        if len(offsets) == 1:
+            batch_load_block([path], view, list(offsets), row, False)
+        else:
+            flat = view.cast("B")
+            slices = [flat[o : o + row] for o in offsets]
+            if any(o < 0 or len(piece) != row for o, piece in zip(offsets, slices, strict=True)):
+                raise ValueError(f"row offsets {list(offsets)} out of bounds")
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                got = os.readv(fd, slices)
+            finally:
+                os.close(fd)
+            if got != row * len(offsets):
+                raise OSError(errno.EIO, f"short read: {got} of {row * len(offsets)}")
         with contextlib.suppress(OSError):
             os.utime(self.path_of(key))  # keeps LRU order across a restart
 
@@ -515,14 +545,20 @@ class SpillwayDiskTier(SecondaryTierManager):
         stale_temp_s: float = 0.0,
         failure_backoff_s: float = 1.0,
         max_failure_backoff_s: float = 30.0,
+        group_units: dict[int, int] | None = None,
         locality: str | None = None,
         backpressure_detector: BackpressureDetector | None = None,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        # vLLM's contract is one primary row per key. Spillway's unit pool gives a
+        # key of group g ``group_units[g]`` rows (its units, in order), so a job's
+        # chunk_ids are the keys' rows back to back; each key's file holds them all.
+        self.group_units = {int(g): int(n) for g, n in group_units.items()} if group_units else None
         if not plan_key:
             raise ValueError("SpillwayDiskTier needs a non-empty plan_key")
+        units = "" if self.group_units is None else f"units={sorted(self.group_units.items())}"
         self.namespace = plan_namespace(
-            plan_key, self.block_size_bytes, _spec_identity(offloading_spec)
+            plan_key, self.block_size_bytes, _spec_identity(offloading_spec) + units
         )
         self.chunks = ChunkDir(
             os.path.join(root_dir, self.namespace),
@@ -530,7 +566,9 @@ class SpillwayDiskTier(SecondaryTierManager):
             chunk_bytes=self.block_size_bytes,
             fsync=fsync,
             stale_temp_s=stale_temp_s,
+            size_of=None if self.group_units is None else self._key_bytes,
         )
+        self._mismatch_logged = False
         self.stats = self.chunks.stats
         self._reported: dict[str, int] = {}
         self._failure_backoff_s = failure_backoff_s
@@ -567,15 +605,58 @@ class SpillwayDiskTier(SecondaryTierManager):
             self.chunks.count("stores_dropped", len(keys))
             self._immediate.append(JobResult(job_id=job_id, success=False))
             return
-        offsets = [int(c) * self.block_size_bytes for c in job_metadata.chunk_ids]
+        offsets = self._key_offsets(keys, job_metadata.chunk_ids)
+        if offsets is None:
+            self._immediate.append(JobResult(job_id=job_id, success=False))
+            return
         self._pool.enqueue_store(job_id, 1, [lambda: self._store_task(job_id, keys, offsets)])
 
     def submit_load(self, job_metadata: TransferJob) -> None:
         keys = list(job_metadata.keys)
         job_id = job_metadata.job_id
-        offsets = [int(c) * self.block_size_bytes for c in job_metadata.chunk_ids]
+        offsets = self._key_offsets(keys, job_metadata.chunk_ids)
+        if offsets is None:
+            self._immediate.append(JobResult(job_id=job_id, success=False))
+            return
         pinned = [self.chunks.pin(k) for k in keys]
         self._pool.enqueue_load(job_id, 1, [lambda: self._load_task(job_id, keys, offsets, pinned)])
+
+    # ---- rows of a key ------------------------------------------------
+    def _rows_of(self, key: bytes) -> int | None:
+        if self.group_units is None:
+            return 1
+        return self.group_units.get(get_offload_group_idx(key))
+
+    def _key_bytes(self, key: bytes) -> int | None:
+        rows = self._rows_of(key)
+        return None if rows is None else rows * self.block_size_bytes
+
+    def _key_offsets(self, keys: list, chunk_ids: Iterable[int]) -> list[list[int]] | None:
+        """Byte offsets of each key's rows in the primary view, or None when the job's
+        chunk ids do not add up (then it fails whole, rather than store misaligned
+        bytes under the wrong keys)."""
+        ids = [int(c) for c in chunk_ids]
+        out: list[list[int]] = []
+        pos = 0
+        for key in keys:
+            rows = self._rows_of(key)
+            if rows is None or pos + rows > len(ids):
+                break
+            out.append([c * self.block_size_bytes for c in ids[pos : pos + rows]])
+            pos += rows
+        else:
+            if pos == len(ids):
+                return out
+        if not self._mismatch_logged:
+            self._mismatch_logged = True
+            logger.error(
+                "spillway disk tier: a job of %d keys came with %d primary rows (%s); "
+                "set group_units to the primary's units per group",
+                len(keys),
+                len(ids),
+                "one row per key" if self.group_units is None else self.group_units,
+            )
+        return None
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         done, self._immediate = self._immediate, []
@@ -628,14 +709,14 @@ class SpillwayDiskTier(SecondaryTierManager):
         return self.chunks.snapshot()
 
     # ---- pool-thread work --------------------------------------------
-    def _store_task(self, job_id: JobId, keys: list, offsets: list[int]) -> None:
+    def _store_task(self, job_id: JobId, keys: list, offsets: list[list[int]]) -> None:
         size = self.block_size_bytes
         flat = self._primary_kv_view.cast("B")
         ok = True
         written = 0
-        for key, off in zip(keys, offsets, strict=True):
+        for key, rows in zip(keys, offsets, strict=True):
             try:
-                stored = self.chunks.put(key, flat[off : off + size])
+                stored = self.chunks.put(key, [flat[off : off + size] for off in rows])
             except OSError as exc:
                 self._on_write_failure(exc)
                 ok = False
@@ -645,24 +726,27 @@ class SpillwayDiskTier(SecondaryTierManager):
                 ok = False
                 break
             if stored:
-                written += size
+                written += size * len(rows)
             else:
                 self.chunks.count("stores_dropped")
         if ok:
             self._on_write_success()
         self._results[job_id] = JobResult(job_id=job_id, success=ok, transfer_bytes=written or None)
 
-    def _load_task(self, job_id: JobId, keys: list, offsets: list[int], pinned: list[bool]) -> None:
+    def _load_task(
+        self, job_id: JobId, keys: list, offsets: list[list[int]], pinned: list[bool]
+    ) -> None:
         size = self.block_size_bytes
-        loaded: list = []
+        loaded: list = []  # a prefix of keys: loading stops at the first failure
+        loaded_bytes = 0
         failed = False
         try:
-            for key, off, pin in zip(keys, offsets, pinned, strict=True):
+            for key, rows, pin in zip(keys, offsets, pinned, strict=True):
                 if failed or not pin:
                     failed = True
                     continue
                 try:
-                    self.chunks.read_into(key, self._primary_kv_view, off, size)
+                    self.chunks.read_into(key, self._primary_kv_view, rows, size)
                 except (OSError, ValueError) as exc:
                     logger.debug("spillway disk tier: load %s: %s", key.hex(), exc)
                     self.chunks.count("load_failures")
@@ -671,24 +755,20 @@ class SpillwayDiskTier(SecondaryTierManager):
                     continue
                 self.chunks.count("loads")
                 loaded.append(key)
+                loaded_bytes += size * len(rows)
         finally:
             for key, pin in zip(keys, pinned, strict=True):
                 if pin:
                     self.chunks.unpin(key)
         if not failed:
-            result = JobResult(job_id=job_id, success=True, transfer_bytes=size * len(keys))
+            result = JobResult(job_id=job_id, success=True, transfer_bytes=loaded_bytes or None)
         else:
-            # Keep only a prefix, as vLLM's fs tier does.
-            prefix = []
-            for key in keys:
-                if key not in loaded:
-                    break
-                prefix.append(key)
+            # The loaded prefix is kept, as vLLM's fs tier does.
             result = JobResult(
                 job_id=job_id,
                 success=False,
-                successful_keys=tuple(prefix) or None,
-                transfer_bytes=size * len(prefix) or None,
+                successful_keys=tuple(loaded) or None,
+                transfer_bytes=loaded_bytes or None,
             )
         self._results[job_id] = result
 
