@@ -45,6 +45,11 @@ volume set ``stale_temp_s`` so that start-up cleanup spares another replica's
 write in flight. Counters: :meth:`SpillwayDiskTier.snapshot` (a dict), and the
 ``spillway_disk_tier_*`` series in :data:`DISK_METRICS`, reported through
 vLLM's tier ``get_stats``/``build_metric_definitions`` hooks.
+
+vLLM's primary gives a tier one row per key. Under Spillway's unit pool as the
+primary (a key of group g takes ``units_g`` rows), pass ``group_units`` ({group:
+units}); a job whose rows do not add up fails whole rather than store bytes
+under the wrong key.
 """
 
 from __future__ import annotations
@@ -278,6 +283,8 @@ class ChunkDir:
                     st = os.stat(path)
                 except (ValueError, OSError):
                     continue
+                if path != self.path_of(key):
+                    continue  # not where this tier would look: never read, not counted
                 expected = self.expected_size(key)
                 if expected is not None and st.st_size != expected:
                     # Renamed files are whole by construction; a wrong size
