@@ -8,6 +8,8 @@ One :class:`Metric` per series (name, type, help, labels) is the single source o
   (``spillway_engine.launcher.plugin``) and exports the pool ones through vLLM's
   connector stats (``spillway_engine.offloader.spec`` / ``manager`` / ``connector``);
   the simulator builds them all with :func:`build_spillway_metrics`.
+- The disk tier's ``spillway_disk_tier_*`` series (:data:`DISK_TIER_METRICS`), which the
+  tier (``spillway_engine.offloader.disk_tier``) exports through vLLM's tier stats.
 - vLLM's own series that the simulator imitates (``spillway_engine.simulator.prom``)
   and the operator scrapes (``spillway_operator.flow.pressure``), with the name, type, label
   names and help text of vLLM 0.33.0 (``tests/contract/test_simulator_metrics_contract.py``
@@ -452,6 +454,80 @@ PLAN_INFO = Metric(
     PLAN_INFO_LABELS,
 )
 
+# The disk tier under the host pool (spillway_engine.offloader.disk_tier): its engine
+# core exports these through vLLM's tier stats (SecondaryTierManager.get_stats /
+# build_metric_definitions); build_spillway_metrics does not build them.
+DISK_TIER_BUDGET_BYTES = Metric(
+    "spillway_disk_tier_budget_bytes", "gauge", "Byte budget of the disk KV tier."
+)
+DISK_TIER_USED_BYTES = Metric(
+    "spillway_disk_tier_used_bytes",
+    "gauge",
+    "Bytes the disk KV tier's own chunk files take (allocation-rounded; chunks another "
+    "replica wrote on a shared volume are not counted).",
+)
+DISK_TIER_CHUNKS = Metric(
+    "spillway_disk_tier_chunks",
+    "gauge",
+    "Chunk files held (counted against the budget) by the disk KV tier.",
+)
+DISK_TIER_HITS = Metric(
+    "spillway_disk_tier_hits",
+    "counter",
+    "Disk KV tier lookups that found the chunk (own or, on a shared volume, another "
+    "replica's).",
+)
+DISK_TIER_SHARED_HITS = Metric(
+    "spillway_disk_tier_shared_hits",
+    "counter",
+    "Disk KV tier lookups that found a chunk another replica wrote on the shared volume "
+    "(a subset of spillway_disk_tier_hits).",
+)
+DISK_TIER_MISSES = Metric(
+    "spillway_disk_tier_misses", "counter", "Disk KV tier lookups that did not find the chunk."
+)
+DISK_TIER_LOADS = Metric(
+    "spillway_disk_tier_loads", "counter", "Chunks read back from the disk KV tier."
+)
+DISK_TIER_LOAD_FAILURES = Metric(
+    "spillway_disk_tier_load_failures",
+    "counter",
+    "Chunk reads from the disk KV tier that failed (file gone or unreadable).",
+)
+DISK_TIER_STORES = Metric(
+    "spillway_disk_tier_stores", "counter", "Chunk files written by the disk KV tier."
+)
+DISK_TIER_EVICTIONS = Metric(
+    "spillway_disk_tier_evictions",
+    "counter",
+    "Chunk files the disk KV tier deleted to stay within its budget.",
+)
+DISK_TIER_WRITE_FAILURES = Metric(
+    "spillway_disk_tier_write_failures",
+    "counter",
+    "Chunk writes the disk refused (full, read-only, failing).",
+)
+DISK_TIER_STORES_DROPPED = Metric(
+    "spillway_disk_tier_stores_dropped",
+    "counter",
+    "Chunks not written: no room left to evict, or backing off after a failure.",
+)
+#: The disk tier's series, in exposition order.
+DISK_TIER_METRICS: tuple[Metric, ...] = (
+    DISK_TIER_BUDGET_BYTES,
+    DISK_TIER_USED_BYTES,
+    DISK_TIER_CHUNKS,
+    DISK_TIER_HITS,
+    DISK_TIER_SHARED_HITS,
+    DISK_TIER_MISSES,
+    DISK_TIER_LOADS,
+    DISK_TIER_LOAD_FAILURES,
+    DISK_TIER_STORES,
+    DISK_TIER_EVICTIONS,
+    DISK_TIER_WRITE_FAILURES,
+    DISK_TIER_STORES_DROPPED,
+)
+
 #: The pool's live series: with Spillway's connector the engine core exports them
 #: through vLLM's connector stats (the manager and the connector count them).
 POOL_METRICS: tuple[Metric, ...] = (
@@ -462,7 +538,8 @@ POOL_METRICS: tuple[Metric, ...] = (
     HOST_LOOKUP_TOKENS,
     HOST_HIT_TOKENS,
 )
-#: Every Spillway series, in exposition order.
+#: Every Spillway series :func:`build_spillway_metrics` builds, in exposition order
+#: (the disk tier's, :data:`DISK_TIER_METRICS`, come from its engine core).
 SPILLWAY_METRICS: tuple[Metric, ...] = (
     HOST_POOL_CAPACITY_CHUNKS,
     HOST_POOL_CAPACITY_TOKENS,
@@ -472,7 +549,9 @@ SPILLWAY_METRICS: tuple[Metric, ...] = (
 METRIC_NAMES: tuple[str, ...] = tuple(m.name for m in SPILLWAY_METRICS)
 
 #: name -> Metric for every series in the catalogue.
-CATALOGUE: dict[str, Metric] = {m.name: m for m in (*VLLM_METRICS, *SPILLWAY_METRICS)}
+CATALOGUE: dict[str, Metric] = {
+    m.name: m for m in (*VLLM_METRICS, *SPILLWAY_METRICS, *DISK_TIER_METRICS)
+}
 
 
 def _label_value(value: Any) -> str:

@@ -503,3 +503,168 @@ def test_a_job_whose_rows_do_not_add_up_fails_whole_and_writes_nothing(harness, 
     u = harness(budget_chunks=8, group_units={0: 2}, plan_key="units")
     assert u.store([key(3)], [0]).success is False  # a group-0 key needs two rows
     assert u.store([make_offload_key(b"z" * 16, 5)], [0]).success is False  # unknown group
+
+
+# ---- a cache shared by replicas on one volume (one plan key, one namespace) ----
+
+
+def test_replica_serves_a_chunk_another_wrote_after_it_started(harness):
+    b = harness(plan_key="plan-a")  # starts first: sees nothing at start
+    a = harness(plan_key="plan-a")
+    assert a.tier.chunks.directory == b.tier.chunks.directory
+    want = a.fill(0, seed=42)
+    assert a.store([key(7)], [0]).success
+    assert b.tier.lookup(key(7), REQ) is LookupResult.HIT
+    snap = b.tier.snapshot()
+    assert (snap["hits"], snap["shared_hits"], snap["misses"]) == (1, 1, 0)
+    assert b.tier.chunks.is_shared(key(7))
+    res = b.load([key(7)], [4])
+    assert res.success and b.primary[4].tobytes() == want
+    # Not counted against B's budget, and B's own stores never evict it.
+    snap = b.tier.snapshot()
+    assert (snap["chunks_held"], snap["bytes_used"], snap["loads"]) == (0, 0, 1)
+    for i in range(6):  # B's budget is 4 chunks
+        b.fill(i + 1, seed=100 + i)
+        assert b.store([key(100 + i)], [i + 1]).success
+    snap = b.tier.snapshot()
+    assert snap["chunks_held"] == 4 and snap["bytes_used"] == 4 * CHUNK
+    assert snap["evictions"] == 2
+    assert os.path.exists(a.tier.chunks.path_of(key(7)))
+    # A stored it, so A counts it; a lookup of B's own chunk by A is shared for A.
+    assert a.tier.snapshot()["chunks_held"] == 1
+    assert a.tier.lookup(key(105), REQ) is LookupResult.HIT
+    assert a.tier.snapshot()["shared_hits"] == 1
+
+
+def test_a_shared_chunk_its_writer_evicted_fails_cleanly_and_is_forgotten(harness):
+    b = harness(plan_key="plan-a")
+    a = harness(plan_key="plan-a", budget_chunks=2)
+    a.fill(0, seed=1)
+    assert a.store([key(1)], [0]).success
+    assert b.tier.lookup(key(1), REQ) is LookupResult.HIT
+    for i in range(2, 4):  # A evicts key 1 to make room
+        a.fill(0, seed=i)
+        assert a.store([key(i)], [0]).success
+    assert not os.path.exists(a.tier.chunks.path_of(key(1)))
+    # B trusts a known shared key (no stat) until a load of it fails.
+    assert b.tier.lookup(key(1), REQ) is LookupResult.HIT
+    b.fill(5, seed=5)
+    before = b.primary[5].tobytes()
+    res = b.load([key(1)], [5])
+    assert res.success is False and not res.successful_keys
+    assert b.primary[5].tobytes() == before
+    assert not b.tier.chunks.is_shared(key(1))
+    assert b.tier.snapshot()["load_failures"] == 1
+    assert b.tier.lookup(key(1), REQ) is LookupResult.MISS
+    # A's other chunks are still served; a store by B of a chunk A holds writes nothing.
+    assert b.tier.lookup(key(3), REQ) is LookupResult.HIT
+    ino = os.stat(a.tier.chunks.path_of(key(3))).st_ino
+    a.fill(0, seed=3)
+    b.primary[0] = a.primary[0]
+    assert b.store([key(3)], [0]).success
+    assert os.stat(a.tier.chunks.path_of(key(3))).st_ino == ino
+    snap = b.tier.snapshot()
+    assert (snap["stores"], snap["chunks_held"], snap["bytes_used"]) == (0, 0, 0)
+
+
+def test_a_chunk_of_the_wrong_size_or_a_temp_file_is_not_a_shared_hit(harness):
+    b = harness(plan_key="plan-a")
+    path = b.tier.chunks.path_of(key(1))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(b"x" * (CHUNK - 1))  # not what this plan writes
+    tmp = os.path.join(os.path.dirname(path), f".{key(2).hex()}.1.2.tmp")
+    with open(tmp, "wb") as f:
+        f.write(b"x" * CHUNK)
+    assert b.tier.lookup(key(1), REQ) is LookupResult.MISS
+    assert b.tier.lookup(key(2), REQ) is LookupResult.MISS
+    assert b.tier.snapshot()["shared_hits"] == 0
+
+
+def test_shared_lookups_can_be_turned_off_and_known_keys_are_bounded(harness):
+    private = harness(plan_key="plan-a", shared=False)
+    few = harness(plan_key="plan-a", max_shared_keys=2)
+    a = harness(plan_key="plan-a", budget_chunks=8)
+    for i in range(3):
+        a.fill(i, seed=i)
+        assert a.store([key(i)], [i]).success
+    assert private.tier.lookup(key(0), REQ) is LookupResult.MISS
+    for i in range(3):
+        assert few.tier.lookup(key(i), REQ) is LookupResult.HIT
+    assert few.tier.snapshot()["shared_known"] == 2
+    assert not few.tier.chunks.is_shared(key(0))  # the oldest was dropped (still findable)
+    assert few.tier.lookup(key(0), REQ) is LookupResult.HIT
+
+
+def test_two_replicas_writing_interleaved_stay_within_both_budgets(tmp_path, monkeypatch):
+    d = str(tmp_path / "shared")
+    budget_a, budget_b = 128 * 1024, 192 * 1024
+    a = ChunkDir(d, budget_a, fsync=False)
+    rng = random.Random(11)
+    sizes = [1, 700, 4096, 5000, 12_288, 40_000]
+    # A writes a little before B starts: B adopts (counts) those files.
+    datas: dict[bytes, bytes] = {}
+
+    def put(inst, k):
+        data = datas.setdefault(k, rng.randbytes(rng.choice(sizes)))
+        assert inst.put(k, data)
+
+    for i in range(4):
+        put(a, key(i, 1))
+    b = ChunkDir(d, budget_b, fsync=False)
+    assert b.snapshot()["chunks_held"] == 4
+    peaks = []
+    real_replace = os.replace
+
+    def measure_then_replace(src, dst):
+        peaks.append(disk_usage(d)[2])
+        real_replace(src, dst)
+
+    monkeypatch.setattr(disk_tier.os, "replace", measure_then_replace)
+    written = {id(a): 0, id(b): 0}
+    served = 0
+    i = 0
+    while written[id(a)] < 5 * budget_a or written[id(b)] < 5 * budget_b:
+        inst, other = (a, b) if i % 2 else (b, a)
+        common = rng.random() < 0.2  # a chunk of the common key space (either may hold it)
+        k = key(rng.randrange(40), 2) if common else key(i, 0 if inst is a else 3)
+        before = inst.snapshot()["stores"]
+        put(inst, k)
+        if inst.snapshot()["stores"] > before:
+            written[id(inst)] += len(datas[k])
+        if rng.random() < 0.3:  # read one the other wrote recently
+            j = rng.randrange(max(0, i - 6), i + 1)
+            ok = key(j, 0 if other is a else 3)
+            if other.locate(ok, refresh=False) == "own" and inst.locate(ok) is not None:
+                got = inst.get(ok)
+                if got is not None:
+                    assert got == datas[ok]
+                    served += 1
+        _n, _size, alloc = disk_usage(d)
+        assert alloc <= budget_a + budget_b, (i, alloc)
+        for x in (a, b):
+            assert x.snapshot()["bytes_used"] <= x.budget_bytes
+        i += 1
+    assert max(peaks) <= budget_a + budget_b
+    assert served > 0
+    assert a.snapshot()["evictions"] > 0 and b.snapshot()["evictions"] > 0
+    assert a.snapshot()["shared_known"] > 0 and b.snapshot()["shared_known"] > 0
+
+
+def test_disk_metrics_come_from_the_catalogue(harness):
+    from spillway_engine.metrics import CATALOGUE, DISK_TIER_METRICS
+
+    defs = SpillwayDiskTier.build_metric_definitions({})
+    assert list(defs) == [m.name for m in DISK_TIER_METRICS]
+    for name, meta in defs.items():
+        assert meta.documentation == CATALOGUE[name].help
+        assert type(meta).__name__.lower().startswith(f"offloading{CATALOGUE[name].kind}")
+    assert "spillway_disk_tier_shared_hits" in defs
+    b = harness(plan_key="plan-a")
+    a = harness(plan_key="plan-a")
+    a.fill(0, seed=0)
+    assert a.store([key(1)], [0]).success
+    assert b.tier.lookup(key(1), REQ) is LookupResult.HIT
+    data = {n: v[()] for n, v in b.tier.get_stats().data["data"].items()}
+    assert data["spillway_disk_tier_shared_hits"] == 1 and data["spillway_disk_tier_hits"] == 1
+    assert data["spillway_disk_tier_chunks"] == 0

@@ -38,13 +38,27 @@ Use it from ``kv_connector_extra_config`` of ``TieringOffloadingSpec``::
 tier types, so it is named here; its LOCAL water marks assume NVMe, and an
 fsynced small chunk on a slow disk can trip them, which drops cascades.)
 
-The budget is per instance: two replicas on one shared directory each count
-the files they saw at start plus their own, and either may delete the other's
-files (a load of a vanished file fails cleanly and is forgotten). On a shared
-volume set ``stale_temp_s`` so that start-up cleanup spares another replica's
-write in flight. Counters: :meth:`SpillwayDiskTier.snapshot` (a dict), and the
-``spillway_disk_tier_*`` series in :data:`DISK_METRICS`, reported through
-vLLM's tier ``get_stats``/``build_metric_definitions`` hooks.
+A cache shared by replicas (a ReadWriteMany volume mounted by every replica,
+one plan key, so one namespace directory): the budget is per instance. Each
+counts, and evicts, the files it saw at start (so a replacement pod adopts a
+dead pod's files and the total stays bounded) plus the files it wrote itself.
+A chunk another replica wrote later is found on an index miss by a ``stat`` of
+its path (a complete file of the right size; temporaries have other names),
+served as a hit (``shared_hits``) and remembered in a bounded LRU of shared
+keys (``max_shared_keys``), but never counted against this budget nor evicted
+here: its writer bounds it. So the files on the volume take no more than the
+replicas' budgets together (a replica that goes away leaves its files, which
+replicas already running do not count, until a replica that starts adopts
+them). A store of a chunk whose file is already
+there writes nothing. A replica may delete a file another one knows of: the
+load fails cleanly and the key is forgotten. ``shared=False`` turns the
+``stat`` off (a private disk). On a shared volume set ``stale_temp_s`` so that
+start-up cleanup spares another replica's write in flight.
+
+Counters: :meth:`SpillwayDiskTier.snapshot` (a dict), and the
+``spillway_disk_tier_*`` series of Spillway's metric catalogue
+(``spillway_engine.metrics.DISK_TIER_METRICS``), reported through vLLM's tier
+``get_stats``/``build_metric_definitions`` hooks.
 
 vLLM's primary gives a tier one row per key. Under Spillway's unit pool as the
 primary (a key of group g takes ``units_g`` rows), pass ``group_units`` ({group:
@@ -59,6 +73,7 @@ import errno
 import hashlib
 import logging
 import os
+import stat
 import threading
 import time
 from collections import OrderedDict
@@ -87,6 +102,13 @@ from vllm.v1.kv_offload.tiering.base import (
 from vllm.v1.kv_offload.tiering.fs.io import batch_load_block
 from vllm.v1.kv_offload.tiering.fs.thread_pool import DualQueueThreadPool
 
+from spillway_engine.metrics import (
+    DISK_TIER_BUDGET_BYTES,
+    DISK_TIER_CHUNKS,
+    DISK_TIER_METRICS,
+    DISK_TIER_USED_BYTES,
+)
+
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
         OffloadingConnectorStats,
@@ -101,6 +123,8 @@ CHUNK_SUFFIX = ".kv"
 TMP_SUFFIX = ".tmp"
 TMP_PREFIX = "."
 NAMESPACE_PREFIX = "spillway-"
+OWN = "own"
+SHARED = "shared"
 # Errors that mean "the disk will not take this write"; any other OSError is
 # treated the same way, these are only named in the log line.
 _DISK_ERRNOS = {
@@ -114,39 +138,19 @@ _DISK_ERRNOS = {
 
 
 #: Prometheus series the tier exports through vLLM's offloading stats (name: kind,
-#: help); vLLM registers them from ``build_metric_definitions``.
-DISK_METRICS: dict[str, tuple[str, str]] = {
-    "spillway_disk_tier_budget_bytes": ("gauge", "Byte budget of the disk KV tier."),
-    "spillway_disk_tier_used_bytes": (
-        "gauge",
-        "Bytes the disk KV tier's chunk files take (allocation-rounded).",
-    ),
-    "spillway_disk_tier_chunks": ("gauge", "Chunk files held by the disk KV tier."),
-    "spillway_disk_tier_hits": ("counter", "Disk KV tier lookups that found the chunk."),
-    "spillway_disk_tier_misses": ("counter", "Disk KV tier lookups that did not."),
-    "spillway_disk_tier_loads": ("counter", "Chunks read back from the disk KV tier."),
-    "spillway_disk_tier_load_failures": (
-        "counter",
-        "Chunk reads from the disk KV tier that failed (file gone or unreadable).",
-    ),
-    "spillway_disk_tier_stores": ("counter", "Chunk files written by the disk KV tier."),
-    "spillway_disk_tier_evictions": (
-        "counter",
-        "Chunk files the disk KV tier deleted to stay within its budget.",
-    ),
-    "spillway_disk_tier_write_failures": (
-        "counter",
-        "Chunk writes the disk refused (full, read-only, failing).",
-    ),
-    "spillway_disk_tier_stores_dropped": (
-        "counter",
-        "Chunks not written: no room left to evict, or backing off after a failure.",
-    ),
-}
-_GAUGE_FIELDS = {
-    "spillway_disk_tier_budget_bytes": "budget_bytes",
-    "spillway_disk_tier_used_bytes": "bytes_used",
-    "spillway_disk_tier_chunks": "chunks_held",
+#: help), from Spillway's metric catalogue (:data:`~spillway_engine.metrics.DISK_TIER_METRICS`);
+#: vLLM registers them from ``build_metric_definitions``.
+DISK_METRICS: dict[str, tuple[str, str]] = {m.name: (m.kind, m.help) for m in DISK_TIER_METRICS}
+#: series -> the :class:`DiskTierStats` field it reports.
+_STAT_FIELDS: dict[str, str] = {
+    DISK_TIER_BUDGET_BYTES.name: "budget_bytes",
+    DISK_TIER_USED_BYTES.name: "bytes_used",
+    DISK_TIER_CHUNKS.name: "chunks_held",
+    **{
+        m.name: m.name.removeprefix("spillway_disk_tier_")
+        for m in DISK_TIER_METRICS
+        if m.kind == "counter"
+    },
 }
 
 
@@ -157,7 +161,8 @@ class DiskTierStats:
     budget_bytes: int = 0
     bytes_used: int = 0
     chunks_held: int = 0
-    hits: int = 0
+    hits: int = 0  # own and shared
+    shared_hits: int = 0  # of them, chunks another instance wrote after this one started
     misses: int = 0
     loads: int = 0
     load_failures: int = 0
@@ -166,6 +171,7 @@ class DiskTierStats:
     write_failures: int = 0
     stores_dropped: int = 0
     temp_files_removed: int = 0
+    shared_known: int = 0  # other instances' chunks this one knows of (not counted)
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -208,6 +214,8 @@ class ChunkDir:
         fsync: bool = True,
         stale_temp_s: float = 0.0,
         size_of: Callable[[bytes], int | None] | None = None,
+        shared: bool = True,
+        max_shared_keys: int = 1 << 16,
     ) -> None:
         if budget_bytes <= 0:
             raise ValueError(f"budget_bytes must be > 0, got {budget_bytes}")
@@ -222,6 +230,11 @@ class ChunkDir:
         self._lru: OrderedDict[bytes, int] = OrderedDict()
         self._pins: dict[bytes, int] = {}
         self._writing: set[bytes] = set()
+        # Chunks another instance wrote into this directory after this one started:
+        # key -> file size, most recently used last. Never counted, never evicted here.
+        self.shared = shared
+        self._max_shared = max(0, int(max_shared_keys))
+        self._foreign: OrderedDict[bytes, int] = OrderedDict()
         self._used = 0  # bytes of indexed files plus reservations of writes
         self._held = 0  # bytes of indexed files
         self.stats = DiskTierStats(budget_bytes=self.budget_bytes)
@@ -325,6 +338,7 @@ class ChunkDir:
     def _publish_locked(self) -> None:
         self.stats.bytes_used = self._held
         self.stats.chunks_held = len(self._lru)
+        self.stats.shared_known = len(self._foreign)
 
     def snapshot(self) -> dict[str, int]:
         with self._lock:
@@ -343,16 +357,79 @@ class ChunkDir:
                 self._lru.move_to_end(key)
             return True
 
+    def _probe(self, key: bytes) -> int | None:
+        """Size of a complete chunk file of ``key`` at its path, None when there is none.
+
+        Only renamed files sit at ``path_of`` (temporaries have other names), so a
+        regular file of the right size there is whole."""
+        expected = self.expected_size(key)
+        if expected == -1:
+            return None
+        try:
+            st = os.stat(self.path_of(key))
+        except (OSError, ValueError):
+            return None
+        if not stat.S_ISREG(st.st_mode) or st.st_size <= 0:
+            return None
+        if expected is not None and st.st_size != expected:
+            return None
+        return st.st_size
+
+    def _know_foreign_locked(self, key: bytes, size: int) -> None:
+        if self._max_shared <= 0:
+            return
+        self._foreign[key] = size
+        self._foreign.move_to_end(key)
+        while len(self._foreign) > self._max_shared:
+            self._foreign.popitem(last=False)
+        self._publish_locked()
+
+    def locate(self, key: bytes, refresh: bool = True) -> str | None:
+        """Where a lookup finds ``key``: ``"own"`` (indexed, counted against the budget),
+        ``"shared"`` (a file another instance on this directory wrote after this one
+        started: served, never counted or evicted here) or None.
+
+        A key not known either way costs one ``stat`` of its path (when ``shared``);
+        a known shared key is trusted until a load of it fails (:meth:`forget`).
+        """
+        with self._lock:
+            if key in self._lru:
+                if refresh:
+                    self._lru.move_to_end(key)
+                return OWN
+            if key in self._foreign:
+                if refresh:
+                    self._foreign.move_to_end(key)
+                return SHARED
+        if not (self.shared and self.usable and self._max_shared > 0):
+            return None
+        size = self._probe(key)
+        if size is None:
+            return None
+        with self._lock:
+            if key in self._lru:  # this instance finished writing it meanwhile
+                return OWN
+            self._know_foreign_locked(key, size)
+        return SHARED
+
+    def is_shared(self, key: bytes) -> bool:
+        with self._lock:
+            return key in self._foreign
+
     def touch(self, keys: Iterable[bytes]) -> None:
         with self._lock:
             for key in keys:
                 if key in self._lru:
                     self._lru.move_to_end(key)
+                elif key in self._foreign:
+                    self._foreign.move_to_end(key)
 
     def pin(self, key: bytes) -> bool:
+        """Keep an own chunk from eviction while it is read; True when the chunk is
+        readable (own, or a known shared one, which this instance never evicts)."""
         with self._lock:
             if key not in self._lru:
-                return False
+                return key in self._foreign
             self._pins[key] = self._pins.get(key, 0) + 1
             self._lru.move_to_end(key)
             return True
@@ -366,8 +443,10 @@ class ChunkDir:
                 self._pins[key] = n
 
     def forget(self, key: bytes) -> None:
-        """Drop a key whose file turned out missing or unreadable."""
+        """Drop a key whose file turned out missing or unreadable (a shared one is only
+        forgotten: its file is its writer's, and most likely that writer evicted it)."""
         with self._lock:
+            self._foreign.pop(key, None)
             charged = self._lru.pop(key, None)
             if charged is not None:
                 self._used -= charged
@@ -412,8 +491,20 @@ class ChunkDir:
             if key in self._lru:
                 self._lru.move_to_end(key)
                 return True
+            if key in self._foreign:
+                self._foreign.move_to_end(key)
+                return True  # another instance's file holds it
             if key in self._writing:
                 return True  # a concurrent store of the same content
+        # On a shared directory another instance may have written it already: do not
+        # write it again (that would count one file in two budgets).
+        found = self._probe(key) if self.shared and self._max_shared > 0 else None
+        with self._lock:
+            if key in self._lru or key in self._writing:
+                return True
+            if found is not None:
+                self._know_foreign_locked(key, found)
+                return True
             if reserve > self.budget_bytes or not self._evict_locked(reserve):
                 self._publish_locked()
                 return False
@@ -453,6 +544,7 @@ class ChunkDir:
                 self._remove_quietly(tmp)
         with self._lock:
             self._writing.discard(key)
+            self._foreign.pop(key, None)
             self._used += charged - reserve
             self._held += charged
             self._lru[key] = charged
@@ -554,6 +646,8 @@ class SpillwayDiskTier(SecondaryTierManager):
         max_failure_backoff_s: float = 30.0,
         group_units: dict[int, int] | None = None,
         locality: str | None = None,
+        shared: bool = True,
+        max_shared_keys: int = 1 << 16,
         backpressure_detector: BackpressureDetector | None = None,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
@@ -574,6 +668,8 @@ class SpillwayDiskTier(SecondaryTierManager):
             fsync=fsync,
             stale_temp_s=stale_temp_s,
             size_of=None if self.group_units is None else self._key_bytes,
+            shared=shared,
+            max_shared_keys=max_shared_keys,
         )
         self._mismatch_logged = False
         self.stats = self.chunks.stats
@@ -596,11 +692,14 @@ class SpillwayDiskTier(SecondaryTierManager):
         return RequestOffloadingContext()
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        if self.chunks.contains(key):
-            self.chunks.count("hits")
-            return LookupResult.HIT
-        self.chunks.count("misses")
-        return LookupResult.MISS
+        where = self.chunks.locate(key)
+        if where is None:
+            self.chunks.count("misses")
+            return LookupResult.MISS
+        self.chunks.count("hits")
+        if where == SHARED:
+            self.chunks.count("shared_hits")
+        return LookupResult.HIT
 
     def touch(self, keys, req_context: ReqContext) -> None:
         self.chunks.touch(keys)
@@ -692,7 +791,7 @@ class SpillwayDiskTier(SecondaryTierManager):
         cls, extra_config: dict[str, Any]
     ) -> dict[str, OffloadingMetricMetadata]:
         kinds = {"gauge": OffloadingGaugeMetadata, "counter": OffloadingCounterMetadata}
-        return {name: kinds[kind](documentation=doc) for name, (kind, doc) in DISK_METRICS.items()}
+        return {m.name: kinds[m.kind](documentation=m.help) for m in DISK_TIER_METRICS}
 
     def get_stats(self) -> OffloadingConnectorStats:
         """The counters since the last call and the gauges now (vLLM's per-step pull)."""
@@ -702,11 +801,11 @@ class SpillwayDiskTier(SecondaryTierManager):
 
         snap = self.snapshot()
         stats = OffloadingConnectorStats()
-        for name, (kind, _doc) in DISK_METRICS.items():
-            if kind == "gauge":
-                stats.set_gauge(name, snap[_GAUGE_FIELDS[name]])
+        for m in DISK_TIER_METRICS:
+            name, field = m.name, _STAT_FIELDS[m.name]
+            if m.kind == "gauge":
+                stats.set_gauge(name, snap[field])
                 continue
-            field = name.removeprefix("spillway_disk_tier_")
             delta = snap[field] - self._reported.get(field, 0)
             self._reported[field] = snap[field]
             stats.increase_counter(name, delta)
