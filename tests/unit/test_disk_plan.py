@@ -34,11 +34,14 @@ def test_the_disk_tier_is_sized_from_the_groups(name):
     p = plan(name, disk_bytes=200 * GiB)
     d = p.disk
     assert d is not None and p.kv_connector_extra_config == plan(name).kv_connector_extra_config
-    # one file per rank copy of each group's true bytes, whole filesystem blocks
+    # a chunk's file is its host rows: units x the shared region's page-rounded row
     assert len(d.file_bytes) == len(p.spillway.groups)
     for size, g in zip(d.file_bytes, p.spillway.groups, strict=True):
         assert size % FS_BLOCK_BYTES == 0
-        assert g.chunk_bytes <= size < g.chunk_bytes + FS_BLOCK_BYTES * p.spillway.copies
+        assert g.chunk_bytes <= size
+        assert size == g.units * -(-(p.spillway.unit_bytes * p.spillway.copies)
+                                   // FS_BLOCK_BYTES) * FS_BLOCK_BYTES
+        assert size <= g.row_bytes + g.units * FS_BLOCK_BYTES
     assert d.chunk_set_bytes == sum(d.file_bytes)
     assert d.num_chunks == d.budget_bytes_per_engine // d.chunk_set_bytes
     assert d.capacity_tokens == d.num_chunks * p.spillway.chunk_tokens

@@ -454,7 +454,7 @@ class DiskGeometry:
     volume_bytes: int
     #: bytes of complete chunk files the tier keeps at most (it evicts LRU before)
     budget_bytes: int
-    #: on-disk bytes of one chunk of each offloaded group (one file per rank copy)
+    #: on-disk bytes of one chunk of each offloaded group (its host rows)
     file_bytes: tuple[int, ...]
     chunk_set_bytes: int
     num_chunks: int
@@ -462,13 +462,11 @@ class DiskGeometry:
 
 
 def disk_geometry(spillway: SpillwayGeometry, volume_bytes: int) -> DiskGeometry:
-    """Chunks the disk tier holds in volume_bytes: each group's chunk is a file per rank
-    copy of its true bytes (no host-unit padding), rounded up to filesystem blocks."""
-    copies = spillway.copies
-    files = tuple(
-        copies * -(-(g.chunk_bytes // copies) // FS_BLOCK_BYTES) * FS_BLOCK_BYTES
-        for g in spillway.groups
-    )
+    """Chunks the disk tier holds in volume_bytes. A group's chunk is stored as the host
+    rows it takes (its units, each row a unit of every rank copy, page-rounded as the
+    shared region lays it out), so the tier copies rows whole between the tiers."""
+    row = -(-(spillway.unit_bytes * spillway.copies) // FS_BLOCK_BYTES) * FS_BLOCK_BYTES
+    files = tuple(g.units * row for g in spillway.groups)
     chunk_set = sum(files)
     budget = volume_bytes - max(volume_bytes // DISK_RESERVE_DIVISOR, chunk_set)
     if budget < chunk_set:

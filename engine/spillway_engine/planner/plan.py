@@ -243,7 +243,7 @@ class DiskTierInfo(_Model):
         "for writes in flight)."
     )
     file_bytes: list[int] = Field(
-        description="On disk, one chunk of each offloaded group (all rank copies)."
+        description="On disk, one chunk of each offloaded group: its host rows."
     )
     chunk_set_bytes: int = Field(description="Sum of file_bytes: one span, all groups.")
     num_chunks: int = Field(description="budget_bytes_per_engine // chunk_set_bytes.")
