@@ -101,15 +101,16 @@ def launch(
     *,
     env: Mapping[str, str] | None = None,
     prefix: Sequence[str] = (),
+    serve_args: Sequence[str] = (),
 ) -> subprocess.Popen[bytes]:
     """``spillway-engine serve --emulate-gpu``: the pod's launch on the emulated GPU,
     with no step-time sleeping (speed 0) so the tests stay fast; its own process
     group, so teardown reaches the engine core too. ``prefix`` wraps the command (a
-    mount namespace); unless ``env`` names them, the shm folder the launcher frees and
+    mount namespace) and ``serve_args`` follow it; unless ``env`` names them, the shm folder the launcher frees and
     the termination log are private folders beside ``log``, never the machine's."""
     cmd = [*prefix, *ENGINE, "serve", "--plan", str(plan_path), "--host", "127.0.0.1"]
     cmd += ["--port", str(port), "--emulate-gpu", "--emulate-speed", "0"]
-    cmd += ["--emulate-kv-bytes", str(kv_bytes)]
+    cmd += ["--emulate-kv-bytes", str(kv_bytes), *serve_args]
     private = {
         "SPILLWAY_SHM_DIR": str(log.parent / "shm"),
         "SPILLWAY_TERMINATION_LOG": str(log.parent / "termination-log"),

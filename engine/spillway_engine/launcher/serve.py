@@ -64,6 +64,7 @@ from spillway_engine.launcher.plugin import (
 from spillway_engine.launcher.shm_cleanup import free_leftovers, shm_dir
 from spillway_engine.planner.plan import Plan, PlanReadError, read_plan
 from spillway_engine.seam import (
+    DISK_TIER_MOUNT,
     ENGINE_OPTIONS_FILE,
     EngineOptions,
     EngineOptionsError,
@@ -184,8 +185,33 @@ def kv_cache_dtype_flag(plan: Plan) -> str:
     return "auto" if plan.kv_cache_dtype == plan.model.dtype else plan.kv_cache_dtype
 
 
+#: The disk tier's class, as vLLM's tier factory loads it (a secondary_tiers entry).
+DISK_TIER_TYPE = "SpillwayDiskTier"
+DISK_TIER_MODULE = "spillway_engine.offloader.disk_tier"
+
+
+def disk_tier_config(plan: Plan, root: str) -> dict[str, Any]:
+    """The ``secondary_tiers`` entry for the plan's disk tier under ``root``."""
+    disk = plan.disk
+    assert disk is not None
+    config: dict[str, Any] = {
+        "type": DISK_TIER_TYPE,
+        "module_path": DISK_TIER_MODULE,
+        "root_dir": root,
+        "budget_bytes": disk.budget_bytes_per_engine,
+        "plan_key": disk.cache_key,
+        # vLLM's detector: a disk that fails or slows down sheds stores, never requests
+        "backpressure": {"backpressure_cls": "EMABackpressureDetector",
+                         "failure_threshold": 3},
+    }
+    if disk.writers > 1:
+        # other replicas write into the same folder: spare their writes in flight
+        config["stale_temp_s"] = 600.0
+    return config
+
+
 def transfer_config(
-    plan: Plan, options: EngineOptions
+    plan: Plan, options: EngineOptions, disk_dir: str = DISK_TIER_MOUNT
 ) -> tuple[dict[str, Any] | None, list[str]]:
     """The ``--kv-transfer-config`` dict (None: offloading off) and notes for the log.
 
@@ -203,6 +229,11 @@ def transfer_config(
     if options.eviction_policy:
         extra = config.setdefault("kv_connector_extra_config", {})
         extra["eviction_policy"] = options.eviction_policy
+    if plan.disk is not None and plan.offloader == "spillway":
+        extra = config.setdefault("kv_connector_extra_config", {})
+        extra["secondary_tiers"] = [disk_tier_config(plan, disk_dir)]
+        notes.append(f"disk tier: {plan.disk.budget_bytes_per_engine} bytes per engine under "
+                     f"{disk_dir}, {plan.disk.capacity_tokens} tokens")
     config.setdefault("kv_role", "kv_both")
     return config, notes
 
@@ -276,6 +307,7 @@ def build_command(
     port: int = 8000,
     extra_args: Sequence[str] = (),
     events_ip: str | None = None,
+    disk_dir: str = DISK_TIER_MOUNT,
 ) -> tuple[list[str], list[str]]:
     """``vllm serve ...`` for the plan, and notes for the log. Raises EngineCliError.
     ``events_ip``: the address the KV-event publisher binds (:func:`events_bind_ip`)."""
@@ -313,7 +345,7 @@ def build_command(
     if speculative is not None:
         # the drafter's cache layers are in the plan's groups: vLLM must build that drafter
         cmd += ["--speculative-config", json.dumps(speculative, separators=(",", ":"))]
-    transfer, notes = transfer_config(plan, options)
+    transfer, notes = transfer_config(plan, options, disk_dir)
     if transfer is not None:
         cmd += ["--kv-transfer-config", json.dumps(transfer, separators=(",", ":"))]
     events, events_notes = kv_events_args(plan, options, user_args, events_ip)
@@ -454,6 +486,13 @@ def serve_parser() -> argparse.ArgumentParser:
         help="where the container's memory cgroup files are (default: $SPILLWAY_CGROUP_ROOT "
         "or /sys/fs/cgroup)",
     )
+    p.add_argument(
+        "--disk-dir",
+        metavar="PATH",
+        default=DISK_TIER_MOUNT,
+        help=f"where the plan's disk tier keeps its files (default: {DISK_TIER_MOUNT}, "
+        "the pod's volume)",
+    )
     p.add_argument("extra", nargs="*", metavar="-- VLLM_ARG", help="more vLLM arguments")
     return p
 
@@ -471,7 +510,8 @@ def serve_main(argv: Sequence[str], parser: argparse.ArgumentParser | None = Non
     options = load_engine_options(options_path)
     events_ip = events_bind_ip(args.host, os.environ)
     cmd, notes = build_command(
-        plan, options, host=args.host, port=args.port, extra_args=args.extra, events_ip=events_ip
+        plan, options, host=args.host, port=args.port, extra_args=args.extra, events_ip=events_ip,
+        disk_dir=args.disk_dir,
     )
     seed = os.environ.get("PYTHONHASHSEED")
     if seed is not None and "--prefix-caching-hash-algo" in cmd:

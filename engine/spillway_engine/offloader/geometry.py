@@ -41,8 +41,11 @@ UNSUPPORTED_OPTIONS = {
     "canonical_layout": "Spillway's host units hold each worker's own pages",
     "spec_name": "Spillway's connector brings its own spec (the unit pool)",
     "spec_module_path": "Spillway's connector brings its own spec (the unit pool)",
-    "secondary_tiers": "Spillway's pool is the CPU tier only",
 }
+
+#: Secondary tiers that copy a key's host units whole. vLLM's own (fs, obj, p2p...)
+#: take one row per key and would store the wrong bytes from the unit pool.
+UNIT_AWARE_TIERS = frozenset({"SpillwayDiskTier"})
 
 
 class SpillwayConfigError(ValueError):
@@ -204,6 +207,12 @@ def _pool_bytes(extra: Mapping[str, Any]) -> int:
     for key, why in UNSUPPORTED_OPTIONS.items():
         if extra.get(key):
             raise SpillwayConfigError(f"kv_connector_extra_config[{key!r}] is not supported: {why}")
+    for tier in extra.get("secondary_tiers") or ():
+        if not isinstance(tier, Mapping) or tier.get("type") not in UNIT_AWARE_TIERS:
+            raise SpillwayConfigError(
+                f"kv_connector_extra_config['secondary_tiers']: {tier!r} is not supported: "
+                f"Spillway's host units go only to a tier that knows them "
+                f"({', '.join(sorted(UNIT_AWARE_TIERS))})")
     cpu_bytes = _int_option(extra, "cpu_bytes_to_use")
     if not cpu_bytes or cpu_bytes <= 0:
         raise SpillwayConfigError(

@@ -332,3 +332,36 @@ def make_manager_class() -> type:
             self._recently_evicted: OrderedDict[OffloadKey, None] = OrderedDict()
 
     return SpillwayHostManager
+
+
+def make_primary_tier_class() -> type:
+    """The unit pool as the primary tier of vLLM's ``TieringOffloadingManager`` (a disk
+    tier under it): the four calls vLLM's ``CPUPrimaryTierOffloadingManager`` adds,
+    and the view of the shared region the secondary tiers copy rows from and to.
+
+    A key's rows are its units, so a secondary tier must know each group's units
+    (``group_units`` in its config; :mod:`spillway_engine.offloader.disk_tier` does)."""
+
+    class SpillwayPrimaryTier(make_manager_class()):
+        def __init__(self, layout: HostLayout, region: Any, **kwargs: Any):
+            super().__init__(layout, **kwargs)
+            self._region = region
+            self._kv_memoryview = region.create_kv_memoryview()
+            # read/write: a secondary tier reading from or writing to this pool
+            self.complete_read = self.complete_load
+            self.prepare_write = self.prepare_store
+            self.complete_write = self.complete_store
+
+        def prepare_read(self, keys: Collection[OffloadKey], req_context: ReqContext) -> Any:
+            # a cascade to disk is not a request's access: the LRU order stays
+            return self._prepare_load(keys, req_context, record_access=False)
+
+        def get_kv_memoryview(self) -> memoryview:
+            return self._kv_memoryview
+
+        def shutdown(self) -> None:
+            super().shutdown()
+            self._kv_memoryview.release()
+            self._region.cleanup()
+
+    return SpillwayPrimaryTier

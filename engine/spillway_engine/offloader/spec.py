@@ -70,19 +70,31 @@ def host_info(config: Any, layout: HostLayout) -> CPUOffloadingInfo:
     )
 
 
+def _tiered(extra_config: Mapping[str, Any]) -> bool:
+    """Secondary tiers under the host pool (vLLM's tiering config key)."""
+    return bool(extra_config.get("secondary_tiers"))
+
+
 class SpillwayHostSpec(OffloadingSpec):
     @classmethod
     def build_metric_definitions(
         cls, extra_config: dict[str, Any]
     ) -> dict[str, OffloadingMetricMetadata]:
+        from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+        base = TieringOffloadingSpec if _tiered(extra_config) else CPUOffloadingSpec
         return {
-            **CPUOffloadingSpec.build_metric_definitions(extra_config),
+            **base.build_metric_definitions(extra_config),
             **pool_metric_definitions(),
             **stand_in_metric_definitions(),
         }
 
     @classmethod
     def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:
+        if _tiered(extra_config):
+            from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+            return TieringOffloadingSpec.config_info_keys(extra_config)
         return CPUOffloadingInfo.config_info_keys()
 
     def __init__(self, config: Any, geometry: ConnectorGeometry | None = None):
@@ -98,19 +110,65 @@ class SpillwayHostSpec(OffloadingSpec):
         self._manager: OffloadingManager | None = None
         self._worker: OffloadingWorker | None = None
 
+    def _manager_options(self) -> dict[str, Any]:
+        extra = self.extra_config
+        return dict(
+            cache_policy=extra.get("eviction_policy", "lru"),
+            cache_policy_module_path=extra.get("cache_policy_module_path"),
+            enable_events=self.kv_events_config.enable_kv_cache_events,
+            info=host_info(self.config, self.layout),
+        )
+
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
-            extra = self.extra_config
-            self._manager = make_manager_class()(
-                self.layout,
-                cache_policy=extra.get("eviction_policy", "lru"),
-                cache_policy_module_path=extra.get("cache_policy_module_path"),
-                enable_events=self.kv_events_config.enable_kv_cache_events,
-                store_threshold=int(extra.get("store_threshold", 0)),
-                max_tracker_size=int(extra.get("max_tracker_size", 64_000)),
-                info=host_info(self.config, self.layout),
-            )
+            if _tiered(self.extra_config):
+                self._manager = self._tiering_manager()
+            else:
+                extra = self.extra_config
+                self._manager = make_manager_class()(
+                    self.layout,
+                    store_threshold=int(extra.get("store_threshold", 0)),
+                    max_tracker_size=int(extra.get("max_tracker_size", 64_000)),
+                    **self._manager_options(),
+                )
         return self._manager
+
+    def _tiering_manager(self) -> OffloadingManager:
+        """vLLM's ``TieringOffloadingManager`` over the unit pool: the pool stays the
+        primary tier (its units, one LRU), and each secondary tier copies a key's
+        units whole (so it is told each group's units)."""
+        from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+        from vllm.v1.kv_offload.tiering.manager import (
+            DEFAULT_TIER_POLL_INTERVAL_S,
+            TieringOffloadingManager,
+        )
+
+        from spillway_engine.offloader.manager import make_primary_tier_class
+        from spillway_engine.offloader.worker import scheduler_host_pool
+
+        region = scheduler_host_pool(self.layout, self.config.engine_id)
+        try:
+            primary = make_primary_tier_class()(self.layout, region, **self._manager_options())
+        except Exception:
+            region.cleanup()
+            raise
+        units = {str(g.group_id): g.units for g in self.layout.groups}
+        tiers = []
+        try:
+            for tier_config in self.extra_config["secondary_tiers"]:
+                tiers.append(SecondaryTierFactory.create_secondary_tier(
+                    {**tier_config, "group_units": units}, primary.get_kv_memoryview(), self))
+            return TieringOffloadingManager(
+                primary,
+                tiers,
+                tier_poll_interval_s=float(self.extra_config.get(
+                    "tier_poll_interval_s", DEFAULT_TIER_POLL_INTERVAL_S)),
+            )
+        except Exception:
+            for tier in reversed(tiers):
+                tier.shutdown()
+            primary.shutdown()
+            raise
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:
@@ -137,6 +195,7 @@ class SpillwayHostSpec(OffloadingSpec):
                 parallel.rank,
                 parallel.world_size,
                 self.replicated_layout,
+                scheduler_maps=_tiered(self.extra_config),
             )
             try:
                 worker: OffloadingWorker = SpillwayHostWorker(

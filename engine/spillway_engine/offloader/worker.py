@@ -384,6 +384,7 @@ def allocate_host_pool(
     *,
     shared: bool | None = None,
     barrier: Callable[[], None] | None = None,
+    scheduler_maps: bool = False,
 ) -> tuple[torch.Tensor, Callable[[], None]]:
     """This worker's (num_units, unit_bytes) int8 view of the host pool, and its cleanup.
 
@@ -392,6 +393,10 @@ def allocate_host_pool(
     ``unit_bytes`` slot per rank; a replicated layout has one slot that rank 0 writes
     and every rank reads. ``barrier`` defaults to vLLM's all-workers barrier. Elsewhere
     it is a private zeroed tensor. Drop every reference to the view before cleanup.
+
+    ``scheduler_maps``: the scheduler maps the region too (a disk tier under the pool
+    copies its rows, :func:`scheduler_host_pool`), so it is always shared, and its file
+    stays until the workers' cleanup instead of going once every worker mapped it.
     """
     copies = host_copies(world_size, replicated)
     if layout.copies != copies:
@@ -402,6 +407,8 @@ def allocate_host_pool(
         )
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} outside world size {world_size}")
+    if scheduler_maps:
+        shared = True
     if shared is None:
         shared = _platform_shares_region()
     if not shared or layout.num_units == 0:
@@ -424,7 +431,8 @@ def allocate_host_pool(
         rank=0 if replicated else rank,
         kv_bytes_per_chunk=row,
         cpu_page_size=layout.unit_bytes,
-        barrier=barrier if barrier is not None else _all_workers_barrier,
+        # no barrier: the file is not unlinked once the workers mapped it
+        barrier=None if scheduler_maps else barrier or _all_workers_barrier,
         num_segments=_REGION_SEGMENTS,
         # every rank maps the same slot: split its pre-faulting across them
         populate_shard=(rank, world_size) if replicated else None,
@@ -440,3 +448,21 @@ def allocate_host_pool(
         region.cleanup()
         raise
     return pool, region.cleanup
+
+
+def scheduler_host_pool(layout: HostLayout, engine_id: str) -> Any:
+    """The scheduler's mapping of the workers' host pool (vLLM's ``SharedOffloadRegion``
+    with no rank), for a disk tier that copies whole rows; the same rows and segments
+    as :func:`allocate_host_pool` lays out. The workers create the file (they start
+    first); this joins it."""
+    from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+
+    row = round_up(layout.unit_bytes * layout.copies, SharedOffloadRegion.BLOCK_SIZE_ALIGNMENT)
+    return SharedOffloadRegion(
+        engine_id=engine_id,
+        num_chunks=layout.num_units,
+        rank=None,
+        kv_bytes_per_chunk=row,
+        cpu_page_size=layout.unit_bytes,
+        num_segments=_REGION_SEGMENTS,
+    )
