@@ -133,3 +133,40 @@ def test_the_disk_budget_holds_in_the_engine(tmp_path: Path):
 def on_disk(root: Path) -> int:
     """Bytes the filesystem holds for the tier's complete chunk files."""
     return sum(p.stat().st_blocks * 512 for p in root.rglob(f"*{CHUNK_SUFFIX}") if p.is_file())
+
+
+def test_two_replicas_on_one_shared_folder_serve_each_others_prefixes(tmp_path: Path):
+    """Two engines of one plan on a shared folder (a ReadWriteMany claim's mount, each
+    keeping half of it): a prefix the first computed after both started is loaded
+    from disk by the second, with no prefill of it there."""
+    name = "llama"
+    shared = tmp_path / "shared"
+    model = write_model(tmp_path / "model", SIM_MODELS[name][0])
+    a = start(tmp_path / "a", name, shared, model_dir=model)
+    try:
+        b = start(tmp_path / "b", name, shared, model_dir=model)
+        try:
+            assert a.plan.disk.cache_key == b.plan.disk.cache_key
+            p = prompt(300, 600)
+            first = complete(a, p)
+            deadline = time.monotonic() + 30
+            while settle(a)["spillway_disk_tier_chunks"] < 2 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            before = metrics(b)
+            again = complete(b, p)
+            after = settle(b)
+
+            def delta(key: str) -> float:
+                return after.get(key, 0.0) - before.get(key, 0.0)
+
+            assert delta("spillway_disk_tier_shared_hits_total") >= 2
+            assert delta("vllm:external_prefix_cache_hits_total") >= 512
+            assert delta("vllm:prefix_cache_hits_total") == 0  # nothing on B's GPU
+            assert output_ids(again) == output_ids(first)
+            assert after["spillway_emulator_kv_mismatch_total"] == 0
+            # B counts none of A's files against its own budget
+            assert after["spillway_disk_tier_used_bytes"] == 0
+        finally:
+            kill_group(b.proc)
+    finally:
+        kill_group(a.proc)
