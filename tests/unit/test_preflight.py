@@ -324,3 +324,26 @@ def test_shm_dir_flag_then_env_then_default(monkeypatch):
     monkeypatch.setenv("SPILLWAY_SHM_DIR", "/x")
     assert shm_dir() == Path("/x")
     assert shm_dir("/y") == Path("/y")
+
+
+def test_the_disk_tier_folder_must_take_files(tmp_path: Path):
+    plan = plan_for(disk_bytes=4 * GIB)
+    assert preflight.check_disk(plan_for(), tmp_path) is None  # no disk tier: no check
+    assert preflight.check_disk(plan, tmp_path) is None
+    assert not list(tmp_path.iterdir())  # the probe file is gone
+    missing = preflight.check_disk(plan, tmp_path / "not-mounted")
+    assert missing is not None and missing.fatal and missing.check == "disk"
+    assert "does not take files (No such file or directory)" in missing.line
+    if os.geteuid() != 0:  # root writes anywhere
+        (tmp_path / "ro").mkdir(mode=0o555)
+        assert preflight.check_disk(plan, tmp_path / "ro").fatal
+
+
+def test_a_disk_smaller_than_the_tier_is_a_warning(tmp_path: Path, monkeypatch):
+    plan = plan_for(disk_bytes=4 * GIB, disk_writers=2)
+    real = os.statvfs(tmp_path)
+    tiny = os.statvfs_result((real.f_bsize, 4096, (1 * GIB) // 4096, *real[3:]))
+    monkeypatch.setattr(preflight.os, "statvfs", lambda _: tiny)
+    found = preflight.check_disk(plan, tmp_path)
+    assert found is not None and not found.fatal
+    assert f"less than this pod's share of the disk tier, {2 * GIB} bytes" in found.line

@@ -41,7 +41,7 @@ _MIB = 1 << 20
 
 @dataclass(frozen=True)
 class Shortfall:
-    check: str  # shm, memory, memlock
+    check: str  # shm, memory, memlock, disk
     line: str
     #: False: the engine still runs (slower); say so and go on
     fatal: bool = True
@@ -186,11 +186,44 @@ def read_facts(shm: Path, cgroups: Path) -> Facts:
     )
 
 
-def shortfalls(plan: Plan, facts: Facts, shm: Path, *, pins: bool) -> list[Shortfall]:
+def check_disk(plan: Plan, folder: Path) -> Shortfall | None:
+    """The disk tier's folder takes files, and its filesystem can hold this pod's share
+    (short of it, stores fail and back off: slower, so not fatal)."""
+    disk = plan.disk
+    if disk is None:
+        return None
+    probe = folder / f".spillway-preflight-{os.getpid()}"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+        st = os.statvfs(folder)
+    except OSError as e:
+        return Shortfall(
+            "disk",
+            f"the disk tier's folder {folder} does not take files ({e.strerror or e}); mount "
+            "the InferenceDeployment's offload.disk volume there, writable by the engine's "
+            "user (--disk-dir)",
+        )
+    share = disk.volume_bytes // disk.writers
+    total = st.f_blocks * st.f_frsize
+    if total >= share:
+        return None
+    return Shortfall(
+        "disk",
+        f"{folder}'s filesystem holds {total} bytes ({_mib(total)}), less than this pod's "
+        f"share of the disk tier, {share} bytes ({_mib(share)}); chunk stores will fail and "
+        "back off once it fills (lower offload.disk.size)",
+        fatal=False,
+    )
+
+
+def shortfalls(plan: Plan, facts: Facts, shm: Path, *, pins: bool,
+               disk: Path | None = None) -> list[Shortfall]:
     checks = (
         check_shm(plan, shm, facts.shm_free, facts.shm_total),
         check_memory(plan, facts.memory_limit, facts.memory_source),
         check_memlock(plan, pins, facts.memlock_soft, facts.ipc_lock),
+        None if disk is None else check_disk(plan, disk),
     )
     return [s for s in checks if s is not None]
 

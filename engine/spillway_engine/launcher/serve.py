@@ -547,6 +547,7 @@ def serve_main(argv: Sequence[str], parser: argparse.ArgumentParser | None = Non
         preflight.cgroup_root(args.cgroup_root),
         offload=options.offload_enabled,
         pins=options.offload_enabled and overlay.pins,
+        disk=Path(args.disk_dir),
     )
     print(f"{PROG}: exec {shlex.join(cmd)}", file=sys.stderr)
     env = serving_env(plan_path, options_path, os.environ, [ENTRY_POINT_NAME, *overlay.plugins])
@@ -557,7 +558,8 @@ def serve_main(argv: Sequence[str], parser: argparse.ArgumentParser | None = Non
     return _exec(cmd, env)
 
 
-def prepare_host(plan: Plan, shm: Path, cgroups: Path, *, offload: bool, pins: bool) -> None:
+def prepare_host(plan: Plan, shm: Path, cgroups: Path, *, offload: bool, pins: bool,
+                 disk: Path | None = None) -> None:
     """Free the shm folder of an earlier engine's leftovers, then check the container
     holds the plan. Raises PreflightShortfall (one line) when it does not."""
     if not shm.is_dir():
@@ -575,7 +577,7 @@ def prepare_host(plan: Plan, shm: Path, cgroups: Path, *, offload: bool, pins: b
         facts = preflight.read_facts(shm, cgroups)
     except preflight.PreflightError as e:
         raise PreflightShortfall(str(e)) from None
-    found = preflight.shortfalls(plan, facts, shm, pins=pins)
+    found = preflight.shortfalls(plan, facts, shm, pins=pins, disk=disk)
     for s in found:
         if not s.fatal:
             print(f"{PROG}: warning: preflight: {s.check}: {s.line}", file=sys.stderr)
