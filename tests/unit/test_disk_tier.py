@@ -565,6 +565,14 @@ def test_a_shared_chunk_its_writer_evicted_fails_cleanly_and_is_forgotten(harnes
     assert os.stat(a.tier.chunks.path_of(key(3))).st_ino == ino
     snap = b.tier.snapshot()
     assert (snap["stores"], snap["chunks_held"], snap["bytes_used"]) == (0, 0, 0)
+    # A shared key whose writer evicted it before B's load noticed: B's store writes it.
+    assert b.tier.chunks.is_shared(key(3))
+    os.remove(a.tier.chunks.path_of(key(3)))
+    assert b.store([key(3)], [0]).success
+    assert not b.tier.chunks.is_shared(key(3))
+    assert b.tier.chunks.contains(key(3), refresh=False)
+    snap = b.tier.snapshot()
+    assert (snap["stores"], snap["chunks_held"], snap["bytes_used"]) == (1, 1, CHUNK)
 
 
 def test_a_chunk_of_the_wrong_size_or_a_temp_file_is_not_a_shared_hit(harness):

@@ -491,13 +491,11 @@ class ChunkDir:
             if key in self._lru:
                 self._lru.move_to_end(key)
                 return True
-            if key in self._foreign:
-                self._foreign.move_to_end(key)
-                return True  # another instance's file holds it
             if key in self._writing:
                 return True  # a concurrent store of the same content
         # On a shared directory another instance may have written it already: do not
-        # write it again (that would count one file in two budgets).
+        # write it again (that would count one file in two budgets). A shared key
+        # whose file its writer has evicted since is written here, as this one's.
         found = self._probe(key) if self.shared and self._max_shared > 0 else None
         with self._lock:
             if key in self._lru or key in self._writing:
@@ -505,6 +503,8 @@ class ChunkDir:
             if found is not None:
                 self._know_foreign_locked(key, found)
                 return True
+            if self._foreign.pop(key, None) is not None:
+                self._publish_locked()
             if reserve > self.budget_bytes or not self._evict_locked(reserve):
                 self._publish_locked()
                 return False
