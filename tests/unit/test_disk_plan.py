@@ -1,5 +1,5 @@
-"""The disk tier in the spec, the plan and the pod: sized from the model, bounded, refused
-with the field named."""
+"""The disk tier in the spec, the plan, the pod and the launcher: sized from the model,
+bounded, refused with the field named."""
 
 from __future__ import annotations
 
@@ -162,3 +162,27 @@ def test_the_spec_model_refuses_what_admission_refuses(disk, extra, needle):
     with pytest.raises(ValidationError, match=needle):
         InferenceDeploymentSpec.model_validate(
             {"model": {"name": "m"}, "offload": {"disk": disk, **extra}})
+
+
+def test_the_launcher_adds_the_tier_the_plan_sizes():
+    from spillway_engine.launcher import serve
+    from spillway_engine.seam import EngineOptions
+
+    p = plan(disk_bytes=200 * GiB, disk_writers=2)
+    config, notes = serve.transfer_config(p, EngineOptions(model="m"), "/mnt/kv")
+    (tier,) = config["kv_connector_extra_config"]["secondary_tiers"]
+    assert tier["type"] == "SpillwayDiskTier" and tier["root_dir"] == "/mnt/kv"
+    assert tier["module_path"] == "spillway_engine.offloader.disk_tier"
+    assert tier["budget_bytes"] == p.disk.budget_bytes_per_engine
+    assert tier["plan_key"] == p.disk.cache_key
+    assert tier["stale_temp_s"] > 0  # a shared folder: another writer's temp files stay
+    assert any(n.startswith("disk tier: ") for n in notes)
+    config, _ = serve.transfer_config(plan(), EngineOptions(model="m"))
+    assert "secondary_tiers" not in config["kv_connector_extra_config"]
+    tuned = serve.disk_tier_config(p, "/kv", {serve.DISK_TIER_OPTIONS_ENV:
+                                              '{"n_write_threads": 8}'})
+    assert tuned["n_write_threads"] == 8
+    for bad, why in (("[1]", "JSON object"), ('{"budget_bytes": 1}', "budget_bytes"),
+                     ("{", "is not JSON")):
+        with pytest.raises(serve.EngineCliError, match=why):
+            serve.disk_tier_config(p, "/kv", {serve.DISK_TIER_OPTIONS_ENV: bad})

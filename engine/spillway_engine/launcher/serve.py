@@ -190,7 +190,13 @@ DISK_TIER_TYPE = "SpillwayDiskTier"
 DISK_TIER_MODULE = "spillway_engine.offloader.disk_tier"
 
 
-def disk_tier_config(plan: Plan, root: str) -> dict[str, Any]:
+#: JSON merged into the disk tier's entry: tuning the plan does not decide (vLLM's
+#: back-pressure water marks for a disk slower than NVMe, thread counts).
+DISK_TIER_OPTIONS_ENV = "SPILLWAY_DISK_TIER_OPTIONS"
+
+
+def disk_tier_config(plan: Plan, root: str,
+                     env: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The ``secondary_tiers`` entry for the plan's disk tier under ``root``."""
     disk = plan.disk
     assert disk is not None
@@ -207,6 +213,18 @@ def disk_tier_config(plan: Plan, root: str) -> dict[str, Any]:
     if disk.writers > 1:
         # other replicas write into the same folder: spare their writes in flight
         config["stale_temp_s"] = 600.0
+    text = (os.environ if env is None else env).get(DISK_TIER_OPTIONS_ENV)
+    if text:
+        try:
+            tuning = json.loads(text)
+        except ValueError as e:
+            raise EngineCliError(f"{DISK_TIER_OPTIONS_ENV} is not JSON: {e}") from None
+        fixed = {"type", "module_path", "root_dir", "budget_bytes", "plan_key"}
+        if not isinstance(tuning, dict) or fixed & tuning.keys():
+            raise EngineCliError(
+                f"{DISK_TIER_OPTIONS_ENV} must be a JSON object without "
+                f"{', '.join(sorted(fixed))} (the plan and --disk-dir set them)")
+        config.update(tuning)
     return config
 
 
