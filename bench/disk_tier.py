@@ -1,6 +1,8 @@
-"""Disk tier latency: loading a chunk file against copying it from host memory.
+"""Disk tier: latency of a chunk load against a host copy, and hits in real engines.
 
 Run from the repository root: ``python -m bench.disk_tier [--chunks N] [--dir PATH]``
+for the latency table, ``python -m bench.disk_tier --engines`` for the hit table
+(below).
 (default: 48 chunks per file size, in a temporary directory under ``$TMPDIR``; about
 15 s where fsynced writes run at 100-200 MB/s). Prints a markdown table; asserts nothing
 but that every load returns the bytes stored.
@@ -24,6 +26,22 @@ every offloaded group) is ``files`` such files. Per file size:
 
 Times are per chunk file, median and p95 over the chunks; the ratios are medians over
 the host copy's median.
+
+``--engines``: one workload through vLLM 0.33.0's real server on the emulated GPU
+(``spillway-engine serve --emulate-gpu``, tiny Llama, 80 GPU blocks of 16 tokens),
+four ways, same trace and same budgets: one replica with the host pool only (1 MiB:
+16 chunks of 256 tokens), one with host + a node-local disk tier (128 MiB), two
+replicas with host pools only, two replicas with host + one shared disk folder
+(256 MiB, a half each). The trace: 24 prefixes of 512 tokens (two chunks), 3 rounds,
+each round every prefix once in a seeded random order plus a fresh 40-token suffix,
+2 output tokens, requests one after another and alternating between the replicas
+(round robin: the worst case for a replica's own cache). Columns, summed over
+replicas: prefix tokens held per replica (host + disk capacity), tokens served from
+the GPU prefix cache, from the host pool and disk (vLLM's external hits), of them
+chunks loaded from disk (and from another replica's files), the hit rate (GPU +
+external over prompt tokens), and KV mismatches (pages read that differ from
+recomputation). Greedy outputs must be equal across the four (the bench exits
+non-zero otherwise). About 4 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -177,11 +195,134 @@ def print_table(rows: list[Row]) -> None:
         )
 
 
+# ------------------------------------------------------------------ --engines
+
+ENGINE_PREFIXES, ENGINE_ROUNDS, PREFIX_TOKENS, SUFFIX_TOKENS = 24, 3, 512, 40
+HOST_BYTES, DISK_BYTES, GPU_KV_BYTES = 1 << 20, 128 << 20, 80 * 4096
+#: vLLM's back-pressure water marks assume NVMe: raised, so a slow VM disk sheds no
+#: store and the four runs see the same trace
+TUNING = {"backpressure": {"backpressure_cls": "EMABackpressureDetector",
+                           "high_water_s": 1e6, "low_water_s": 1e5, "failure_threshold": 3}}
+SETUPS = (  # name, replicas, disk: None, "local" or "shared"
+    ("host only, 1 replica", 1, None),
+    ("host + local disk, 1 replica", 1, "local"),
+    ("host only, 2 replicas", 2, None),
+    ("host + shared disk, 2 replicas", 2, "shared"),
+)
+
+
+def engine_trace(seed: int = 7) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(3, 500) for _ in range(PREFIX_TOKENS)]
+                for _ in range(ENGINE_PREFIXES)]
+    trace: list[list[int]] = []
+    last = None
+    for _ in range(ENGINE_ROUNDS):
+        order = list(range(ENGINE_PREFIXES))
+        rng.shuffle(order)
+        if order[0] == last:
+            order.append(order.pop(0))
+        last = order[-1]
+        trace += [prefixes[i] + [rng.randrange(3, 500) for _ in range(SUFFIX_TOKENS)]
+                  for i in order]
+    return trace
+
+
+def run_setup(base: Path, model: Path, replicas: int, disk: str | None,
+              trace: list[list[int]]) -> tuple[dict[str, float], list[list[int]], int]:
+    from spillway_engine.launcher.serve import DISK_TIER_OPTIONS_ENV
+    from tests.contract.engine_process import (
+        Server,
+        free_port,
+        kill_group,
+        launch,
+        plan_for,
+        wait_ready,
+        write_plan,
+    )
+    from tests.contract.test_emulated_engine import complete, metrics, output_ids
+
+    extra = {} if disk is None else {
+        "disk_bytes": DISK_BYTES * (2 if disk == "shared" else 1),
+        "disk_writers": 2 if disk == "shared" else 1}
+    plan = plan_for(model, cpu_memory_bytes=HOST_BYTES, **extra)
+    servers = []
+    try:
+        for r in range(replicas):
+            root = base / f"replica-{r}"
+            folder = base / ("shared" if disk == "shared" else f"disk-{r}")
+            folder.mkdir(parents=True, exist_ok=True)
+            port = free_port()
+            proc = launch(write_plan(root, plan, model), root / "engine.log", port, GPU_KV_BYTES,
+                          env={"SPILLWAY_SHARED_REGION": "1",
+                               DISK_TIER_OPTIONS_ENV: json.dumps(TUNING)},
+                          serve_args=["--disk-dir", str(folder)])
+            servers.append(Server(f"r{r}", proc, port, root / "engine.log", plan, 0.0))
+        for server in servers:
+            wait_ready(server)
+        outputs = [output_ids(complete(servers[i % replicas], tokens, max_tokens=2))
+                   for i, tokens in enumerate(trace)]
+        time.sleep(1)  # the last stores land
+        total: dict[str, float] = {}
+        for server in servers:
+            for key, value in metrics(server).items():
+                total[key] = total.get(key, 0.0) + value
+        held = plan.capacity_tokens + (plan.disk.capacity_tokens if plan.disk else 0)
+        return total, outputs, held
+    finally:
+        for server in servers:
+            kill_group(server.proc)
+
+
+def engines_main() -> int:
+    from spillway_engine.emulator.tiny import llama_config, write_model
+
+    started = time.perf_counter()
+    trace = engine_trace()
+    prompt_tokens = sum(len(t) for t in trace)
+    base = Path(tempfile.mkdtemp(prefix="spillway-disk-engines-"))
+    rows, reference, ok = [], None, True
+    try:
+        model = write_model(base / "model", llama_config(num_layers=2))
+        for i, (name, replicas, disk) in enumerate(SETUPS):
+            m, outputs, held = run_setup(base / f"setup-{i}", model, replicas, disk, trace)
+            reference = reference or outputs
+            same = outputs == reference
+            ok &= same and m.get("spillway_emulator_kv_mismatch_total", 0) == 0
+            gpu = m.get("vllm:prefix_cache_hits_total", 0)
+            ext = m.get("vllm:external_prefix_cache_hits_total", 0)
+            rows.append(
+                f"| {name} | {held:,} | {gpu:,.0f} | {ext:,.0f} "
+                f"| {m.get('spillway_disk_tier_loads_total', 0):.0f} "
+                f"({m.get('spillway_disk_tier_shared_hits_total', 0):.0f} shared) "
+                f"| {(gpu + ext) / prompt_tokens:.1%} "
+                f"| {m.get('spillway_emulator_kv_mismatch_total', 0):.0f} "
+                f"| {'same' if same else 'DIFFERENT'} |")
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    print(f"disk tier in the engine: {len(trace)} requests, {prompt_tokens:,} prompt tokens, "
+          f"{ENGINE_PREFIXES} prefixes x {ENGINE_ROUNDS} rounds, {os.cpu_count()} CPUs")
+    print()
+    print("| setup | tokens held per replica | GPU hit tokens | host + disk hit tokens "
+          "| chunks loaded from disk | hit rate | KV mismatches | greedy outputs |")
+    print("|---|---:|---:|---:|---:|---:|---:|---|")
+    print("\n".join(rows))
+    print()
+    print(f"wall {time.perf_counter() - started:.1f} s")
+    return 0 if ok else 1
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--chunks", type=int, default=48, help="chunks per file size")
     parser.add_argument("--dir", default=None, help="where to write (default: $TMPDIR)")
+    parser.add_argument("--engines", action="store_true",
+                        help="the hit table on real engines instead of the latency table")
     args = parser.parse_args()
+    if args.engines:
+        sys.exit(engines_main())
     base = tempfile.mkdtemp(prefix="spillway-disk-bench-", dir=args.dir)
     started = time.perf_counter()
     rows: list[Row] = []
