@@ -198,7 +198,7 @@ def print_table(rows: list[Row]) -> None:
 # ------------------------------------------------------------------ --engines
 
 ENGINE_PREFIXES, ENGINE_ROUNDS, PREFIX_TOKENS, SUFFIX_TOKENS = 24, 3, 512, 40
-HOST_BYTES, DISK_BYTES, GPU_KV_BYTES = 1 << 20, 128 << 20, 80 * 4096
+ENGINE_HOST_BYTES, ENGINE_DISK_BYTES, GPU_KV_BYTES = 1 << 20, 128 << 20, 80 * 4096
 #: vLLM's back-pressure water marks assume NVMe: raised, so a slow VM disk sheds no
 #: store and the four runs see the same trace
 TUNING = {"backpressure": {"backpressure_cls": "EMABackpressureDetector",
@@ -245,9 +245,9 @@ def run_setup(base: Path, model: Path, replicas: int, disk: str | None,
     from tests.contract.test_emulated_engine import complete, metrics, output_ids
 
     extra = {} if disk is None else {
-        "disk_bytes": DISK_BYTES * (2 if disk == "shared" else 1),
+        "disk_bytes": ENGINE_DISK_BYTES * (2 if disk == "shared" else 1),
         "disk_writers": 2 if disk == "shared" else 1}
-    plan = plan_for(model, cpu_memory_bytes=HOST_BYTES, **extra)
+    plan = plan_for(model, cpu_memory_bytes=ENGINE_HOST_BYTES, **extra)
     servers = []
     try:
         for r in range(replicas):
