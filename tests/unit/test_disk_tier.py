@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 import pytest
-from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key
+from vllm.v1.kv_offload.base import Locality, LookupResult, Medium, ReqContext, make_offload_key
 from vllm.v1.kv_offload.tiering.backpressure import EMABackpressureDetector
 from vllm.v1.kv_offload.tiering.base import TransferJob
 
@@ -676,3 +676,173 @@ def test_disk_metrics_come_from_the_catalogue(harness):
     data = {n: v[()] for n, v in b.tier.get_stats().data["data"].items()}
     assert data["spillway_disk_tier_shared_hits"] == 1 and data["spillway_disk_tier_hits"] == 1
     assert data["spillway_disk_tier_chunks"] == 0
+
+
+# ---- KV events (medium STORAGE) for the router -------------------------------
+
+
+def events_of(tier) -> list[tuple[bool, list[bytes]]]:
+    out = []
+    for ev in tier.take_events():
+        assert ev.medium is Medium.STORAGE
+        assert ev.removal_expected is (not ev.removed)
+        out.append((ev.removed, list(ev.keys)))
+    return out
+
+
+def spec_with_events(on: bool):
+    from types import SimpleNamespace
+
+    from vllm.v1.kv_offload.base import OffloadingKVEventsConfig
+
+    return SimpleNamespace(
+        kv_events_config=OffloadingKVEventsConfig(
+            enable_kv_cache_events=on, self_describing_kv_events=False
+        )
+    )
+
+
+def test_no_kv_events_unless_enabled(harness):
+    h = harness()
+    h.fill(0, seed=0)
+    assert h.store([key(0)], [0]).success
+    assert not h.tier.kv_events_enabled and events_of(h.tier) == []
+
+
+@pytest.mark.parametrize(
+    ("global_on", "flag", "want"),
+    [(True, None, True), (True, True, True), (True, False, False), (False, None, False),
+     (False, True, False)],
+)
+def test_kv_events_follow_vllms_kv_events_config(tmp_path, caplog, global_on, flag, want):
+    primary = np.zeros((2, CHUNK), dtype=np.uint8)
+    kw = {} if flag is None else {"enable_kv_events": flag}
+    with caplog.at_level(logging.WARNING, logger=disk_tier.__name__):
+        tier = SpillwayDiskTier(
+            spec_with_events(global_on), memoryview(primary), "SpillwayDiskTier",
+            root_dir=str(tmp_path), budget_bytes=4 * CHUNK, plan_key="p",
+            n_read_threads=1, n_write_threads=1, **kw,
+        )
+    try:
+        assert tier.kv_events_enabled is want
+        assert ("KV cache events are off" in caplog.text) is (flag is True and not global_on)
+    finally:
+        tier.shutdown()
+
+
+def test_stores_and_evictions_publish_storage_events_in_order(harness):
+    h = harness(budget_chunks=2, enable_kv_events=True, locality="local")
+    for i in range(2):
+        h.fill(i, seed=i)
+    assert h.store([key(0), key(1)], [0, 1]).success
+    evs = list(h.tier.take_events())
+    assert len(evs) == 1 and evs[0].removed is False and evs[0].medium is Medium.STORAGE
+    assert evs[0].locality is Locality.LOCAL and list(evs[0].keys) == [key(0), key(1)]
+    assert events_of(h.tier) == []  # taken once
+    # A store of a chunk already on disk writes nothing and says nothing.
+    assert h.store([key(1)], [1]).success
+    assert events_of(h.tier) == []
+    h.fill(2, seed=2)
+    assert h.store([key(2)], [2]).success  # evicts key 0, the least recently used
+    assert events_of(h.tier) == [(True, [key(0)]), (False, [key(2)])]
+    # Evicted and stored again: the router sees the removal before the new store.
+    h.fill(3, seed=3)
+    assert h.store([key(3)], [3]).success
+    h.fill(0, seed=0)
+    assert h.store([key(0)], [0]).success
+    assert events_of(h.tier) == [
+        (True, [key(1)]), (False, [key(3)]), (True, [key(2)]), (False, [key(0)])
+    ]
+
+
+def test_a_failed_store_announces_only_the_chunks_it_wrote(harness, monkeypatch):
+    h = harness(enable_kv_events=True, failure_backoff_s=0.0)
+    for i in range(2):
+        h.fill(i, seed=i)
+    real = disk_tier.os.replace
+    calls = []
+
+    def second_fails(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(src, dst)
+
+    monkeypatch.setattr(disk_tier.os, "replace", second_fails)
+    assert h.store([key(0), key(1)], [0, 1]).success is False
+    assert events_of(h.tier) == [(False, [key(0)])]
+
+
+def test_a_broken_own_file_found_on_load_is_announced_removed(harness):
+    h = harness(enable_kv_events=True)
+    for i in range(2):
+        h.fill(i, seed=i)
+    assert h.store([key(0), key(1)], [0, 1]).success
+    events_of(h.tier)
+    os.remove(h.tier.chunks.path_of(key(1)))
+    assert h.load([key(0), key(1)], [5, 6]).success is False
+    assert events_of(h.tier) == [(True, [key(1)])]
+
+
+def test_shared_folder_only_the_writer_announces_a_chunk(harness):
+    b = harness(plan_key="plan-a", enable_kv_events=True)
+    a = harness(plan_key="plan-a", budget_chunks=2, enable_kv_events=True)
+    a.fill(0, seed=1)
+    assert a.store([key(1)], [0]).success
+    assert events_of(a.tier) == [(False, [key(1)])]
+    # B finds A's chunk: a hit, a load, a store of the same chunk: never announced by B.
+    assert b.tier.lookup(key(1), REQ) is LookupResult.HIT
+    assert b.load([key(1)], [4]).success
+    b.primary[0] = a.primary[0]
+    assert b.store([key(1)], [0]).success
+    assert events_of(b.tier) == []
+    # B's own stores evict B's own files only, and B announces only those.
+    for i in range(5):
+        b.fill(i + 1, seed=100 + i)
+        assert b.store([key(100 + i)], [i + 1]).success
+    assert events_of(b.tier) == [
+        (False, [key(100), key(101), key(102), key(103)]),
+        (True, [key(100)]), (False, [key(104)]),
+    ]
+    # A evicts its chunk: A announces the removal; B, whose load of it then fails,
+    # forgets it silently (it was never B's).
+    for i in range(2, 4):
+        a.fill(0, seed=i)
+        assert a.store([key(i)], [0]).success
+    assert events_of(a.tier) == [(False, [key(2)]), (True, [key(1)]), (False, [key(3)])]
+    assert b.load([key(1)], [4]).success is False
+    assert events_of(b.tier) == []
+
+
+def test_a_restarted_replica_announces_evicting_files_it_adopted(harness):
+    a = harness(budget_chunks=3, enable_kv_events=True)
+    for i in range(3):
+        a.fill(i, seed=i)
+        assert a.store([key(i)], [i]).success
+    a.close()
+    events_of(a.tier)
+    # The replacement adopts them (no store events: it did not write them) and trims
+    # them to its smaller budget, announcing each removal.
+    c = harness(budget_chunks=2, enable_kv_events=True)
+    assert events_of(c.tier) == [(True, [key(0)])]
+    c.fill(0, seed=9)
+    assert c.store([key(9)], [0]).success
+    assert events_of(c.tier) == [(True, [key(1)]), (False, [key(9)])]
+
+
+def test_storage_events_become_vllm_kv_events_of_medium_storage(harness):
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import (
+        OffloadingEventsTracker,
+    )
+    from vllm.v1.kv_offload.base import OffloadingKVEventsConfig
+
+    h = harness(budget_chunks=1, enable_kv_events=True)
+    for i in range(2):
+        h.fill(i, seed=i)
+        assert h.store([key(i)], [i]).success
+    tracker = OffloadingEventsTracker(OffloadingKVEventsConfig(True, False))
+    out = list(tracker.take_events(h.tier.take_events()))
+    assert [type(e) for e in out] == [BlockStored, BlockRemoved, BlockStored]
+    assert {e.medium for e in out} == {"STORAGE"}
+    assert out[0].block_hashes == out[1].block_hashes != out[2].block_hashes

@@ -55,6 +55,14 @@ load fails cleanly and the key is forgotten. ``shared=False`` turns the
 ``stat`` off (a private disk). On a shared volume set ``stale_temp_s`` so that
 start-up cleanup spares another replica's write in flight.
 
+KV events: when vLLM's KV cache events are on (``kv_events_config`` of the
+offloading spec; ``enable_kv_events`` turns the tier's off, or on where no spec is
+given), :meth:`SpillwayDiskTier.take_events` yields ``OffloadingEvent`` s of medium
+``STORAGE``: a store for each chunk file this instance wrote, a removal for each of
+its own files it deleted, in order. Chunks of other replicas it finds on a shared
+directory are never announced by it (their writer does), so a router that counts a
+shared folder's chunks once for all its replicas stays exact.
+
 Counters: :meth:`SpillwayDiskTier.snapshot` (a dict), and the
 ``spillway_disk_tier_*`` series of Spillway's metric catalogue
 (``spillway_engine.metrics.DISK_TIER_METRICS``), reported through vLLM's tier
@@ -82,9 +90,11 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Union
 
 from vllm.v1.kv_offload.base import (
+    Locality,
     LookupResult,
     Medium,
     OffloadingCounterMetadata,
+    OffloadingEvent,
     OffloadingGaugeMetadata,
     OffloadingMetricMetadata,
     OffloadKey,
@@ -216,6 +226,7 @@ class ChunkDir:
         size_of: Callable[[bytes], int | None] | None = None,
         shared: bool = True,
         max_shared_keys: int = 1 << 16,
+        on_change: Callable[[bytes, bool], None] | None = None,
     ) -> None:
         if budget_bytes <= 0:
             raise ValueError(f"budget_bytes must be > 0, got {budget_bytes}")
@@ -226,6 +237,9 @@ class ChunkDir:
         self._fsync = fsync
         self._stale_temp_s = stale_temp_s
         self._lock = threading.Lock()
+        # Told (under the lock, so in the order it happened) of each own file that
+        # appears (key, False) or is deleted (key, True); never of other instances' files.
+        self._on_change = on_change
         # key -> charged bytes, oldest first.
         self._lru: OrderedDict[bytes, int] = OrderedDict()
         self._pins: dict[bytes, int] = {}
@@ -452,7 +466,15 @@ class ChunkDir:
                 self._used -= charged
                 self._held -= charged
                 self._remove_quietly(self.path_of(key))
+                self._changed_locked(key, True)
             self._publish_locked()
+
+    def _changed_locked(self, key: bytes, removed: bool) -> None:
+        if self._on_change is not None:
+            try:
+                self._on_change(key, removed)
+            except Exception:  # an observer must not break the tier
+                logger.exception("spillway disk tier: change observer failed")
 
     def _evict_locked(self, need: int) -> bool:
         """Delete LRU files until ``need`` more bytes fit. Under the lock."""
@@ -470,6 +492,7 @@ class ChunkDir:
             self._used -= charged
             self._held -= charged
             self.stats.evictions += 1
+            self._changed_locked(key, True)
         return self._used + need <= self.budget_bytes
 
     # ---- I/O ----------------------------------------------------------
@@ -549,6 +572,7 @@ class ChunkDir:
             self._held += charged
             self._lru[key] = charged
             self.stats.stores += 1
+            self._changed_locked(key, False)
             # The filesystem allocated more than predicted: trim at once.
             self._evict_locked(0)
             self._publish_locked()
@@ -648,9 +672,17 @@ class SpillwayDiskTier(SecondaryTierManager):
         locality: str | None = None,
         shared: bool = True,
         max_shared_keys: int = 1 << 16,
+        enable_kv_events: bool | None = None,
         backpressure_detector: BackpressureDetector | None = None,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        self.locality = Locality(locality.upper()) if locality else None
+        # KV events of this tier's own files (medium STORAGE), in the order they happened;
+        # None when events are off. Written from the I/O threads, drained by take_events.
+        self._events_lock = threading.Lock()
+        self._events: list[tuple[bytes, bool]] | None = (
+            [] if _kv_events_on(offloading_spec, enable_kv_events, tier_type) else None
+        )
         # vLLM's contract is one primary row per key. Spillway's unit pool gives a
         # key of group g ``group_units[g]`` rows (its units, in order), so a job's
         # chunk_ids are the keys' rows back to back; each key's file holds them all.
@@ -670,6 +702,7 @@ class SpillwayDiskTier(SecondaryTierManager):
             size_of=None if self.group_units is None else self._key_bytes,
             shared=shared,
             max_shared_keys=max_shared_keys,
+            on_change=None if self._events is None else self._record_event,
         )
         self._mismatch_logged = False
         self.stats = self.chunks.stats
@@ -776,6 +809,52 @@ class SpillwayDiskTier(SecondaryTierManager):
 
     def has_pending_work(self) -> bool:
         return bool(self._immediate)
+
+    # ---- KV events ----------------------------------------------------
+    @property
+    def kv_events_enabled(self) -> bool:
+        return self._events is not None
+
+    def _record_event(self, key: bytes, removed: bool) -> None:
+        with self._events_lock:
+            if self._events is not None:
+                self._events.append((key, removed))
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        """The tier's KV events since the last call (vLLM's ``TieringOffloadingManager``
+        yields them after the primary's): ``removed=False`` for each chunk file this
+        instance wrote (a store that completed, whatever became of the rest of its job),
+        ``removed=True`` for each of its own files it deleted (evicted, or found broken
+        on a load), in the order they happened, consecutive ones of a kind in one event.
+        Another instance's files on a shared directory, which this one only finds,
+        serves and never deletes, are never announced here: their writer announces them.
+
+        Stores say ``removal_expected``, so vLLM's event tracker keeps a chunk's
+        payload until this tier's removal and fans it out to the same block hashes.
+        """
+        if self._events is None:
+            return
+        with self._events_lock:
+            taken, self._events = self._events, []
+        run: list = []
+        removed = False
+        for key, gone in taken:
+            if run and gone != removed:
+                yield self._event(run, removed)
+                run = []
+            run.append(key)
+            removed = gone
+        if run:
+            yield self._event(run, removed)
+
+    def _event(self, keys: list, removed: bool) -> OffloadingEvent:
+        return OffloadingEvent(
+            keys=keys,
+            medium=self.medium,
+            removed=removed,
+            locality=self.locality,
+            removal_expected=not removed,
+        )
 
     def drain_jobs(self) -> None:
         self._pool.wait_idle()
@@ -905,6 +984,22 @@ class SpillwayDiskTier(SecondaryTierManager):
             self._failing = False
             self._backoff = 0.0
         logger.warning("spillway disk tier: writes recovered after %d failures", n)
+
+
+def _kv_events_on(offloading_spec: Any, flag: bool | None, tier_type: str) -> bool:
+    """Whether the tier publishes KV events: with a spec, when vLLM's KV cache events
+    are on (``flag=False`` turns the tier's off); without one (tests, tools), ``flag``."""
+    config = getattr(offloading_spec, "kv_events_config", None)
+    if offloading_spec is None or config is None:
+        return bool(flag)
+    on = bool(getattr(config, "enable_kv_cache_events", False))
+    if flag and not on:
+        logger.warning(
+            "spillway disk tier %s: enable_kv_events is set but vLLM's KV cache events "
+            "are off; the tier emits none",
+            tier_type,
+        )
+    return on and flag is not False
 
 
 def _spec_identity(offloading_spec: Any) -> str:
