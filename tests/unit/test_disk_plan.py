@@ -176,6 +176,7 @@ def test_the_launcher_adds_the_tier_the_plan_sizes():
     assert tier["budget_bytes"] == p.disk.budget_bytes_per_engine
     assert tier["plan_key"] == p.disk.cache_key
     assert tier["stale_temp_s"] > 0  # a shared folder: another writer's temp files stay
+    assert tier["locality"] == "REMOTE"  # ReadWriteMany: vLLM's network water marks
     assert any(n.startswith("disk tier: ") for n in notes)
     config, _ = serve.transfer_config(plan(), EngineOptions(model="m"))
     assert "secondary_tiers" not in config["kv_connector_extra_config"]

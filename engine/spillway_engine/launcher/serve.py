@@ -211,8 +211,10 @@ def disk_tier_config(plan: Plan, root: str,
                          "failure_threshold": 3},
     }
     if disk.writers > 1:
-        # other replicas write into the same folder: spare their writes in flight
+        # other replicas write into the same folder: spare their writes in flight; a
+        # ReadWriteMany volume is a network filesystem, so vLLM's network water marks
         config["stale_temp_s"] = 600.0
+        config["locality"] = "REMOTE"
     text = (os.environ if env is None else env).get(DISK_TIER_OPTIONS_ENV)
     if text:
         try:
