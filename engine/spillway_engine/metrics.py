@@ -512,6 +512,12 @@ DISK_TIER_STORES_DROPPED = Metric(
     "counter",
     "Chunks not written: no room left to evict, or backing off after a failure.",
 )
+DISK_TIER_THRASH = Metric(
+    "spillway_disk_tier_thrash",
+    "counter",
+    "Chunks the disk KV tier evicted that a later request asked for again (its anchor "
+    "group's, one per chunk of prefix: recomputed, as nothing holds them any more).",
+)
 #: The disk tier's series, in exposition order.
 DISK_TIER_METRICS: tuple[Metric, ...] = (
     DISK_TIER_BUDGET_BYTES,
@@ -526,6 +532,7 @@ DISK_TIER_METRICS: tuple[Metric, ...] = (
     DISK_TIER_EVICTIONS,
     DISK_TIER_WRITE_FAILURES,
     DISK_TIER_STORES_DROPPED,
+    DISK_TIER_THRASH,
 )
 
 #: The pool's live series: with Spillway's connector the engine core exports them

@@ -846,3 +846,22 @@ def test_storage_events_become_vllm_kv_events_of_medium_storage(harness):
     assert [type(e) for e in out] == [BlockStored, BlockRemoved, BlockStored]
     assert {e.medium for e in out} == {"STORAGE"}
     assert out[0].block_hashes == out[1].block_hashes != out[2].block_hashes
+
+
+def test_an_evicted_chunk_asked_for_again_is_thrash_once(harness):
+    """The autoscaler's recompute signal under a disk tier: a miss on a key this tier
+    evicted (its anchor group's only), counted once per eviction."""
+    h = harness(budget_chunks=2)
+    for i in range(3):  # 0 goes
+        h.fill(i, seed=i)
+        assert h.store([key(i)], [i]).success
+    assert h.tier.lookup(key(0), REQ) is LookupResult.MISS
+    assert h.tier.lookup(key(0), REQ) is LookupResult.MISS  # remembered once
+    assert h.tier.lookup(key(9), REQ) is LookupResult.MISS  # never held: not thrash
+    assert h.tier.snapshot()["thrash"] == 1
+    other = harness(budget_chunks=2, anchor_group=1)  # key() is group 0: not the anchor
+    for i in range(3):
+        other.fill(i, seed=i)
+        assert other.store([key(10 + i)], [i]).success
+    assert other.tier.lookup(key(10), REQ) is LookupResult.MISS
+    assert other.tier.snapshot()["thrash"] == 0

@@ -322,3 +322,31 @@ def test_the_crd_defaults_are_the_policy_defaults():
     from spillway_operator.flow.spec import InferenceDeploymentSpec
 
     assert policy_of(InferenceDeploymentSpec(model={"name": "a/b"})) == Policy()
+
+
+def test_with_a_disk_tier_only_what_the_disk_evicted_is_recomputed():
+    """A chunk the host pool evicted is still on disk: host thrash is no pressure then,
+    the disk tier's own thrash is (counted the same way, one anchor key per chunk)."""
+    disk = {"disk_budget_bytes": 1e9, "disk_thrash_chunks": 0.0}
+    prev = sample(0.0, **disk)
+    host_only = sample(10.0, prompt_tokens=20_000.0, thrash_chunks=1_000.0, **disk)
+    assert pod_pressure(prev, host_only, max_dt=60).components["thrash"] == 0.0
+    both = sample(10.0, prompt_tokens=20_000.0, thrash_chunks=1_000.0,
+                  **{**disk, "disk_thrash_chunks": 500 / 256})
+    assert pod_pressure(prev, both, max_dt=60).components["thrash"] == pytest.approx(1.0)
+    # a disk counter that went backwards (a restart) makes the pod unknown, as others do
+    assert pod_pressure(sample(0.0, **{**disk, "disk_thrash_chunks": 9.0}), both, 60) is None
+    # without a disk tier its counter is not read
+    no_disk = sample(10.0, prompt_tokens=20_000.0, thrash_chunks=500 / 256)
+    assert pod_pressure(sample(0.0), no_disk, max_dt=60).components["thrash"] == \
+        pytest.approx(1.0)
+
+
+def test_the_disk_series_are_parsed():
+    text = TEXT + """# TYPE spillway_disk_tier_budget_bytes gauge
+spillway_disk_tier_budget_bytes{engine="0",model_name="m",tier="SpillwayDiskTier"} 65536
+# TYPE spillway_disk_tier_thrash counter
+spillway_disk_tier_thrash_total{engine="0",model_name="m",tier="SpillwayDiskTier"} 7
+"""
+    s = parse_metrics(text, 1.0)
+    assert s.values["disk_budget_bytes"] == 65536 and s.values["disk_thrash_chunks"] == 7

@@ -130,6 +130,8 @@ logger = logging.getLogger(__name__)
 Buffer = Union[bytes, bytearray, memoryview]  # noqa: UP007 (a runtime alias)
 
 CHUNK_SUFFIX = ".kv"
+#: Evicted keys remembered for the thrash count (a later miss on one is thrash).
+EVICTED_MEMORY = 65_536
 TMP_SUFFIX = ".tmp"
 TMP_PREFIX = "."
 NAMESPACE_PREFIX = "spillway-"
@@ -181,6 +183,7 @@ class DiskTierStats:
     write_failures: int = 0
     stores_dropped: int = 0
     temp_files_removed: int = 0
+    thrash: int = 0  # evicted here, asked for again (anchor keys: one per chunk of prefix)
     shared_known: int = 0  # other instances' chunks this one knows of (not counted)
 
     def as_dict(self) -> dict[str, int]:
@@ -249,6 +252,8 @@ class ChunkDir:
         self.shared = shared
         self._max_shared = max(0, int(max_shared_keys))
         self._foreign: OrderedDict[bytes, int] = OrderedDict()
+        # Keys this instance evicted lately, for the thrash count (bounded, oldest out).
+        self._evicted: OrderedDict[bytes, None] = OrderedDict()
         self._used = 0  # bytes of indexed files plus reservations of writes
         self._held = 0  # bytes of indexed files
         self.stats = DiskTierStats(budget_bytes=self.budget_bytes)
@@ -426,6 +431,11 @@ class ChunkDir:
             self._know_foreign_locked(key, size)
         return SHARED
 
+    def evicted_lately(self, key: bytes) -> bool:
+        """Whether this instance evicted ``key`` lately (forgets it: counted once)."""
+        with self._lock:
+            return self._evicted.pop(key, False) is None
+
     def is_shared(self, key: bytes) -> bool:
         with self._lock:
             return key in self._foreign
@@ -492,6 +502,9 @@ class ChunkDir:
             self._used -= charged
             self._held -= charged
             self.stats.evictions += 1
+            self._evicted[key] = None
+            if len(self._evicted) > EVICTED_MEMORY:
+                self._evicted.popitem(last=False)
             self._changed_locked(key, True)
         return self._used + need <= self.budget_bytes
 
@@ -669,6 +682,7 @@ class SpillwayDiskTier(SecondaryTierManager):
         failure_backoff_s: float = 1.0,
         max_failure_backoff_s: float = 30.0,
         group_units: dict[int, int] | None = None,
+        anchor_group: int | None = None,
         locality: str | None = None,
         shared: bool = True,
         max_shared_keys: int = 1 << 16,
@@ -704,6 +718,9 @@ class SpillwayDiskTier(SecondaryTierManager):
             max_shared_keys=max_shared_keys,
             on_change=None if self._events is None else self._record_event,
         )
+        # thrash counts one key per chunk of prefix: the anchor group's (all keys when
+        # None, as with one group)
+        self.anchor_group = anchor_group
         self._mismatch_logged = False
         self.stats = self.chunks.stats
         self._reported: dict[str, int] = {}
@@ -728,6 +745,9 @@ class SpillwayDiskTier(SecondaryTierManager):
         where = self.chunks.locate(key)
         if where is None:
             self.chunks.count("misses")
+            anchor = self.anchor_group is None or get_offload_group_idx(key) == self.anchor_group
+            if anchor and self.chunks.evicted_lately(key):
+                self.chunks.count("thrash")
             return LookupResult.MISS
         self.chunks.count("hits")
         if where == SHARED:

@@ -157,7 +157,8 @@ class SpillwayHostSpec(OffloadingSpec):
         try:
             for tier_config in self.extra_config["secondary_tiers"]:
                 tiers.append(SecondaryTierFactory.create_secondary_tier(
-                    {**tier_config, "group_units": units}, primary.get_kv_memoryview(), self))
+                    {**tier_config, "group_units": units, "anchor_group": self.layout.anchor_group},
+                    primary.get_kv_memoryview(), self))
             return TieringOffloadingManager(
                 primary,
                 tiers,

@@ -9,7 +9,10 @@ scrapes of its /metrics and averaged over the ready pods:
     thrash   = recomputed_share / 0.05, where recomputed_share =
                d(spillway_host_pool_thrash) * tokens_per_chunk / d(vllm:prompt_tokens)
                (prompt tokens recomputed because the host tier evicted a chunk that
-               was asked for again: the KV working set outgrew GPU + host)
+               was asked for again: the KV working set outgrew GPU + host). With a
+               disk tier under the host pool (spillway_disk_tier_budget_bytes > 0) a
+               chunk the host evicted is still on disk, and what is recomputed is
+               what the disk evicted: d(spillway_disk_tier_thrash) instead
     queue    = vllm:num_requests_waiting / max(1, vllm:num_requests_running) / 0.5
     preempt  = d(vllm:num_preemptions) / dt / 0.1   (preemptions per second)
 
@@ -51,12 +54,14 @@ GAUGES = {
     m.HOST_POOL_CAPACITY_CHUNKS.name: "host_capacity_chunks",
     m.HOST_POOL_CAPACITY_TOKENS.name: "host_capacity_tokens",
     m.HOST_POOL_TOKENS.name: "host_tokens",
+    m.DISK_TIER_BUDGET_BYTES.name: "disk_budget_bytes",
 }
 COUNTERS = {
     m.PROMPT_TOKENS.name: "prompt_tokens",
     m.NUM_PREEMPTIONS.name: "preemptions",
     m.HOST_POOL_THRASH.name: "thrash_chunks",
     m.HOST_POOL_EVICTIONS.name: "evictions",
+    m.DISK_TIER_THRASH.name: "disk_thrash_chunks",
 }
 HOST_HITS = m.PROMPT_TOKENS_CACHED_BY_SOURCE.name
 
@@ -129,7 +134,9 @@ def pod_pressure(prev: Sample | None, cur: Sample, max_dt: float) -> PodPressure
     if not all(_finite(v.get(k)) for k in needed):
         return None
     deltas = {}
-    for key in ("prompt_tokens", "preemptions", "thrash_chunks", "host_hit_tokens"):
+    # the lowest tier decides what is recomputed: the disk when there is one
+    thrash = "disk_thrash_chunks" if v.get("disk_budget_bytes", 0.0) > 0 else "thrash_chunks"
+    for key in ("prompt_tokens", "preemptions", thrash, "host_hit_tokens"):
         a, b = p.get(key, 0.0), v.get(key, 0.0)
         if not (_finite(a) and _finite(b)) or b < a:
             return None  # counter reset: the pod restarted; wait for a clean pair
@@ -138,7 +145,7 @@ def pod_pressure(prev: Sample | None, cur: Sample, max_dt: float) -> PodPressure
     cap_tokens = v.get("host_capacity_tokens", 0.0)
     tokens_per_chunk = cap_tokens / cap_chunks if cap_chunks > 0 else 0.0
     prompt = deltas["prompt_tokens"]
-    recomputed = deltas["thrash_chunks"] * tokens_per_chunk / prompt if prompt > 0 else 0.0
+    recomputed = deltas[thrash] * tokens_per_chunk / prompt if prompt > 0 else 0.0
     host_share = deltas["host_hit_tokens"] / prompt if prompt > 0 else 0.0
     components = {
         "load": v["gpu_kv"] / TARGET_GPU_KV,
