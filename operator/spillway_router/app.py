@@ -34,7 +34,7 @@ from .backends import EVENTS_FROM_POD, Backend
 from .events import SOURCES_PATH, EventFeed, event_endpoints, subscribe
 from .hashing import BlockHasher, HashConfig
 from .index import TIERS, ApproxTracker, Match, PrefixIndex
-from .scoring import DEFAULT_BALANCE, PodState, Ring, choose, cold_key
+from .scoring import DEFAULT_BALANCE, DISK_LOAD_FACTOR, PodState, Ring, choose, cold_key
 from .tokens import BadRequest, Prompt, Tokenizer, prompt_of, text_keys
 
 log = logging.getLogger("spillway.router")
@@ -57,6 +57,7 @@ class RouterConfig:
     host_bandwidth: float = 25e9
     prefill_s_per_token: float = 1e-4
     wait_s_per_request: float = 0.05
+    disk_load_factor: float = DISK_LOAD_FACTOR
     max_attempts: int = 3
     probe_interval_s: float = 2.0
     eject_s: float = 5.0
@@ -167,6 +168,7 @@ class RouterState:
         """Add or update a pod; True when it is new (its subscription must start)."""
         new = backend.name not in self.backends
         self.backends[backend.name] = backend
+        self.index.set_disk_group(backend.name, backend.profile.disk_group)
         self.healthy.setdefault(backend.name, False)
         self._capacity(backend.name)
         self._rings.pop(backend.model, None)
@@ -178,6 +180,7 @@ class RouterState:
         if backend is not None:
             self._rings.pop(backend.model, None)
         self.forget_cache(name)
+        self.index.set_disk_group(name, None)  # the last member takes the group's entries
         self.approx.forget(name)
         for table in (self.healthy, self.ejected_until, self.pod_load, self.gpu_tokens):
             table.pop(name, None)
@@ -291,6 +294,7 @@ class RouterState:
                     host_bandwidth=cfg.host_bandwidth,
                     prefill_s_per_token=cfg.prefill_s_per_token,
                     wait_s_per_request=cfg.wait_s_per_request,
+                    disk_load_factor=cfg.disk_load_factor,
                 ),
                 load=self.inflight[b.name] + self.pod_load.get(b.name, 0.0),
                 draining=b.draining,
@@ -304,7 +308,10 @@ class RouterState:
         m.requests.labels(model, decision.pod, decision.reason).inc()
         m.prompt_tokens.inc(n_tokens)
         m.cached.labels("host").inc(decision.host_tokens)
-        m.cached.labels("gpu").inc(decision.cached_tokens - decision.host_tokens)
+        m.cached.labels("disk").inc(decision.disk_tokens)
+        m.cached.labels("gpu").inc(
+            decision.cached_tokens - decision.host_tokens - decision.disk_tokens
+        )
         by_name = {b.name: b for b in ready}
         rest = sorted(
             (b for b in ready if b.name != decision.pod),

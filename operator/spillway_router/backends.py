@@ -22,6 +22,14 @@ class Profile:
     gap: int = 1
     #: host-tier events without per-block hashes carry one key per chunk
     host_gap: int = 1
+    #: disk tier capacity in tokens per engine (the plan's disk.capacity_tokens; 0: none)
+    disk_capacity_tokens: int = 0
+    #: KV bytes of one token in a disk chunk file (chunk set bytes / tokens per chunk)
+    disk_bytes_per_token: float = 0.0
+    #: the pods of one deployment share one disk folder (the plan's disk.writers > 1):
+    #: the folder's identity (the plan's disk.cache_key; the kube watch qualifies it with
+    #: the namespace and deployment); None: each pod's disk is its own
+    disk_group: str | None = None
 
 
 def profile_from_plan(plan: Any) -> Profile:
@@ -37,6 +45,18 @@ def profile_from_plan(plan: Any) -> Profile:
         if g.sliding_window is None and getattr(g, "attention_chunk_size", None) is None
     ]
     stride = min(full or [g.tokens_per_block for g in plan.kv_groups] or [unit])
+    disk = getattr(plan, "disk", None)
+    disk_fields: dict[str, Any] = {}
+    if disk is not None:
+        disk_chunk_tokens = disk.capacity_tokens / disk.num_chunks if disk.num_chunks else 0
+        disk_fields = {
+            "disk_capacity_tokens": int(disk.capacity_tokens),
+            "disk_bytes_per_token": (
+                float(disk.chunk_set_bytes / disk_chunk_tokens) if disk_chunk_tokens else
+                float(per_token)
+            ),
+            "disk_group": str(disk.cache_key) if int(disk.writers) > 1 else None,
+        }
     return Profile(
         tokens_per_hash=unit,
         max_model_len=int(plan.max_model_len),
@@ -44,6 +64,7 @@ def profile_from_plan(plan: Any) -> Profile:
         host_bytes_per_token=float(per_token),
         gap=max(1, stride // unit),
         host_gap=max(1, int(tokens_per_chunk) // unit),
+        **disk_fields,
     )
 
 
@@ -68,7 +89,10 @@ class Backend:
     def cost(self, **flags: float) -> CostModel:
         p = self.profile
         return CostModel(
-            tokens_per_hash=p.tokens_per_hash, host_bytes_per_token=p.host_bytes_per_token, **flags
+            tokens_per_hash=p.tokens_per_hash,
+            host_bytes_per_token=p.host_bytes_per_token,
+            disk_bytes_per_token=p.disk_bytes_per_token or None,
+            **flags,
         )
 
 

@@ -1,5 +1,14 @@
 """Where each block lives: block key -> {(pod, tier): count}, fed by vLLM KV events.
 
+Three tiers, by vLLM's event ``medium``: ``GPU``, the host pool (``CPU``) and
+Spillway's disk tier under it (``STORAGE``). Where a deployment's pods share one disk
+folder (the plan's ``disk.writers`` > 1, a ReadWriteMany volume), each replica reads
+the chunk files the others wrote, and each announces only its own files: their disk
+entries are kept under the folder's group (:meth:`PrefixIndex.set_disk_group`), so a
+chunk one of them stored counts as on disk for every one of them, and its writer's
+removal takes it away for all. A group's entries outlive a member's restart (the files
+stay on the volume) and go when its last member leaves.
+
 Counts, not flags: the offloading connector announces a hash once per chunk that
 contains it and removes it as often (vLLM asks consumers to reference-count), and a
 hash stored by two KV-cache groups is removed once per group. A key is held by
@@ -20,7 +29,12 @@ from .hashing import external_key
 
 GPU = "GPU"
 HOST = "CPU"  # vLLM's medium name for the host tier
-TIERS = (GPU, HOST)
+DISK = "STORAGE"  # vLLM's medium name for a storage tier (Spillway's disk tier)
+TIERS = (GPU, HOST, DISK)
+#: the tiers vLLM's AllBlocksCleared empties (a prefix cache reset leaves disk files)
+MEMORY_TIERS = (GPU, HOST)
+#: holder name of a shared disk folder's entries (pod names have no ':')
+_GROUP = "disk-group:"
 
 
 class EventError(ValueError):
@@ -33,10 +47,12 @@ class Match:
 
     gpu_units: int = 0
     host_units: int = 0
+    #: held only on disk (the pod's own disk tier, or its deployment's shared folder)
+    disk_units: int = 0
 
     @property
     def units(self) -> int:
-        return self.gpu_units + self.host_units
+        return self.gpu_units + self.host_units + self.disk_units
 
 
 class PrefixIndex:
@@ -44,10 +60,43 @@ class PrefixIndex:
         self._holders: dict[int, dict[tuple[str, str], int]] = {}
         self._by_pod: dict[str, set[int]] = {}
         self._per_tier: dict[tuple[str, str], int] = {}  # keys held, by (pod, tier)
+        self._disk_group: dict[str, str] = {}  # pod -> its shared folder's holder name
+        self._members: dict[str, set[str]] = {}  # that holder -> its pods
+
+    # ------------------------------------------------------------ disk groups
+
+    def set_disk_group(self, pod: str, group: str | None) -> None:
+        """``pod``'s disk tier is the shared folder ``group`` (None: a disk of its own,
+        or none). Its STORAGE events then go to, and its matches read, the group's
+        entries; a group whose last member leaves is forgotten."""
+        holder = None if group is None else _GROUP + group
+        old = self._disk_group.get(pod)
+        if old == holder:
+            return
+        if old is not None:
+            members = self._members.get(old, set())
+            members.discard(pod)
+            if not members:
+                self._members.pop(old, None)
+                self.clear(old)
+            self._disk_group.pop(pod)
+        else:
+            self.clear(pod, DISK)  # its private disk entries are not the group's
+        if holder is not None:
+            self._disk_group[pod] = holder
+            self._members.setdefault(holder, set()).add(pod)
+
+    def disk_holder(self, pod: str) -> str:
+        """Whose STORAGE entries are ``pod``'s: its shared folder's, else its own."""
+        return self._disk_group.get(pod, pod)
+
+    def _holder(self, pod: str, tier: str) -> str:
+        return self.disk_holder(pod) if tier == DISK else pod
 
     # ------------------------------------------------------------ updates
 
     def store(self, pod: str, tier: str, keys: Iterable[int]) -> None:
+        pod = self._holder(pod, tier)
         owned = self._by_pod.setdefault(pod, set())
         for key in keys:
             holders = self._holders.setdefault(key, {})
@@ -58,6 +107,7 @@ class PrefixIndex:
             owned.add(key)
 
     def remove(self, pod: str, tier: str, keys: Iterable[int]) -> None:
+        pod = self._holder(pod, tier)
         for key in keys:
             holders = self._holders.get(key)
             if holders is None:
@@ -71,7 +121,8 @@ class PrefixIndex:
             self._drop_if_unheld(pod, key, holders)
 
     def clear(self, pod: str, tier: str | None = None) -> None:
-        """Forget ``pod``'s blocks in ``tier`` (every tier when None)."""
+        """Forget ``pod``'s own blocks in ``tier`` (every tier when None); a shared
+        disk folder's entries stay (:meth:`set_disk_group` drops them)."""
         for key in list(self._by_pod.get(pod, ())):
             holders = self._holders.get(key, {})
             for t in TIERS if tier is None else (tier,):
@@ -79,11 +130,12 @@ class PrefixIndex:
             self._drop_if_unheld(pod, key, holders)
         for t in TIERS if tier is None else (tier,):
             self._per_tier.pop((pod, t), None)
-        if tier is None:
+        if tier is None or not self._by_pod.get(pod, True):
             self._by_pod.pop(pod, None)
 
     def forget(self, pod: str) -> None:
-        """The pod is gone: its entries go with it."""
+        """The pod's caches are gone (it died or restarted): its entries go with it, but
+        not its shared disk folder's (those files stay, and their writers remove them)."""
         self.clear(pod)
 
     def _drop_if_unheld(self, pod: str, key: int, holders: dict[tuple[str, str], int]) -> None:
@@ -109,8 +161,9 @@ class PrefixIndex:
                 self.store(pod, tier, keys)
             elif kind == "BlockRemoved":
                 self.remove(pod, tier, keys)
-            else:
-                self.clear(pod, tier)
+            else:  # AllBlocksCleared: a prefix cache reset; disk files stay
+                for t in MEMORY_TIERS:
+                    self.clear(pod, t)
         return len(parsed)
 
     # ------------------------------------------------------------ queries
@@ -119,11 +172,11 @@ class PrefixIndex:
         return self._holders.get(key, {})
 
     def pods(self) -> set[str]:
-        return set(self._by_pod)
+        return {p for p in self._by_pod if not p.startswith(_GROUP)}
 
     def tier_size(self, pod: str, tier: str) -> int:
-        """Keys ``pod`` holds in ``tier``."""
-        return self._per_tier.get((pod, tier), 0)
+        """Keys ``pod`` holds in ``tier`` (on STORAGE: its shared folder's, if any)."""
+        return self._per_tier.get((self._holder(pod, tier), tier), 0)
 
     def size(self, pod: str | None = None) -> int:
         if pod is None:
@@ -137,17 +190,21 @@ class PrefixIndex:
 
         The prefix is the run of held keys from the start; up to ``gap - 1`` unheld
         keys may sit between held ones (a group whose blocks span ``gap`` hash
-        units is keyed only at every ``gap``-th hash; the host tier, without
-        self-describing events, announces one key per chunk: ``host_gap``). The GPU
-        part is the run held on the GPU; the host part continues it with keys held
-        in either tier, since vLLM takes its GPU hit first and loads the rest from
-        the host.
+        units is keyed only at every ``gap``-th hash; the host and disk tiers, without
+        self-describing events, announce one key per chunk: ``host_gap``). The GPU
+        part is the run held on the GPU; the rest continues it with keys held in any
+        tier, since vLLM takes its GPU hit first and loads the rest from the host pool
+        or, for chunks the pool no longer holds, from disk. Of that rest, a key held
+        on the GPU or the host counts as host (as do the unheld keys before it), one
+        held only on disk as disk.
         """
         gap = max(1, gap)
         any_gap = max(gap, host_gap)
         wanted = list(pods)
-        # per pod: [gpu_end, any_end, gpu_open, misses_gpu, misses_any]
-        state = {p: [0, 0, True, 0, 0] for p in wanted}
+        # per pod: [gpu_end, any_end, gpu_open, misses_gpu, misses_any, disk holder]
+        state = {p: [0, 0, True, 0, 0, self.disk_holder(p)] for p in wanted}
+        # per pod: the ends of the held keys of its run past the GPU, with their tier
+        spans: dict[str, list[tuple[int, bool]]] = {p: [] for p in wanted}
         for i, key in enumerate(keys):
             holders = self._holders.get(key)
             live = False
@@ -155,7 +212,8 @@ class PrefixIndex:
                 if st[4] >= any_gap:
                     continue
                 on_gpu = bool(holders) and (pod, GPU) in holders
-                anywhere = on_gpu or (bool(holders) and (pod, HOST) in holders)
+                in_memory = on_gpu or (bool(holders) and (pod, HOST) in holders)
+                anywhere = in_memory or (bool(holders) and (st[5], DISK) in holders)
                 if st[2]:
                     if on_gpu:
                         st[0], st[3] = i + 1, 0
@@ -165,12 +223,22 @@ class PrefixIndex:
                             st[2] = False
                 if anywhere:
                     st[1], st[4] = i + 1, 0
+                    spans[pod].append((i + 1, not in_memory))
                 else:
                     st[4] += 1
                 live = live or st[4] < any_gap
             if not live:
                 break
-        return {p: Match(st[0], st[1] - st[0]) for p, st in state.items()}
+        out = {}
+        for pod, st in state.items():
+            gpu_end, any_end = st[0], st[1]
+            disk, start = 0, 0
+            for end, on_disk in spans[pod]:
+                if end > gpu_end and on_disk:
+                    disk += end - max(start, gpu_end)
+                start = end
+            out[pod] = Match(gpu_end, any_end - gpu_end - disk, disk)
+        return out
 
 
 def parse_event(event: Any) -> tuple[str, str | None, list[int]]:
@@ -184,7 +252,7 @@ def parse_event(event: Any) -> tuple[str, str | None, list[int]]:
         raise EventError(f"unknown KV event type {kind!r}")
     medium = event.get("medium") or GPU
     if medium not in TIERS:
-        # a storage tier behind the host one: not a tier this router scores
+        # a medium this router does not score: not an error
         return kind, medium, []
     hashes = event.get("block_hashes")
     if not isinstance(hashes, Sequence) or isinstance(hashes, (str, bytes)):

@@ -14,7 +14,7 @@ import json
 import logging
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .backends import EVENTS_FROM_POD, Backend, Profile, profile_from_plan
@@ -80,12 +80,18 @@ def backend_from_pod(
     events = f"tcp://{host}:{events_port}" if events_port else None
     if annotations.get(KV_EVENTS) in ("on", "off"):
         events = EVENTS_FROM_POD if annotations[KV_EVENTS] == "on" else None
+    profile = info.profile
+    if profile.disk_group is not None:
+        # one shared folder per deployment (its ReadWriteMany claim) and plan
+        deployment = (meta.get("labels") or {}).get(DEPLOYMENT_LABEL, "")
+        namespace = meta.get("namespace", "")
+        profile = replace(profile, disk_group=f"{namespace}/{deployment}/{profile.disk_group}")
     return Backend(
         name=meta.get("name", ip),
         model=info.model,
         url=f"http://{host}:{ENGINE_PORT}",
         events=events,
-        profile=info.profile,
+        profile=profile,
         draining=annotations.get(DRAINING) == "true",
     )
 

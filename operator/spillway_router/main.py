@@ -19,6 +19,7 @@ from .backends import (
     profile_from_plan,
 )
 from .hashing import ALGORITHMS, HashConfig
+from .scoring import DISK_LOAD_FACTOR
 from .tokens import load_tokenizer
 
 
@@ -72,6 +73,13 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--host-bandwidth-gbs", type=float, default=25.0, help="host->GPU GB/s")
     r.add_argument("--prefill-us-per-token", type=float, default=100.0)
     r.add_argument("--wait-ms-per-request", type=float, default=50.0)
+    r.add_argument(
+        "--disk-load-factor",
+        type=float,
+        default=DISK_LOAD_FACTOR,
+        help="a chunk load from the disk tier over a host copy of it (measured: ~11 cold, "
+        "~3 warm; python -m bench.disk_tier)",
+    )
     r.add_argument("--max-attempts", type=int, default=3)
     r.add_argument("--probe-interval", type=float, default=2.0, help="seconds")
     p.add_argument("--log-level", default="INFO")
@@ -107,6 +115,7 @@ def build(args: argparse.Namespace) -> RouterApp:
         host_bandwidth=args.host_bandwidth_gbs * 1e9,
         prefill_s_per_token=args.prefill_us_per_token * 1e-6,
         wait_s_per_request=args.wait_ms_per_request * 1e-3,
+        disk_load_factor=max(1.0, args.disk_load_factor),
         max_attempts=max(1, args.max_attempts),
         probe_interval_s=args.probe_interval,
         tokenizers=tokenizers,

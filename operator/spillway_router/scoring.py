@@ -6,11 +6,14 @@ Everything here is pure: pods, their matches and loads in, a decision out.
 The estimate minimised is the time to first token on each pod:
 
     wait(load) + prefill(tokens not cached) + transfer(tokens found on the host)
+               + load(tokens found only on disk)
 
 A host hit saves its prefill and costs its transfer over the pod's host<->GPU
 bandwidth, with the bytes per token the pod's plan gives; when the transfer is
 slower than recomputing, the host hit scores as nothing (vLLM would still load it,
-but it is no reason to pick the pod).
+but it is no reason to pick the pod). A disk hit is weighed the same way, its
+transfer :data:`DISK_LOAD_FACTOR` times as long as a host copy of the same bytes, so
+it ranks below a host hit and, capped at recomputing, never below no hit at all.
 """
 
 from __future__ import annotations
@@ -28,6 +31,14 @@ from .index import Match
 DEFAULT_BALANCE = 1.25
 #: ... and a pod holding part of the prompt up to this factor.
 WARM_BALANCE = 4.0
+#: A chunk loaded from Spillway's disk tier takes this many times as long as a copy of
+#: it from the host pool. Measured on this project's build machine with
+#: ``python -m bench.disk_tier`` (chunk files of real plans, read by the disk tier's own
+#: read call): a cold load (the file's pages dropped from the page cache, so the read
+#: goes to the device) is ~11x a host copy, a warm one (pages still cached) ~3x. The
+#: cold figure is taken: a disk tier is sized beyond host memory, so most of it is not
+#: in the page cache. ``spillway-router --disk-load-factor`` sets another.
+DISK_LOAD_FACTOR = 11.0
 
 
 @dataclass(frozen=True)
@@ -43,22 +54,47 @@ class CostModel:
     prefill_s_per_token: float = 1e-4
     #: queueing time one in-flight or waiting request adds, s.
     wait_s_per_request: float = 0.05
+    #: KV bytes of one token in a disk chunk file, all groups (plan: disk chunk set bytes
+    #: / tokens); None: as in the host tier (the files hold the host rows).
+    disk_bytes_per_token: float | None = None
+    #: a load from disk over a host copy of the same bytes (:data:`DISK_LOAD_FACTOR`).
+    disk_load_factor: float = DISK_LOAD_FACTOR
 
     def transfer_s(self, tokens: int) -> float:
         if self.host_bandwidth <= 0:
             return math.inf
         return tokens * self.host_bytes_per_token / self.host_bandwidth
 
+    def disk_transfer_s(self, tokens: int) -> float:
+        """A load of ``tokens`` from disk into the GPU: the host copy's time of the
+        file's bytes, times :attr:`disk_load_factor`."""
+        if self.host_bandwidth <= 0:
+            return math.inf
+        per_token = (
+            self.host_bytes_per_token
+            if self.disk_bytes_per_token is None
+            else self.disk_bytes_per_token
+        )
+        return tokens * per_token / self.host_bandwidth * max(1.0, self.disk_load_factor)
+
     def ttft_s(self, prompt_tokens: int, match: Match, load: float) -> float:
         gpu = match.gpu_units * self.tokens_per_hash
         host = match.host_units * self.tokens_per_hash
+        disk = match.disk_units * self.tokens_per_hash
         gpu = min(gpu, prompt_tokens)
         host = min(host, prompt_tokens - gpu)
-        # vLLM recomputes at least the last token, and prefers recomputing a host hit
-        # that would cost more to load.
+        disk = min(disk, prompt_tokens - gpu - host)
+        # vLLM recomputes at least the last token, and prefers recomputing a host (or
+        # disk) hit that would cost more to load.
         host_cost = min(self.transfer_s(host), host * self.prefill_s_per_token)
-        rest = max(1, prompt_tokens - gpu - host)
-        return load * self.wait_s_per_request + rest * self.prefill_s_per_token + host_cost
+        disk_cost = min(self.disk_transfer_s(disk), disk * self.prefill_s_per_token)
+        rest = max(1, prompt_tokens - gpu - host - disk)
+        return (
+            load * self.wait_s_per_request
+            + rest * self.prefill_s_per_token
+            + host_cost
+            + disk_cost
+        )
 
 
 @dataclass(frozen=True)
@@ -75,6 +111,7 @@ class Decision:
     reason: str  # "prefix" | "cold"
     cached_tokens: int = 0
     host_tokens: int = 0
+    disk_tokens: int = 0
     estimates: Mapping[str, float] = field(default_factory=dict)
 
 
@@ -162,11 +199,15 @@ def choose(
         if estimates[best.name] <= estimates[cold_pick.name]:
             m = matches[best.name]
             tph = best.cost.tokens_per_hash
+            cached = min(prompt_tokens, m.units * tph)
+            gpu = min(cached, m.gpu_units * tph)
+            host = min(cached - gpu, m.host_units * tph)
             return Decision(
                 best.name,
                 "prefix",
-                cached_tokens=min(prompt_tokens, m.units * tph),
-                host_tokens=min(prompt_tokens, m.host_units * tph),
+                cached_tokens=cached,
+                host_tokens=host,
+                disk_tokens=cached - gpu - host,
                 estimates=estimates,
             )
         return Decision(cold_pick.name, "cold", estimates=estimates)

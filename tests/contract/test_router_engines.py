@@ -177,6 +177,77 @@ def test_reads_vllms_own_publisher() -> None:
         pub.shutdown()
 
 
+def test_disk_tier_events_reach_the_router_through_vllms_publisher(tmp_path: Path) -> None:
+    """Spillway's disk tier -> vLLM's OffloadingEventsTracker (what the offloading
+    connector publishes) -> vLLM's ZmqEventPublisher -> the router's index, medium
+    STORAGE: a store is held on disk, an eviction is not."""
+    import numpy as np
+    from vllm.distributed.kv_events import KVEventBatch, ZmqEventPublisher
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import (
+        OffloadingEventsTracker,
+    )
+    from vllm.v1.kv_offload.base import OffloadingKVEventsConfig, ReqContext, make_offload_key
+    from vllm.v1.kv_offload.tiering.base import TransferJob
+
+    from spillway_engine.offloader.disk_tier import SpillwayDiskTier
+    from spillway_router.index import DISK
+
+    chunk = 8192
+    primary = np.zeros((2, chunk), dtype=np.uint8)
+    tier = SpillwayDiskTier(
+        None, memoryview(primary), "SpillwayDiskTier", root_dir=str(tmp_path),
+        budget_bytes=chunk, plan_key="p", n_read_threads=1, n_write_threads=1,
+        enable_kv_events=True,
+    )  # fmt: skip
+    keys = [make_offload_key(bytes([i]) * 32, 0) for i in (1, 2)]
+    try:
+        for job_id, key in enumerate(keys):  # one chunk fits: the second evicts the first
+            primary[job_id] = job_id + 1
+            tier.submit_store(TransferJob(job_id, [key], np.array([job_id], dtype=np.int32),
+                                          False, ReqContext(req_id="r")))  # fmt: skip
+            deadline = time.monotonic() + 10
+            while not list(tier.get_finished_jobs()):
+                assert time.monotonic() < deadline, "store never finished"
+                time.sleep(0.01)
+        tracker = OffloadingEventsTracker(OffloadingKVEventsConfig(True, False))
+        events = list(tracker.take_events(tier.take_events()))
+    finally:
+        tier.shutdown()
+    assert [e.medium for e in events] == [DISK] * 3
+    first, second = (external_key(e.block_hashes[0]) for e in (events[0], events[2]))
+
+    port = _free_port()
+    pub = ZmqEventPublisher(0, endpoint=f"tcp://*:{port}")
+
+    async def run() -> PrefixIndex:
+        index = PrefixIndex()
+        feed = EventFeed("pod", index, lambda _pod: None)
+        task = asyncio.create_task(subscribe(f"tcp://127.0.0.1:{port}", feed))
+        try:
+            for _ in range(200):  # until the subscription lands
+                pub.publish(KVEventBatch(ts=time.time(), events=[]))
+                await asyncio.sleep(0.05)
+                if feed.batches:
+                    break
+            batches = feed.batches
+            pub.publish(KVEventBatch(ts=time.time(), events=events))
+            for _ in range(200):
+                await asyncio.sleep(0.02)
+                if feed.batches > batches:
+                    break
+            assert feed.errors == 0
+            return index
+        finally:
+            task.cancel()
+
+    try:
+        index = asyncio.run(run())
+    finally:
+        pub.shutdown()
+    assert index.holders(first) == {}
+    assert index.holders(second) == {("pod", DISK): 1}
+
+
 # ------------------------------------------------------------------ 3. engines
 
 ROUTER_START_S = 60

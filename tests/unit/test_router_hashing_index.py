@@ -144,9 +144,12 @@ def test_decodes_vllm_wire_format() -> None:
     assert ("a", GPU) in idx.holders(7)
     with pytest.raises(EventError):
         decode_batch(b"\xc1")
-    # a storage tier behind the host is not scored, and not an error
+    # the disk tier under the host pool is the third tier
     assert idx.apply_batch("a", [0.0, [_stored([9], "STORAGE")]]) == 1
-    assert idx.holders(9) == {}
+    assert idx.holders(9) == {("a", "STORAGE"): 1}
+    # a medium this router does not know is not scored, and not an error
+    assert idx.apply_batch("a", [0.0, [_stored([10], "TAPE")]]) == 1
+    assert idx.holders(10) == {}
 
 
 def test_match_splits_gpu_and_host_and_stops_at_a_hole() -> None:
