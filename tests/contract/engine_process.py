@@ -106,8 +106,9 @@ def launch(
     """``spillway-engine serve --emulate-gpu``: the pod's launch on the emulated GPU,
     with no step-time sleeping (speed 0) so the tests stay fast; its own process
     group, so teardown reaches the engine core too. ``prefix`` wraps the command (a
-    mount namespace) and ``serve_args`` follow it; unless ``env`` names them, the shm folder the launcher frees and
-    the termination log are private folders beside ``log``, never the machine's."""
+    mount namespace) and ``serve_args`` follow it; unless ``env`` names them, the shm
+    folder the launcher frees and the termination log are private folders beside
+    ``log``, never the machine's."""
     cmd = [*prefix, *ENGINE, "serve", "--plan", str(plan_path), "--host", "127.0.0.1"]
     cmd += ["--port", str(port), "--emulate-gpu", "--emulate-speed", "0"]
     cmd += ["--emulate-kv-bytes", str(kv_bytes), *serve_args]
