@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import threading
@@ -493,3 +494,89 @@ def test_an_engine_image_no_node_holds_ends_in_pods_failing(real_cluster, api, i
     finally:
         real_cluster.kubectl("delete", "-n", SERVING, "inferencedeployment", "no-image",
                              "--wait=true", "--timeout=120s", check=False)
+
+
+def test_two_replicas_on_two_nodes_share_a_disk_tier_that_outlives_a_restart(
+        real_cluster, api, installed):
+    """offload.disk on a ReadWriteMany claim (a hostPath volume both nodes' pods mount),
+    two replicas: real containers (user 1000) write chunk files into it, a prefix one
+    replica computed loads from disk on the other, and after the first one's container
+    is killed its restarted engine finds the chunks again -- from disk, not recomputed."""
+    folder = MODELS.parent / "spillway-kv-shared"
+    shutil.rmtree(folder, ignore_errors=True)  # an earlier run's chunks would be adopted
+    folder.mkdir(parents=True)
+    folder.chmod(0o777)
+    pv = f"{SERVING}-kv-shared"
+    real_cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all([
+        {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": pv},
+         "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteMany"],
+                  "persistentVolumeReclaimPolicy": "Retain", "storageClassName": "",
+                  "hostPath": {"path": str(folder), "type": "Directory"},
+                  "claimRef": {"namespace": SERVING, "name": "kv-shared"}}},
+        {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+         "metadata": {"name": "kv-shared", "namespace": SERVING},
+         "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "", "volumeName": pv,
+                  "resources": {"requests": {"storage": "1Gi"}}}},
+    ]))
+    name = "tiny-disk"
+    obj = on_real_nodes(SAMPLE, installed["engine"], "models")
+    obj["metadata"]["name"] = name
+    obj["spec"]["replicas"] = 2
+    obj["spec"]["autoscaling"] = {"enabled": False}
+    obj["spec"]["engine"]["emulateGPU"]["speed"] = 0
+    obj["spec"]["offload"] = {"hostMemory": "1Mi", "disk": {
+        "size": "512Mi", "volume": "SharedPVC", "claimName": "kv-shared"}}
+    _apply(real_cluster, obj)
+    core = client.CoreV1Api(api)
+    try:
+        def ready_pods():
+            pods = [p for p in _pods(core, name) if p.status.container_statuses
+                    and p.status.container_statuses[0].ready]
+            return pods if len(pods) == 2 else None
+
+        a, b = wait_for(ready_pods, START_S, "two engine pods Ready", interval=2,
+                        on_timeout=lambda: _obj(api, name).get("status"))
+        plan = _obj(api, name)["status"]["plan"]
+        assert plan["diskCapacityTokens"] > 0
+        out = _exec(real_cluster, a.metadata.name, "id -u; ls -d /var/cache/spillway/kv/*")
+        assert out.split("\n")[0] == "1000"
+        prompt = [5 + i % 400 for i in range(700)]
+        first = _complete(f"http://{a.status.pod_ip}:{ENGINE_PORT}", prompt, max_tokens=4)
+        wait_for(lambda: _metrics(a.status.pod_ip).get("spillway_disk_tier_chunks", 0) >= 2,
+                 60, "the first replica's chunks on disk", interval=1)
+        files = [p for p in folder.rglob("*.kv")]
+        assert files and all(p.stat().st_uid == 1000 for p in files)
+
+        before = _metrics(b.status.pod_ip)
+        again = _complete(f"http://{b.status.pod_ip}:{ENGINE_PORT}", prompt, max_tokens=4)
+        after = _metrics(b.status.pod_ip)
+        assert after["spillway_disk_tier_shared_hits_total"] > \
+            before.get("spillway_disk_tier_shared_hits_total", 0)
+        assert after["vllm:external_prefix_cache_hits_total"] - \
+            before.get("vllm:external_prefix_cache_hits_total", 0) >= 256
+        assert again["choices"][0]["text"] == first["choices"][0]["text"]
+
+        restarts = a.status.container_statuses[0].restart_count
+        _kill_container(a)
+
+        def restarted():
+            p = core.read_namespaced_pod(a.metadata.name, SERVING)
+            cs = p.status.container_statuses[0]
+            return p if cs.restart_count > restarts and cs.ready else None
+
+        a = wait_for(restarted, START_S, "the killed engine back and Ready", interval=2)
+        # a new engine: its counters start at 0 (and appear with its first step)
+        third = _complete(f"http://{a.status.pod_ip}:{ENGINE_PORT}", prompt, max_tokens=4)
+        after = _metrics(a.status.pod_ip)
+        assert after["spillway_disk_tier_chunks"] >= 2  # adopted at start from the folder
+        assert after["spillway_disk_tier_loads_total"] > 0  # the prefix came from disk
+        assert after["vllm:external_prefix_cache_hits_total"] >= 256
+        assert third["choices"][0]["text"] == first["choices"][0]["text"]
+        for p in (a, b):
+            assert _metrics(p.status.pod_ip).get("spillway_emulator_kv_mismatch_total", 0) == 0
+    finally:
+        real_cluster.kubectl("delete", "-n", SERVING, "inferencedeployment", name,
+                             "--wait=true", "--timeout=120s", check=False)
+        real_cluster.kubectl("delete", "-n", SERVING, "pvc", "kv-shared", "--wait=false",
+                             check=False)
+        real_cluster.kubectl("delete", "pv", pv, "--wait=false", check=False)
