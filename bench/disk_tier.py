@@ -199,10 +199,6 @@ def print_table(rows: list[Row]) -> None:
 
 ENGINE_PREFIXES, ENGINE_ROUNDS, PREFIX_TOKENS, SUFFIX_TOKENS = 24, 3, 512, 40
 ENGINE_HOST_BYTES, ENGINE_DISK_BYTES, GPU_KV_BYTES = 1 << 20, 128 << 20, 80 * 4096
-#: vLLM's back-pressure water marks assume NVMe: raised, so a slow VM disk sheds no
-#: store and the four runs see the same trace
-TUNING = {"backpressure": {"backpressure_cls": "EMABackpressureDetector",
-                           "high_water_s": 1e6, "low_water_s": 1e5, "failure_threshold": 3}}
 SETUPS = (  # name, replicas, disk: None, "local" or "shared"
     ("host only, 1 replica", 1, None),
     ("host + local disk, 1 replica", 1, "local"),
@@ -242,6 +238,7 @@ def run_setup(base: Path, model: Path, replicas: int, disk: str | None,
         wait_ready,
         write_plan,
     )
+    from tests.contract.test_disk_tier_engine import TUNING
     from tests.contract.test_emulated_engine import complete, metrics, output_ids
 
     extra = {} if disk is None else {
@@ -257,7 +254,9 @@ def run_setup(base: Path, model: Path, replicas: int, disk: str | None,
             port = free_port()
             proc = launch(write_plan(root, plan, model), root / "engine.log", port, GPU_KV_BYTES,
                           env={"SPILLWAY_SHARED_REGION": "1",
-                               DISK_TIER_OPTIONS_ENV: json.dumps(TUNING)},
+                               # the engine tests' water marks: a slow VM disk
+                               # sheds no store, so the four runs see one trace
+                               DISK_TIER_OPTIONS_ENV: TUNING},
                           serve_args=["--disk-dir", str(folder)])
             servers.append(Server(f"r{r}", proc, port, root / "engine.log", plan, 0.0))
         for server in servers:

@@ -422,18 +422,12 @@ def allocate_host_pool(
         )
         return pool, lambda: None
 
-    from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
-
-    row = round_up(layout.unit_bytes * copies, SharedOffloadRegion.BLOCK_SIZE_ALIGNMENT)
-    region = SharedOffloadRegion(
-        engine_id=engine_id,
-        num_chunks=layout.num_units,
-        rank=0 if replicated else rank,
-        kv_bytes_per_chunk=row,
-        cpu_page_size=layout.unit_bytes,
+    region = _shared_region(
+        layout,
+        engine_id,
+        0 if replicated else rank,
         # no barrier: the file is not unlinked once the workers mapped it
         barrier=None if scheduler_maps else barrier or _all_workers_barrier,
-        num_segments=_REGION_SEGMENTS,
         # every rank maps the same slot: split its pre-faulting across them
         populate_shard=(rank, world_size) if replicated else None,
     )
@@ -455,14 +449,23 @@ def scheduler_host_pool(layout: HostLayout, engine_id: str) -> Any:
     with no rank), for a disk tier that copies whole rows; the same rows and segments
     as :func:`allocate_host_pool` lays out. The workers create the file (they start
     first); this joins it."""
+    return _shared_region(layout, engine_id, None)
+
+
+def _shared_region(layout: HostLayout, engine_id: str, rank: int | None, **options: Any) -> Any:
+    """The host pool's ``SharedOffloadRegion`` as every process maps it: a row per unit
+    (the unit of every rank copy, page-rounded) in ``_REGION_SEGMENTS`` files. The
+    workers and the scheduler must map the same shape, so it is made here only."""
     from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
-    row = round_up(layout.unit_bytes * layout.copies, SharedOffloadRegion.BLOCK_SIZE_ALIGNMENT)
     return SharedOffloadRegion(
         engine_id=engine_id,
         num_chunks=layout.num_units,
-        rank=None,
-        kv_bytes_per_chunk=row,
+        rank=rank,
+        kv_bytes_per_chunk=round_up(
+            layout.unit_bytes * layout.copies, SharedOffloadRegion.BLOCK_SIZE_ALIGNMENT
+        ),
         cpu_page_size=layout.unit_bytes,
         num_segments=_REGION_SEGMENTS,
+        **options,
     )

@@ -286,7 +286,7 @@ def _disk_volume(owner: Owner, spec: InferenceDeploymentSpec) -> dict[str, Any] 
     disk = spec.offload.disk
     if disk is None:
         return None
-    size = format_bytes(parse_bytes(disk.size, what="offload.disk.size"))
+    size = format_bytes(disk.size_bytes)
     if disk.volume == DiskVolume.SHARED_PVC:
         return {"name": "kv-disk", "persistentVolumeClaim": {"claimName": disk.claim_name}}
     if disk.volume == DiskVolume.EPHEMERAL:
@@ -312,7 +312,7 @@ def disk_claim_refusal(spec: InferenceDeploymentSpec, claim: dict[str, Any]) -> 
                 "shares needs ReadWriteMany")
     size = ((claim.get("status") or {}).get("capacity") or {}).get("storage") or (
         (claim.get("spec") or {}).get("resources") or {}).get("requests", {}).get("storage")
-    want = parse_bytes(disk.size, what="offload.disk.size")
+    want = disk.size_bytes
     if size is not None and parse_bytes(size) < want:
         return (f"offload.disk.size: {disk.size} is more than PersistentVolumeClaim "
                 f"{disk.claim_name} holds ({size})")
@@ -336,7 +336,7 @@ def _resources(spec: InferenceDeploymentSpec, plan: Plan) -> dict[str, Any]:
     # A request only, so the scheduler picks a node with room for the tier; a limit
     # would also count the model cache, whose size the plan does not know.
     local = {} if disk is None or disk.volume != DiskVolume.EMPTY_DIR else {
-        "ephemeral-storage": format_bytes(parse_bytes(disk.size, what="offload.disk.size"))}
+        "ephemeral-storage": format_bytes(disk.size_bytes)}
     return {
         "requests": {**gpu, "cpu": cpu, **local,
                      "memory": format_bytes(plan.pod.memory_request_bytes + extra)},

@@ -523,6 +523,10 @@ class DiskTierSpec(_Model):
             raise ValueError("must be a positive quantity")
         return _at_most(value, MAX_MEMORY, parse_bytes)
 
+    @property
+    def size_bytes(self) -> int:
+        return parse_bytes(self.size, what="offload.disk.size")
+
     @model_validator(mode="after")
     def _volume_fields(self) -> DiskTierSpec:
         if (self.volume == DiskVolume.SHARED_PVC) != (self.claim_name is not None):
@@ -765,8 +769,7 @@ class InferenceDeploymentSpec(_Model):
             host_memory_scope=off.host_memory_scope.value.lower(),
             memory_limit_bytes=self.memory_limit_bytes if host is None else None,
             offloader=off.offloader.value,
-            disk_bytes=None if off.disk is None else parse_bytes(off.disk.size,
-                                                                 what="offload.disk.size"),
+            disk_bytes=None if off.disk is None else off.disk.size_bytes,
             disk_writers=self.disk_writers,
             gpu=self.resources.gpu_product.value.lower(),
             **({} if speculative is None else {
