@@ -90,8 +90,8 @@ def parse_metrics(text: str, now: float) -> Sample:
             for s in family.samples:
                 name = s.name.removesuffix("_total")
                 key = GAUGES.get(name) or COUNTERS.get(name)
-                if name == HOST_HITS and s.labels.get("source") == "host":
-                    key = "host_hit_tokens"
+                if name == HOST_HITS and s.labels.get("source") in ("host", "device"):
+                    key = f"{s.labels['source']}_hit_tokens"
                 if key is None or s.name.endswith("_created"):
                     continue
                 values[key] = values.get(key, 0.0) + float(s.value)
