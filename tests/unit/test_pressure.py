@@ -4,6 +4,7 @@ property-tested)."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -11,11 +12,13 @@ from hypothesis import strategies as st
 
 from spillway_operator.flow.pressure import (
     Aggregate,
+    Candidate,
     MetricsError,
     Policy,
     Sample,
     State,
     aggregate,
+    choose_removals,
     decide,
     parse_body,
     parse_metrics,
@@ -350,3 +353,57 @@ spillway_disk_tier_thrash_total{engine="0",model_name="m",tier="SpillwayDiskTier
 """
     s = parse_metrics(text, 1.0)
     assert s.values["disk_budget_bytes"] == 65536 and s.values["disk_thrash_chunks"] == 7
+
+
+# ------------------------------------------------------------ decisions on recorded sequences
+
+
+def replay(policy: Policy, demand: list[float], ready: int = 2,
+           interval: float = 15.0) -> list[tuple[float, int, str]]:  # fmt: skip
+    """Feed one reading per interval, as the autoscaler's tick would: ``demand`` is in
+    replicas at target, so the pods' mean pressure is demand / replicas, and decided
+    replicas become ready at once; (time, replicas, action) per decision."""
+    state, current, out = State(), ready, []
+    for i, w in enumerate(demand):
+        t = i * interval
+        d = decide(policy, t, current, current, 0, agg_of(w / current, n=current), state)
+        state, current = d.state, d.replicas
+        out.append((t, current, d.action))
+    return out
+
+
+def first_scale_up(decisions):
+    return next((t for t, _, a in decisions if a == "scale-up"), None)
+
+
+def test_the_forecast_scales_up_ahead_of_a_ramp():
+    ramp = [1.0 + 0.1 * i for i in range(16)]  # demand rising 0.1 replica per 15 s
+    reactive = replay(POLICY, ramp)
+    ahead = replay(replace(POLICY, lead_seconds=120.0), ramp)
+    assert first_scale_up(reactive) == 15 * 12  # pressure 1.1+: past the tolerance
+    assert first_scale_up(ahead) is not None and first_scale_up(ahead) <= 15 * 6
+    d = decide(replace(POLICY, lead_seconds=120.0), 0, 2, 2, 0, agg_of(0.9),
+               State(demand=((-30.0, 1.2), (-15.0, 1.5))))  # fmt: skip
+    assert d.action == "scale-up" and d.reason.startswith("demand rising"), d.reason
+
+
+def test_the_forecast_ignores_noise_and_falling_demand():
+    flat = [1.6, 1.4, 1.7, 1.5, 1.6, 1.4, 1.7, 1.6, 1.5, 1.6] * 3
+    assert first_scale_up(replay(replace(POLICY, lead_seconds=120.0), flat)) is None
+    falling = [3.0 - 0.09 * i for i in range(20)]
+    assert replay(replace(POLICY, lead_seconds=120.0), falling, ready=3) == replay(
+        POLICY, falling, ready=3)
+
+
+def test_a_dip_shorter_than_a_model_load_is_held_through():
+    dip = [3.0] * 8 + [0.9] * 8 + [3.0] * 8  # 120 s at 30 % of the load on 3 replicas
+    for policy in (POLICY, replace(POLICY, lead_seconds=120.0)):
+        assert {r for _, r, _ in replay(policy, dip, ready=3)} == {3}
+
+
+def test_scale_down_keeps_the_replicas_whose_host_tier_is_hot():
+    pods = [Candidate("hot", True, hot=9e5, host_tokens=2e5),
+            Candidate("warm", True, hot=2e5, host_tokens=2e5),
+            Candidate("cold", True, hot=1e3, host_tokens=2e5)]  # fmt: skip
+    assert choose_removals(pods, 1) == ["cold"]
+    assert choose_removals(pods, 2) == ["cold", "warm"]

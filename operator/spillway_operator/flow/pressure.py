@@ -210,6 +210,11 @@ class Policy:
     max_scale_down_pods: int = 1
     # A warm-cache delay never holds a scale-down longer than this many windows.
     warm_cache_max_delay_windows: float = 3.0
+    # Forecast across a model load: scale for the demand expected ``lead_seconds`` from
+    # now (the trend of the last ``forecast_window`` seconds, rising trends only), so
+    # the pods asked for now are ready when the demand arrives. 0: react only.
+    lead_seconds: float = 0.0
+    forecast_window: float = 120.0
 
 
 @dataclass(frozen=True)
@@ -219,6 +224,9 @@ class State:
     # When this autoscaler first saw pressure: a scale-down needs a whole window of
     # low recommendations, also right after the operator (re)starts.
     observing_since: float | None = None
+    # (time, demand in replicas at target pressure) of the recent readings: the trend
+    # the forecast extrapolates.
+    demand: tuple[tuple[float, float], ...] = ()
 
 
 def resume_state(now: float, current: int) -> State:
@@ -253,9 +261,15 @@ def decide(policy: Policy, now: float, current: int, ready: int, starting: int,
                         "metrics; never scaling down without them", state)
     ratio = agg.pressure / policy.target
     raw = _recommend(policy, current, ready, ratio)
+    state, ahead = _forecast(policy, now, max(ready, 1) * ratio, state)
+    why = f"pressure {agg.pressure:.2f} above target {policy.target:.2f}"
+    if ahead > max(ready, 1) * (1.0 + policy.tolerance) and math.ceil(ahead - 1e-9) > raw:
+        raw = min(math.ceil(ahead - 1e-9), policy.max_replicas)
+        why = (f"demand rising: {ahead:.1f} replicas at target expected in "
+               f"{policy.lead_seconds:.0f}s (pressure {agg.pressure:.2f})")
     state = _remember(policy, now, raw, state)
     if raw > current:
-        return _scale_up(policy, now, current, starting, agg, state)
+        return _scale_up(policy, now, current, starting, agg, state, why)
     if raw < current:
         return _scale_down(policy, now, current, agg, state)
     return _hold(policy, current, ratio, agg, state)
@@ -268,6 +282,36 @@ def _recommend(policy: Policy, current: int, ready: int, ratio: float) -> int:
     else:
         raw = math.ceil(max(ready, 1) * ratio - 1e-9)
     return min(max(raw, policy.min_replicas), policy.max_replicas)
+
+
+def trend(points: tuple[tuple[float, float], ...]) -> float:
+    """Least-squares slope (per second) of (time, value) points; 0 for fewer than 3."""
+    if len(points) < 3:
+        return 0.0
+    n = len(points)
+    mt = sum(t for t, _ in points) / n
+    mv = sum(v for _, v in points) / n
+    var = sum((t - mt) ** 2 for t, _ in points)
+    return sum((t - mt) * (v - mv) for t, v in points) / var if var > 0 else 0.0
+
+
+def _forecast(policy: Policy, now: float, demand: float, state: State
+              ) -> tuple[State, float]:  # fmt: skip
+    """Record this reading's demand (replicas at target pressure) and return the demand
+    the rising trend expects ``lead_seconds`` ahead (0 without a forecast)."""
+    if policy.lead_seconds <= 0:
+        return state, 0.0
+    keep = max(policy.forecast_window, policy.scale_down_window)
+    history = tuple((t, d) for t, d in state.demand if now - t <= keep)
+    state = replace(state, demand=(*history, (now, demand)))
+    # Only growth past what the fleet served before the trend's window is extrapolated:
+    # the end of a dip, a return to a level seen minutes ago, is not a ramp.
+    older = [d for t, d in history if now - t > policy.forecast_window]
+    if older and demand <= max(older):
+        return state, 0.0
+    recent = tuple(p for p in state.demand if now - p[0] <= policy.forecast_window)
+    slope = trend(recent)
+    return state, (demand + slope * policy.lead_seconds if slope > 0 else 0.0)
 
 
 def _remember(policy: Policy, now: float, raw: int, state: State) -> State:
@@ -283,7 +327,7 @@ def _window(state: State, now: float, seconds: float) -> list[int]:
 
 
 def _scale_up(policy: Policy, now: float, current: int, starting: int, agg: Aggregate,
-              state: State) -> Decision:
+              state: State, why: str) -> Decision:
     in_up = _window(state, now, policy.scale_up_window)
     target = min(in_up) if in_up else state.recommendations[-1][1]
     if target <= current:
@@ -292,8 +336,8 @@ def _scale_up(policy: Policy, now: float, current: int, starting: int, agg: Aggr
         return Decision(current, "hold", f"waiting for {starting} starting pod(s) before "
                         "scaling up again", state)
     step = max(policy.max_scale_up_pods, math.ceil(current * policy.max_scale_up_percent / 100))
-    return Decision(min(target, current + step), "scale-up", f"pressure {agg.pressure:.2f} "
-                    f"above target {policy.target:.2f}", replace(state, warm_hold_since=None))
+    return Decision(min(target, current + step), "scale-up", why,
+                    replace(state, warm_hold_since=None))
 
 
 def _scale_down(policy: Policy, now: float, current: int, agg: Aggregate,
