@@ -16,8 +16,10 @@ GPU KV cache (vLLM's ``BlockPool`` + hybrid ``KVCacheCoordinator``)
     with no holder stay cached in an LRU free queue until a new allocation evicts them
     (a finished request's blocks are freed tail first, so a shared head outlives its
     tails, as in vLLM); blocks freed unnamed are reused before any cached one (vLLM
-    puts them at the head of its free queue). Usage (``vllm:kv_cache_usage_perc``) is
-    held blocks / all blocks.
+    puts them at the head of its free queue). A block computed or loaded again while
+    an older block of its key is still cached is named too (vLLM's prefix cache keeps
+    both: a hit takes the older, each leaves the LRU on its own). Usage
+    (``vllm:kv_cache_usage_perc``) is held blocks / all blocks.
 
     Hit length (never the last prompt token; a multiple of every group's block): full-
     attention / MLA groups need every block of the prefix; sliding-window and chunked-
@@ -280,34 +282,66 @@ class Counters:
 
 
 class _GpuPool:
-    """The GPU block pool: fresh capacity plus an LRU queue of cached, unheld blocks."""
+    """The GPU block pool: fresh capacity plus an LRU queue of cached, unheld blocks.
 
-    __slots__ = ("cached", "evictable", "evictable_w", "evictions", "free_fresh", "total")
+    Like vLLM's ``BlockHashToBlockMap``, a key may name several blocks: a block
+    computed or loaded again while an older copy is still cached (a host load whose
+    full-attention blocks were still on the GPU, with the window's blocks gone) is
+    named too. ``cached`` maps a key to the block a hit takes (the first named of those
+    still cached, vLLM's ``get_one_block``), ``dups`` to the later ones in order; the
+    LRU queue holds blocks (by identity), each evicted on its own."""
+
+    __slots__ = ("cached", "dups", "evictable", "evictable_w", "evictions", "free_fresh", "total")
 
     def __init__(self, total: int) -> None:
         self.total = total
         self.free_fresh = total
+        #: id(block) -> block, unheld cached blocks in LRU order
         self.evictable: OrderedDict[int, _Block] = OrderedDict()
         self.evictable_w = 0
         self.cached: dict[int, _Block] = {}
+        self.dups: dict[int, list[_Block]] = {}
         self.evictions = 0
 
     @property
     def num_free(self) -> int:
         return self.free_fresh + self.evictable_w
 
+    def name(self, blk: _Block, key: int) -> None:
+        """Name an unnamed block ``key`` (after any block already named so)."""
+        blk[0] = key
+        if key in self.cached:
+            self.dups.setdefault(key, []).append(blk)
+        else:
+            self.cached[key] = blk
+
+    def _unname(self, blk: _Block) -> None:
+        """Drop an evicted block's name; the key stays cached while another holds it."""
+        key = blk[0]
+        blk[0] = None
+        more = self.dups.get(key)
+        if more is None:
+            del self.cached[key]
+            return
+        if self.cached[key] is blk:
+            self.cached[key] = more.pop(0)
+        else:
+            # by identity: blocks are lists, and equal ones are other blocks
+            del more[next(i for i, b in enumerate(more) if b is blk)]
+        if not more:
+            del self.dups[key]
+
     def reserve(self, w: int) -> None:
         """Take ``w`` blocks of fresh capacity, evicting LRU cached blocks as needed."""
         if self.free_fresh < w:
-            evictable, cached = self.evictable, self.cached
+            evictable = self.evictable
             fresh = self.free_fresh
             evicted = 0
             while fresh < w:
-                key, old = evictable.popitem(last=False)
-                del cached[key]
+                _, old = evictable.popitem(last=False)
+                self._unname(old)
                 fresh += old[2]
                 evicted += old[2]
-                old[0] = None
             self.free_fresh = fresh
             self.evictable_w -= evicted
             self.evictions += evicted
@@ -319,7 +353,7 @@ class _GpuPool:
             if blk[0] is None:
                 self.free_fresh += blk[2]
             else:
-                self.evictable[blk[0]] = blk
+                self.evictable[id(blk)] = blk
                 self.evictable_w += blk[2]
 
 
@@ -685,11 +719,10 @@ class EngineCore:
                 ref = blk[1] - 1
                 blk[1] = ref
                 if not ref:
-                    key = blk[0]
-                    if key is None:
+                    if blk[0] is None:
                         fresh += blk[2]
                     else:
-                        evictable[key] = blk
+                        evictable[id(blk)] = blk
                         cached_w += blk[2]
         gpu.free_fresh += fresh
         gpu.evictable_w += cached_w
@@ -698,7 +731,7 @@ class EngineCore:
     def _cache_computed(self, req: SimRequest) -> None:
         """Name full prompt blocks now computed; drop blocks that slid out of windows."""
         done = req.num_computed
-        cached = self.gpu.cached
+        name = self.gpu.name
         for g, blocks in zip(self.groups, req.blocks, strict=False):
             if g.kind == "mamba":
                 continue
@@ -710,10 +743,8 @@ class EngineCore:
                 while b < upto:
                     blk = blocks[b]
                     if blk is not None and blk[0] is None and (reach is None or b in reach):
-                        key = keys[b]
-                        if key not in cached:
-                            blk[0] = key
-                            cached[key] = blk
+                        # named even when an older block of this key is still cached
+                        name(blk, keys[b])
                     b += 1
                 req.cached_upto[g.index] = b
             if g.window is not None:
@@ -1109,7 +1140,7 @@ class EngineCore:
             first = firsts[g.index]
             for blk in hit:
                 if not blk[1]:
-                    del evictable[blk[0]]  # type: ignore[arg-type]
+                    del evictable[id(blk)]
                     self.gpu.evictable_w -= blk[2]
                 blk[1] += 1
             req.blocks.append([None] * first + hit if first else hit)
@@ -1379,13 +1410,11 @@ class EngineCore:
             if len(blocks) < 2:
                 blk = blocks[0]
                 if key is not None and blk[0] is None and key not in cached:
-                    blk[0] = key
-                    cached[key] = blk
+                    gpu.name(blk, key)
                 continue
             first = blocks.pop(0)
             if key is not None and first[0] is None and key not in cached:
-                first[0] = key
-                cached[key] = first
+                gpu.name(first, key)
             gpu.free(first)
             if key is not None and key not in cached and gpu.num_free >= g.weight:
                 # a hit below L: the chunk ending at L wrote its state in a block of its own
@@ -1395,9 +1424,9 @@ class EngineCore:
         """A cached, unheld state block (the LRU's newest)."""
         gpu = self.gpu
         gpu.reserve(weight)
-        state = [key, 0, weight]
-        gpu.cached[key] = state
-        gpu.evictable[key] = state
+        state = [None, 0, weight]
+        gpu.name(state, key)
+        gpu.evictable[id(state)] = state
         gpu.evictable_w += weight
 
     def abort(self, req: SimRequest) -> bool:
