@@ -66,8 +66,12 @@ Host pool (vLLM's ``OffloadingConnector`` + ``CPUOffloadingManager``, LRU policy
     A Mamba state is offered only when this request named its GPU block (vLLM's
     boundary hand-off: not for a state it hit on the GPU, which is then neither stored
     nor refreshed), by a store call of its own before the chunk store; each call is
-    admitted whole and protects only its own offer. Keys already present are
-    refreshed; a full pool evicts its least recently used key.
+    admitted whole and protects only its own offer. A request that loaded from the
+    host offers no chunk before the end of its hit (vLLM's ``CHUNK_LEVEL`` offload
+    policy); without a load, a window chunk is not offered when a block of the
+    connector's store mask (the window before the boundary, aligned on the full
+    chunk span A) is null, as the window chunks inside a GPU hit are. Keys already
+    present are refreshed; a full pool evicts its least recently used key.
     An evicted key that a later request needs again counts as *thrash*. Lookup happens
     when a waiting request is admitted, beyond the GPU hit, with the same per-kind rules
     at chunk granularity; a group that cannot extend the hit by a chunk makes the whole
@@ -760,18 +764,21 @@ class EngineCore:
                         i += 1
                     req.freed_upto[g.index] = first
 
-    def _swa_reachable(self, req: SimRequest, g) -> set[int] | None:
+    def _swa_reachable(self, req: SimRequest, g, align: int = 0) -> set[int] | None:
         """Blocks of a sliding-window group that vLLM names (``reachable_block_mask``
         at the default ``prefix_cache_retention_interval = 0``): the window's blocks
         ending at the replay boundary ``floor((P-1)/A)*A`` and at the shared-prefix
-        junction; the rest are freed unnamed (reused first). None: every block."""
+        junction; the rest are freed unnamed (reused first). None: every block.
+        A is the scheduler's block (GPU naming) unless ``align`` is given: the
+        connector's store mask aligns on the full-attention chunk (``store_align``)."""
         tpb = g.tokens_per_block
-        if g.kind != "sliding_window" or self.align % tpb:
+        align = align or self.align
+        if g.kind != "sliding_window" or align % tpb:
             return None
         need = g.window_blocks
         out: set[int] = set()
         for point in (req.prompt_len - 1, req.junction):
-            end = point // self.align * self.align // tpb
+            end = point // align * align // tpb
             out.update(range(max(0, end - need), end))
         return out
 
@@ -933,19 +940,30 @@ class EngineCore:
         """Index in a run of chunks from which the store offers keys; the keys before
         it are neither stored nor refreshed. vLLM's connector offers a Mamba state
         only when this request named its GPU block (a boundary hand-off), never for a
-        state it hit on the GPU. A window group's chunk is skipped when its last block,
-        or a block vLLM would keep named (``reachable_block_mask``), is the null block:
-        a request that hit a prefix holds only the window's blocks before the hit
-        point, so the window chunks inside a hit are not offered again (their host
-        copies age) while full-attention chunks are. Other chunks are offered again."""
+        state it hit on the GPU. A request that loaded from the host offers no chunk
+        before the end of its hit (``update_state_after_alloc`` moves every group's
+        ``next_stored_chunk_idx`` there, ``OffloadPolicy.CHUNK_LEVEL``): neither the
+        loaded chunks nor the ones it hit on the GPU are refreshed by a store.
+        Without a load, a window group's chunk is skipped when its last block, or a
+        block of the connector's store mask (``reachable_block_mask`` aligned on the
+        full-attention chunk), is the null block: a request that hit a prefix holds
+        only the window's blocks before the hit point, so the window chunks inside a
+        hit are not offered again (their host copies age) while full-attention chunks
+        are. Other chunks are offered again."""
         g = self.groups[gi]
         if g.kind == "mamba":
             return max(0, req.local_hit // g.tokens_per_chunk - first)
+        if req.external_hit:
+            hit_chunks = cdiv(req.local_hit + req.external_hit, g.tokens_per_chunk)
+            return max(0, hit_chunks - first)
         null = req.null_upto[gi] if req.null_upto else 0
         if not g.windowed or not null:
             return 0
         bpc = g.blocks_per_chunk
-        reach = self._swa_reachable(req, g)
+        # the connector's store mask (its alignment: the full-attention chunk), not
+        # the GPU's naming mask: a window wider than the hit's held blocks reaches
+        # back into a chunk whose first blocks are null, and that chunk is skipped
+        reach = self._swa_reachable(req, g, self.store_align)
         skip = 0
         for c in range(first, null // bpc + 1):
             blocks = range(c * bpc, (c + 1) * bpc)
