@@ -183,6 +183,7 @@ class SimRequest:
         "hashes",
         "junction",
         "last_token_time",
+        "loaded",
         "local_hit",
         "mamba_want",
         "max_tokens",
@@ -236,6 +237,8 @@ class SimRequest:
         #: ``shared_prefix_boundary``): the GPU full-attention hit when a sparse group
         #: stopped short of it at admission, else 0
         self.junction = 0
+        #: the unit pool's keys this request loaded, as (end token, class, key)
+        self.loaded: list[tuple[int, int, int]] = []
         #: GPU blocks each Mamba group holds while prefilling (see EngineCore._mamba_want)
         self.mamba_want = 1
         self.prefill_counted = False
@@ -931,6 +934,7 @@ class EngineCore:
                 if ckeys[c] in pool.keys:
                     entries.append(((c + 1) * tpc, g.index, ckeys[c]))
         self._rank_tail_first(entries)
+        req.loaded = entries
         pinned = [key for _, _, key in entries]
         for key in pinned:
             pool.pins[key] = pool.pins.get(key, 0) + 1
@@ -1035,7 +1039,9 @@ class EngineCore:
                 stored.append(key)
                 stored_rows += rows
                 stored_bytes += g.blocks_per_chunk * g.block_bytes * missing // self.key_weight[gi]
-        self._rank_tail_first(entries)
+        # vLLM re-ranks every key the request accessed (loaded or offered) together,
+        # tail first, when it finishes: a load's keys rank with the offer's
+        self._rank_tail_first(entries + req.loaded)
         if stored_rows:
             self._queue_store(stored_rows, stored_bytes, stored)
 
@@ -1171,6 +1177,7 @@ class EngineCore:
         req.num_computed = computed
         req.local_hit = local
         req.external_hit = external
+        req.loaded = []
         if req.num_preemptions == 0:
             c = self.counters
             p = req.prompt_len
