@@ -4,7 +4,8 @@ for a single-group model (Llama), sliding-window + full models (Gemma 3: window 
 two groups; 12 layers, window 32, six groups, with a 4 MiB and a 6 MiB pool; and
 Gemma-3-1B's own config.json, the geometry of tests/fixtures/plans/gemma-3-1b-it-
 spillway.json: seven groups, window 512, keys of 4 or 3 units), MLA (DeepSeek) and a
-Mamba hybrid (Qwen3-Next: 3 Gated DeltaNet layers + 1 full attention layer).
+Mamba hybrid (Qwen3-Next: 3 Gated DeltaNet layers + 1 full attention layer; also on
+the long trace).
 
 The trace is serial (each request is sent when the previous one returned) and uses
 prompts whose prompt + output stays inside the last stored chunk, so the engine's
@@ -55,7 +56,11 @@ difference is a modelling error, not noise. What the simulator models to get the
   request; 99 against 100 evictions by its 80th).
 - A request that loaded from the host offers no chunk before the end of its hit
   (vLLM moves ``next_stored_chunk_idx`` there, ``OffloadPolicy.CHUNK_LEVEL``), so a
-  load refreshes exactly the keys it read.
+  load refreshes exactly the keys it read; and vLLM's LRU re-ranks every key a
+  request accessed, loaded or offered, in one tail-first pass when it finishes. For
+  Qwen3-Next after a load only the boundary states are offered: ranked alone, they
+  came out newer than the loaded chunks (the long trace: 59 against 60 evictions by
+  its 21st request).
 - The store's window mask is aligned on the full-attention chunk (the connector's
   ``alignment_tokens``), not on the scheduler's block as the GPU's naming mask is.
   With Gemma-3-1B's 512-token window a GPU hit at 592 holds blocks 5-36, the store
@@ -69,7 +74,8 @@ chunks; Gemma 3 GPU 1184 / host 1536, 7 evictions, 16 used chunks; Qwen3-Next GP
 1152 / host 576, 61 evictions (keys: one per group and chunk), 38 used chunks;
 six-group Gemma GPU 1184 / host 512, 33 evictions, 10 used chunks; with 6 MiB on the
 long trace GPU 10656 / host 16384, 99 evictions, 16 used chunks; Gemma-3-1B GPU 5328
-/ host 9728, 607 evictions, 14 used chunks; no preemptions. The per-request
+/ host 9728, 607 evictions, 14 used chunks; Qwen3-Next on the long trace GPU 9216 /
+host 10368, 424 evictions, 38 used chunks; no preemptions. The per-request
 cumulative figures are printed to locate a drift.
 """
 
@@ -122,6 +128,8 @@ SIM_MODELS: dict[str, tuple[dict, int]] = {
 #: the six-group Gemma with a pool of 96 keys: on the long trace below both GPU
 #: hits and host loads come between the pool's evictions
 SIM_MODELS["gemma3_6g_6mib"] = SIM_MODELS["gemma3_6g"]
+#: Qwen3-Next on the long trace: host loads followed by boundary-state stores
+SIM_MODELS["qwen3_next_long"] = SIM_MODELS["qwen3_next"]
 #: Host pool per model, small enough for the trace to evict. Llama and Gemma: 1 MiB,
 #: 16 chunks of 256 tokens (Gemma: 32 units, a sliding-window and a full key of one
 #: unit each per chunk). Qwen3-Next: 768 KiB, 192 units of 4 KiB; a 64-token chunk of
@@ -138,6 +146,7 @@ POOL_BYTES = {
     "gemma3_6g": 4 * MIB,
     "gemma3_6g_6mib": 6 * MIB,
     "gemma3_1b": 96 * MIB,
+    "qwen3_next_long": 3 * MIB // 4,
 }
 #: two 256-token chunks (Qwen3-Next: nine of 64); + 2 output tokens stays inside the
 #: next chunk (below 768; 640)
@@ -156,7 +165,7 @@ LONG_TRACE = [
     12, 3, 15, 17, 4, 6, 17, 13, 12, 16,
 ]
 #: cases on the long trace (the others on TRACE)
-TRACES = {"gemma3_6g_6mib": LONG_TRACE, "gemma3_1b": LONG_TRACE}
+TRACES = dict.fromkeys(("gemma3_6g_6mib", "gemma3_1b", "qwen3_next_long"), LONG_TRACE)
 
 
 def _gpu_blocks(server: Server) -> int:
