@@ -219,7 +219,7 @@ def test_fresh_scaler_observes_a_whole_window_before_scaling_down():
 
 
 def test_hold_reasons_name_the_bound():
-    assert "at maxReplicas" in decide(POLICY, 0, 10, 10, 0, agg_of(3.0), State()).reason
+    assert "at maxReplicas" in decide(POLICY, 0, 10, 10, 0, agg_of(3.0, n=10), State()).reason
     assert "at minReplicas" in decide(Policy(scale_down_window=0), 0, 1, 1, 0, agg_of(0.1),
                                       State()).reason
 
@@ -381,9 +381,10 @@ def test_the_forecast_scales_up_ahead_of_a_ramp():
     reactive = replay(POLICY, ramp)
     ahead = replay(replace(POLICY, lead_seconds=120.0), ramp)
     assert first_scale_up(reactive) == 15 * 12  # pressure 1.1+: past the tolerance
-    assert first_scale_up(ahead) is not None and first_scale_up(ahead) <= 15 * 6
-    d = decide(replace(POLICY, lead_seconds=120.0), 0, 2, 2, 0, agg_of(0.9),
-               State(demand=((-30.0, 1.2), (-15.0, 1.5))))  # fmt: skip
+    assert first_scale_up(ahead) is not None
+    assert first_scale_up(ahead) <= first_scale_up(reactive) - 3 * 15  # three decisions early
+    rising = tuple((-t, 1.0 + (120 - t) / 150) for t in (120, 90, 60, 30, 15))
+    d = decide(replace(POLICY, lead_seconds=120.0), 0, 2, 2, 0, agg_of(0.9), State(demand=rising))
     assert d.action == "scale-up" and d.reason.startswith("demand rising"), d.reason
 
 

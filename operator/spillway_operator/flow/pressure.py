@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from datetime import datetime
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -215,6 +216,10 @@ class Policy:
     # the pods asked for now are ready when the demand arrives. 0: react only.
     lead_seconds: float = 0.0
     forecast_window: float = 120.0
+    # Event-rate terms (thrash, preempt) are averaged with this half-life (seconds): a
+    # burst of preemptions or of re-misses right after a scale change is a transient,
+    # a sustained rate is a lack of capacity. 0: each interval on its own.
+    rate_half_life: float = 120.0
 
 
 @dataclass(frozen=True)
@@ -227,6 +232,8 @@ class State:
     # (time, demand in replicas at target pressure) of the recent readings: the trend
     # the forecast extrapolates.
     demand: tuple[tuple[float, float], ...] = ()
+    # (time, averaged thrash term, averaged preempt term) at the last reading.
+    rates: tuple[float, float, float] | None = None
 
 
 def resume_state(now: float, current: int) -> State:
@@ -259,12 +266,23 @@ def decide(policy: Policy, now: float, current: int, ready: int, starting: int,
     if agg.pressure is None:
         return Decision(current, "hold", "MetricsUnavailable: no ready pod has fresh, valid "
                         "metrics; never scaling down without them", state)
-    ratio = agg.pressure / policy.target
-    raw = _recommend(policy, current, ready, ratio)
-    state, ahead = _forecast(policy, now, max(ready, 1) * ratio, state)
+    state, pressure = _smoothed(policy, now, agg, state)
+    agg = replace(agg, pressure=pressure)
+    ratio = pressure / policy.target
+    # Ready pods without a reading yet (just started) count as idle, as the HPA counts
+    # pods without metrics when it scales up: taking them at the busy pods' mean
+    # scaled up again right after each scale-up (they scale nothing down: unknown).
+    measured = agg.measured if agg.measured > 0 else ready
+    raw = _recommend(policy, current, measured, ratio)
+    # The trend is that of the KV held by running requests (the load term): the event
+    # and queue terms spike and clear within an interval, extrapolated they explode.
+    load = agg.components.get("load", pressure)
+    state, ahead = _forecast(policy, now, max(measured, 1) * load / policy.target, state)
     why = f"pressure {agg.pressure:.2f} above target {policy.target:.2f}"
-    if ahead > max(ready, 1) * (1.0 + policy.tolerance) and math.ceil(ahead - 1e-9) > raw:
-        raw = min(math.ceil(ahead - 1e-9), policy.max_replicas)
+    # A forecast is less sure than a reading: it asks for a pod only past the tolerance.
+    wanted = math.ceil(ahead * (1.0 - policy.tolerance) - 1e-9)
+    if wanted > raw:
+        raw = min(wanted, policy.max_replicas)
         why = (f"demand rising: {ahead:.1f} replicas at target expected in "
                f"{policy.lead_seconds:.0f}s (pressure {agg.pressure:.2f})")
     state = _remember(policy, now, raw, state)
@@ -282,6 +300,23 @@ def _recommend(policy: Policy, current: int, ready: int, ratio: float) -> int:
     else:
         raw = math.ceil(max(ready, 1) * ratio - 1e-9)
     return min(max(raw, policy.min_replicas), policy.max_replicas)
+
+
+RATE_TERMS = ("thrash", "preempt")
+
+
+def _smoothed(policy: Policy, now: float, agg: Aggregate, state: State
+              ) -> tuple[State, float]:  # fmt: skip
+    """The pressure with its event-rate terms averaged over ``rate_half_life``."""
+    c = agg.components
+    if policy.rate_half_life <= 0 or not all(k in c for k in ("load", "queue", *RATE_TERMS)):
+        return state, agg.pressure
+    new = [c[k] for k in RATE_TERMS]
+    if state.rates is not None and now > state.rates[0]:
+        keep = 0.5 ** ((now - state.rates[0]) / policy.rate_half_life)
+        new = [keep * old + (1 - keep) * v for old, v in zip(state.rates[1:], new, strict=True)]
+    state = replace(state, rates=(now, *new))
+    return state, max(c["load"], c["queue"], *new)
 
 
 def trend(points: tuple[tuple[float, float], ...]) -> float:
@@ -310,6 +345,8 @@ def _forecast(policy: Policy, now: float, demand: float, state: State
     if older and demand <= max(older):
         return state, 0.0
     recent = tuple(p for p in state.demand if now - p[0] <= policy.forecast_window)
+    if now - recent[0][0] < 0.75 * policy.forecast_window:
+        return state, 0.0  # too short a history for a trend (a start, a failover)
     slope = trend(recent)
     return state, (demand + slope * policy.lead_seconds if slope > 0 else 0.0)
 
@@ -372,6 +409,34 @@ def _hold(policy: Policy, current: int, ratio: float, agg: Aggregate, state: Sta
     else:
         reason = f"pressure {agg.pressure:.2f} within tolerance"
     return Decision(current, "hold", reason, replace(state, warm_hold_since=None))
+
+
+# ---------------------------------------------------------------- how long a new pod takes
+
+#: Start-ups longer than this are a pod that was stuck, not a model load.
+MAX_LEAD_SECONDS = 1800.0
+
+
+def startup_seconds(pods: list[tuple[str | None, str | None]]) -> float:
+    """The forecast's lead: how long this deployment's pods took from creation to their
+    first Ready (``(creationTimestamp, Ready lastTransitionTime)`` of pods that never
+    restarted; RFC 3339), the median of those known, 0 when none is (no forecast).
+    Scheduling, image pull and model load: what a pod asked for now needs before it
+    serves."""
+    took = []
+    for created, ready_at in pods:
+        try:
+            dt = (datetime.fromisoformat(str(ready_at).replace("Z", "+00:00"))
+                  - datetime.fromisoformat(str(created).replace("Z", "+00:00"))).total_seconds()
+        except ValueError:
+            continue
+        if 0 <= dt <= MAX_LEAD_SECONDS:
+            took.append(dt)
+    if not took:
+        return 0.0
+    took.sort()
+    n = len(took)
+    return took[n // 2] if n % 2 else 0.5 * (took[n // 2 - 1] + took[n // 2])
 
 
 # ---------------------------------------------------------------- which pods a scale-down takes

@@ -21,7 +21,7 @@ import logging
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import aiohttp
@@ -48,6 +48,7 @@ from spillway_operator.flow.pressure import (
     removal_cost,
     resume_state,
     stale_marks,
+    startup_seconds,
 )
 from spillway_operator.flow.spec import AutoscalingStatus, InferenceDeploymentSpec
 from spillway_operator.flow.status import merge_patch, read_status, to_wire
@@ -110,6 +111,17 @@ def _ready(pod: dict[str, Any]) -> bool:
         return False
     conds = pod.get("status", {}).get("conditions") or []
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds)
+
+
+def _started(pod: dict[str, Any]) -> tuple[str | None, str | None]:
+    """(created, first Ready) of a pod that never restarted; (None, None) otherwise: a
+    restarted pod's Ready time is its last start's, not its creation's."""
+    status = pod.get("status") or {}
+    if any((c.get("restartCount") or 0) > 0 for c in status.get("containerStatuses") or []):
+        return None, None
+    ready = next((c.get("lastTransitionTime") for c in status.get("conditions") or []
+                  if c.get("type") == "Ready" and c.get("status") == "True"), None)
+    return pod.get("metadata", {}).get("creationTimestamp"), ready
 
 
 def _annotation(pod: dict[str, Any], name: str) -> str | None:
@@ -385,7 +397,9 @@ class Autoscaler:
         state = self._states.get(key)
         if state is None:  # operator start or a new leader: windows start from now
             state = resume_state(now, current)
-        d = _policy(decide, policy_of(spec), now, current, len(ready), starting, agg, state)
+        policy = replace(policy_of(spec), lead_seconds=_policy(
+            startup_seconds, [_started(p) for p in ready]))
+        d = _policy(decide, policy, now, current, len(ready), starting, agg, state)
         self._states[key] = d.state
         marked: list[str] = []
         if d.replicas != current:
