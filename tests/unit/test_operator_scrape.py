@@ -173,3 +173,18 @@ def test_scraping_any_body_never_raises(servers, body):
     if len(body) > MAX_METRICS_BYTES:
         assert isinstance(got, MetricsError) and got.reason == "too_large"
     assert not isinstance(got, BaseException) or isinstance(got, MetricsError)
+
+
+def _pod(created, ready_at, restarts=0, ready="True"):
+    return {"metadata": {"name": "p", "creationTimestamp": created},
+            "status": {"conditions": [{"type": "Ready", "status": ready,
+                                       "lastTransitionTime": ready_at}],
+                       "containerStatuses": [{"name": "engine", "restartCount": restarts}]}}
+
+
+def test_a_pods_start_up_is_read_from_its_own_status_unless_it_restarted():
+    t0, t1 = "2026-12-03T10:00:00Z", "2026-12-03T10:02:10Z"
+    assert scaler._started(_pod(t0, t1)) == (t0, t1)
+    assert scaler._started(_pod(t0, t1, restarts=1)) == (None, None)  # last start's time
+    assert scaler._started(_pod(t0, t1, ready="False"))[1] is None
+    assert scaler.startup_seconds([scaler._started(_pod(t0, t1))]) == 130.0

@@ -24,6 +24,7 @@ from spillway_operator.flow.pressure import (
     parse_metrics,
     pod_pressure,
     resume_state,
+    startup_seconds,
 )
 
 BASE = {
@@ -408,3 +409,48 @@ def test_scale_down_keeps_the_replicas_whose_host_tier_is_hot():
             Candidate("cold", True, hot=1e3, host_tokens=2e5)]  # fmt: skip
     assert choose_removals(pods, 1) == ["cold"]
     assert choose_removals(pods, 2) == ["cold", "warm"]
+
+
+def agg_terms(load=0.5, queue=0.0, thrash=0.0, preempt=0.0, n=2):
+    comps = {"load": load, "queue": queue, "thrash": thrash, "preempt": preempt}
+    return Aggregate(max(comps.values()), comps, n, 0, [0.0] * n, [1e9] * n)
+
+
+def test_a_one_interval_burst_of_preemptions_is_a_transient_a_sustained_one_is_not():
+    state = decide(POLICY, 0, 2, 2, 0, agg_terms(), State()).state
+    d = decide(POLICY, 15, 2, 2, 0, agg_terms(preempt=2.0), state)
+    assert d.action == "hold", d.reason  # 2.0 for one interval: about 0.17 averaged
+    state, t = d.state, 15
+    while d.action != "scale-up":
+        t += 15
+        d = decide(POLICY, t, 2, 2, 0, agg_terms(preempt=2.0), state)
+        state = d.state
+        assert t <= 15 * 12, "a sustained preemption rate never scaled up"
+    assert t >= 60  # the average crosses 1.1 after about one half-life
+    raw = decide(replace(POLICY, rate_half_life=0.0), 15, 2, 2, 0, agg_terms(preempt=2.0),
+                 State())  # fmt: skip
+    assert raw.action == "scale-up"  # without averaging: at once
+
+
+def test_pods_without_a_reading_count_as_idle_when_scaling_up():
+    # 4 ready, 2 measured at 1.5 (the two new ones have no second scrape yet): the
+    # demand is 2 x 1.5 = 3 replicas, not 4 x 1.5 = 6.
+    agg = Aggregate(1.5, {}, 2, 2, [0.0] * 2, [1e9] * 2)
+    d = decide(POLICY, 0, 4, 4, 0, agg, State())
+    assert d.action == "hold" and d.replicas == 4, d.reason
+    agg = Aggregate(3.0, {}, 2, 2, [0.0] * 2, [1e9] * 2)
+    assert decide(POLICY, 0, 4, 4, 0, agg, State()).replicas == 6
+
+
+@pytest.mark.parametrize("pods, lead", [
+    ([], 0.0),
+    ([("2026-12-03T10:00:00Z", "2026-12-03T10:02:00Z")], 120.0),
+    ([("2026-12-03T10:00:00Z", "2026-12-03T10:01:00Z"),
+      ("2026-12-03T10:00:00Z", "2026-12-03T10:03:00Z"),
+      ("2026-12-03T10:00:00Z", "2026-12-03T11:30:00Z")], 120.0),  # median of 60, 180, 5400
+    ([("2026-12-03T10:00:00Z", "2026-12-03T12:00:00Z")], 0.0),  # stuck pods are no lead
+    ([("2026-12-03T10:00:00Z", None), (None, None), ("junk", "2026-12-03T10:00:00Z")], 0.0),
+    ([("2026-12-03T10:05:00Z", "2026-12-03T10:00:00Z")], 0.0),  # clock skew
+])  # fmt: skip
+def test_the_lead_is_the_median_start_up_of_the_pods(pods, lead):
+    assert startup_seconds(pods) == lead
