@@ -19,7 +19,16 @@ scrapes of its /metrics and averaged over the ready pods:
     pressure = max(load, thrash, queue, preempt)
 
 Each term is 1.0 at its own target, so "the worst constraint sets the replica
-count", as Kubernetes' HPA does with several metrics. Host pool fill alone is not
+count", as Kubernetes' HPA does with several metrics. The event-rate terms (thrash,
+preempt) are averaged over ``rate_half_life`` (120 s) before they count: a burst of
+preemptions or re-misses in one interval (typically right after a scale change) is a
+transient, a sustained rate a lack of capacity. Replicas recommended = the measured
+pods x pressure / target: a ready pod without its second scrape (just started) counts
+as idle, as the HPA counts pods without metrics when it scales up. Ahead of that, a
+forecast: the trend of the KV demand over the last two minutes, extrapolated over the
+pods' own start-up time (creation to first Ready, learned from the pods), asks for the
+replicas that demand will need when they are ready -- only for growth past what the
+fleet served before the trend began, so the end of a dip is not a ramp. Host pool fill alone is not
 pressure (an LRU pool is always full once warm); the host-hit share of prompt
 tokens is reported and guards scale-down: a scale-down that would drop more warm,
 actually-hit host cache than the remaining replicas have free is delayed.
