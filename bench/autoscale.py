@@ -705,22 +705,30 @@ def write_frontier_png(pts: dict[tuple[str, float], dict], trace: str, path: Pat
     except ImportError:
         raise SystemExit("bench/autoscale --png-dir needs matplotlib: "
                          "pip install 'spillway[bench]'") from None
-    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
+    fig, ax = plt.subplots(figsize=(7.5, 4.8), dpi=110)
+    floor = 0.005  # % missed drawn for 0 (a log axis has no 0)
     for name in SWEEP_TARGETS:
-        mine = sorted(((p["rm"], 100 * p["met"], t) for (n, t), p in pts.items() if n == name))
+        mine = sorted((p["rm"], max(100 * (1 - p["met"]), floor), t)
+                      for (n, t), p in pts.items() if n == name)  # fmt: skip
         if not mine:
             continue
         line = ax.plot([m[0] for m in mine], [m[1] for m in mine], marker="o", label=name)[0]
-        for rm, met, t in mine:
-            ax.annotate(f"{t:g}", (rm, met), fontsize=7, textcoords="offset points",
+        for rm, miss, t in mine:
+            ax.annotate(f"{t:g}", (rm, miss), fontsize=7, textcoords="offset points",
                         xytext=(3, 3))
             if name == "spillway" and t == DEFAULT_TARGET["spillway"]:
-                ax.plot([rm], [met], marker="*", markersize=14, color=line.get_color())
-    ax.set_ylim(bottom=max(0.0, ax.get_ylim()[0]), top=100.5)
+                ax.plot([rm], [miss], marker="*", markersize=16, color=line.get_color(),
+                        label="spillway default")
+    ax.set_yscale("log")
+    ax.invert_yaxis()  # better attainment higher up
+    for level in LEVELS:
+        ax.axhline(100 * (1 - level), color="grey", lw=0.6, ls="--")
+        ax.annotate(f"{level:.1%}", (ax.get_xlim()[0], 100 * (1 - level)), fontsize=7,
+                    color="grey", xytext=(2, 2), textcoords="offset points")
     ax.set_xlabel("replica-minutes (median over seeds)")
-    ax.set_ylabel(f"requests with TTFT <= {ttft_target:g} s (%, median)")
-    ax.set_title(f"{trace}: policies swept over their targets (star: Spillway's default)")
-    ax.grid(alpha=0.3)
+    ax.set_ylabel(f"requests missing TTFT <= {ttft_target:g} s (%, median; log)")
+    ax.set_title(f"{trace}: each policy over its targets (labels), upper-left is better")
+    ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
