@@ -70,6 +70,7 @@ import json
 import math
 import multiprocessing
 import os
+import statistics
 import sys
 import time
 from collections import Counter
@@ -600,12 +601,6 @@ def _sweep_job(job: tuple[str, int, float | None, str, float, float]) -> dict:
             "actions": res.actions, "wall": round(res.wall, 1)}  # fmt: skip
 
 
-def _median(values: list[float]) -> float:
-    v = sorted(values)
-    n = len(v)
-    return v[n // 2] if n % 2 else 0.5 * (v[n // 2 - 1] + v[n // 2])
-
-
 def points(rows: list[dict], trace: str) -> dict[tuple[str, float], dict]:
     """Per (policy, target) on one trace: the median replica-minutes and attainment over
     the seeds, and the worst seed's attainment."""
@@ -614,7 +609,8 @@ def points(rows: list[dict], trace: str) -> dict[tuple[str, float], dict]:
         if r["trace"] == trace:
             by.setdefault((r["policy"], r["target"]), []).append(r)
     return {
-        key: {"rm": _median([r["rm"] for r in rs]), "met": _median([r["met"] for r in rs]),
+        key: {"rm": statistics.median(r["rm"] for r in rs),
+              "met": statistics.median(r["met"] for r in rs),
               "worst": min(r["met"] for r in rs), "seeds": len(rs)}
         for key, rs in by.items()
     }  # fmt: skip

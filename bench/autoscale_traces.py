@@ -94,6 +94,18 @@ def _stream(spec: TraceSpec, rate: Callable[[float], float], duration: float, ta
     ]
 
 
+def _trapezoid(t: float, start: float, rise: float, hold: float) -> float:
+    """0 before ``start``, up to 1 over ``rise`` seconds, 1 for ``hold``, down over
+    ``rise``, then 0."""
+    if t <= start or t >= start + 2 * rise + hold:
+        return 0.0
+    if t < start + rise:
+        return (t - start) / rise
+    if t <= start + rise + hold:
+        return 1.0
+    return (start + 2 * rise + hold - t) / rise
+
+
 def _numbered(items: list[ReplayItem]) -> list[ReplayItem]:
     items.sort(key=lambda it: it.arrival)
     return [replace(it, rid=i) for i, it in enumerate(items)]
@@ -125,14 +137,7 @@ class Shape:
 
     def bump(self, t: float) -> float:
         d = self.duration
-        t0, r, p = self.burst_start * d, self.ramp * d, self.plateau * d
-        if t <= t0 or t >= t0 + 2 * r + p:
-            return 0.0
-        if t < t0 + r:
-            return (t - t0) / r
-        if t <= t0 + r + p:
-            return 1.0
-        return (t0 + 2 * r + p - t) / r
+        return _trapezoid(t, self.burst_start * d, self.ramp * d, self.plateau * d)
 
     def phases(self) -> list[tuple[float, float]]:
         """[start, end) of the phases before, during and after the burst (ramps included)."""
@@ -216,17 +221,8 @@ def diurnal(seed: int, duration: float = 2400.0, low: float = 1.2, high: float =
 
 def flash(seed: int, duration: float = 1800.0, base: float = 2.0, factor: float = 5.0,
           start: float = 600.0, rise: float = 60.0, hold: float = 600.0) -> Scenario:  # fmt: skip
-    def bump(t: float) -> float:
-        if t <= start or t >= start + 2 * rise + hold:
-            return 0.0
-        if t < start + rise:
-            return (t - start) / rise
-        if t <= start + rise + hold:
-            return 1.0
-        return (start + 2 * rise + hold - t) / rise
-
     def rate(t: float) -> float:
-        return base * (1.0 + (factor - 1.0) * bump(t))
+        return base * (1.0 + (factor - 1.0) * _trapezoid(t, start, rise, hold))
 
     shape = Shape(duration=duration, base_rate=base)
     extra = round(shape.base_users * (factor - 1.0))

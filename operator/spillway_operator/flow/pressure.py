@@ -42,6 +42,7 @@ scale down.
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 
@@ -441,11 +442,7 @@ def startup_seconds(pods: list[tuple[str | None, str | None]]) -> float:
             continue
         if 0 <= dt <= MAX_LEAD_SECONDS:
             took.append(dt)
-    if not took:
-        return 0.0
-    took.sort()
-    n = len(took)
-    return took[n // 2] if n % 2 else 0.5 * (took[n // 2 - 1] + took[n // 2])
+    return statistics.median(took) if took else 0.0
 
 
 # ---------------------------------------------------------------- which pods a scale-down takes
