@@ -35,6 +35,32 @@ def test_lone_request_latency_is_the_documented_formula():
     assert core.counters.by_source_local_compute == 1000
 
 
+@pytest.mark.parametrize(("params", "speed"), [(8e9, 1.0), (7e10, 1.0), (7e10, 0.25)])
+def test_emulating_latency_steps_as_the_emulated_gpu_sleeps(params, speed):
+    """``LatencyModel.emulating`` against the emulated worker's own timing
+    (``emulator.latency.step_s`` x speed, KV reads aside) for prefill, decode and mixed
+    steps, on both sides of the roofline's knee, plus the engine's CPU time per step."""
+    from spillway_engine.emulator import latency as emu
+
+    gpu, cost = emu.gpu_profile("h100"), emu.ModelCost.of(params)
+    lat = LatencyModel.emulating(gpu, cost, speed, overhead_s=0.007)
+    for prefill, decodes in [(0, 1), (0, 40), (1000, 0), (600, 12), (7000, 200), (50, 3)]:
+        core = make_core()
+        core.latency = lat
+        for _ in range(decodes):  # requests already decoding
+            core.add_request(tokens(8, 100 + _), max_tokens=50)
+        while core.waiting or any(r.num_computed < r.prompt_len for r in core.running):
+            core.step()
+        if prefill:
+            core.add_request(tokens(prefill, 1), max_tokens=2)
+        before = core.now
+        core.step()
+        want = emu.step_s(prefill + decodes, gpu, cost) * speed + 0.007
+        assert core.now - before == pytest.approx(want), (prefill, decodes)
+    # moving a page over the link takes the emulator's transfer time
+    assert 1e9 / lat.pcie_bytes_per_s == pytest.approx(emu.transfer_s(1e9, gpu) * speed)
+
+
 def test_shared_prefix_hits_the_gpu_cache_in_whole_blocks():
     core = make_core()
     prefix = tokens(1000, 1)

@@ -88,8 +88,9 @@ Scheduler (vLLM V1, FCFS, chunked prefill)
     step that preempted). A prefill's last chunk yields the first token.
 
 Latency model (all in seconds of modelled time; constants in :class:`LatencyModel`)
-    step      = (step_overhead_s + prefill_s_per_token * prefill_tokens
-                 + decode_s_per_seq * decoding_requests) * (1 + U(-jitter, +jitter))
+    step      = (step_overhead_s + max(prefill_s_per_token * prefill_tokens
+                 + decode_s_per_seq * decoding_requests, memory_floor_s))
+                * (1 + U(-jitter, +jitter))
     host load = bytes_per_rank / pcie_bytes_per_s, serialised on the host-to-device
                 link (bytes_per_rank = blocks loaded * page_bytes * layers of the group);
                 the request waits for it, other requests keep running
@@ -142,6 +143,24 @@ class LatencyModel:
     decode_s_per_seq: float = 50e-6
     pcie_bytes_per_s: float = 25e9
     jitter: float = 0.02
+    #: A step never computes faster than the GPU reads the weights once (a roofline's
+    #: memory side); 0 keeps the additive model above.
+    memory_floor_s: float = 0.0
+
+    @classmethod
+    def emulating(cls, gpu: Any, cost: Any, speed: float, overhead_s: float = 0.0,
+                  jitter: float = 0.0) -> LatencyModel:
+        """The emulated GPU worker's step times (``spillway_engine.emulator.latency``:
+        the larger of compute and one weight read, times ``speed``), plus the engine's
+        own CPU time per step (``overhead_s``, measured: the emulator does not sleep
+        it out). KV reads are left out (tiny next to the weights of the modelled size)."""
+        from spillway_engine.emulator.latency import memory_s, prefill_tokens_per_s, transfer_s
+
+        per_token = speed / prefill_tokens_per_s(gpu, cost)
+        link = 1.0 / (transfer_s(1.0, gpu) * speed) if speed > 0 else float("inf")
+        return cls(step_overhead_s=overhead_s, prefill_s_per_token=per_token,
+                   decode_s_per_seq=per_token, pcie_bytes_per_s=link, jitter=jitter,
+                   memory_floor_s=memory_s(gpu, cost) * speed)
 
 
 @dataclass(frozen=True)
@@ -1304,8 +1323,8 @@ class EngineCore:
         if not scheduled:
             return 0.0
         lat = self.latency
-        duration = lat.step_overhead_s + lat.prefill_s_per_token * prefill_tokens
-        duration += lat.decode_s_per_seq * decodes
+        compute = lat.prefill_s_per_token * prefill_tokens + lat.decode_s_per_seq * decodes
+        duration = lat.step_overhead_s + max(compute, lat.memory_floor_s)
         if lat.jitter:
             duration *= 1.0 + self.rng.uniform(-lat.jitter, lat.jitter)
         self.now += duration
