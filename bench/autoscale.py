@@ -86,7 +86,7 @@ sys.path.insert(0, str(ROOT / "operator"))
 from bench.autoscale_traces import TRACES, Scenario  # noqa: E402
 from spillway_cli.loadgen import percentile  # noqa: E402
 from spillway_engine.simulator.cluster import Replica, VirtualCluster  # noqa: E402
-from spillway_engine.simulator.core import SimRequest  # noqa: E402
+from spillway_engine.simulator.core import LatencyModel, SchedulerConfig, SimRequest  # noqa: E402
 from spillway_engine.simulator.plan_input import (  # noqa: E402
     SimPlan,
     gpu_blocks_for_tokens,
@@ -400,7 +400,12 @@ def plan_of(scenario: Scenario) -> SimPlan:
     return _PLANS[scenario.plan_file]
 
 
-def run_policy(policy, scenario: Scenario, seed: int) -> Result:
+def run_policy(policy, scenario: Scenario, seed: int, *, gpu_blocks: int | None = None,
+               latency: LatencyModel | None = None,
+               scheduler: SchedulerConfig | None = None) -> Result:
+    """One policy on one trace and seed. ``gpu_blocks``, ``latency`` and ``scheduler``
+    replace the trace's GPU KV size and the simulator's engine defaults (the emulated
+    fleet's replay sets them to its engines')."""
     start = time.perf_counter()
     if isinstance(policy, SpillwayPolicy):
         # The operator learns the lead from its pods' start-ups (pressure.startup_seconds):
@@ -413,7 +418,9 @@ def run_policy(policy, scenario: Scenario, seed: int) -> Result:
         load_delay=scenario.load_delay,
         replicas=MIN_REPLICAS,
         routing=ROUTING,
-        gpu_blocks=gpu_blocks_for_tokens(plan, scenario.gpu_kv_tokens),
+        gpu_blocks=gpu_blocks or gpu_blocks_for_tokens(plan, scenario.gpu_kv_tokens),
+        latency=latency,
+        scheduler=scheduler,
         seed=seed,
     )
     acc = {"t": 0.0, "n": cluster.occupied(), "rs": 0.0}

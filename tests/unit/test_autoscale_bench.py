@@ -139,3 +139,39 @@ def test_the_report_takes_each_policys_cheapest_target_at_the_median():
     assert "at >= 99.0%: best tuned baseline hpa-kv [0.7] 61.0; spillway default: " \
         "+9.0 replica-minutes vs hpa-kv" in report
     assert "at >= 99.9%" not in report  # nobody reached it
+
+
+def test_the_fleet_replay_trace_fits_the_tiny_model_and_its_sides_agree_on_the_plan():
+    """bench/autoscale_replay: the trace it plays on real engines is seeded, inside the
+    tiny tokenizer's ids and the engines' max_model_len (a request vLLM rejects would
+    miss on the fleet and in the simulator alike, telling nothing), keeps shared
+    prefixes shared, and its simulator side runs the plan the operator makes."""
+    from bench import autoscale_replay as replay
+
+    a, b = replay.fleet_trace(1, 300.0), replay.fleet_trace(1, 300.0)
+    assert [list(i.prompt) for i in a] == [list(i.prompt) for i in b]
+    lo, hi = replay.VOCAB
+    assert all(lo <= t < hi for i in a for t in i.prompt)
+    limit = replay.SPEC["engine"]["maxModelLen"]
+    assert max(len(i.prompt) + i.max_tokens for i in a) <= limit
+    shared = [i for i in a if i.session and i.session.startswith("sp/")]
+    by_prefix: dict[str, set[tuple[int, ...]]] = {}
+    for i in shared:
+        by_prefix.setdefault(i.session, set()).add(tuple(i.prompt[:512]))
+    assert shared and all(len(v) == 1 for v in by_prefix.values())
+    _, plan = replay.planned()
+    assert len(plan.kv_groups) == 4 and plan.offloader == "spillway"
+    sim = replay.simulate(a, plan.model_dump_json(), duration=300.0, load_delay=30.0,
+                          overhead_s=0.005, scheduler=bench.SchedulerConfig(max_model_len=limit),
+                          seed=1)
+    assert len(sim.ttfts) == len(a) and sim.replica_minutes >= 5.0
+
+
+def test_the_replay_reads_the_engines_scheduler_limits_from_vllms_log():
+    from bench import autoscale_replay as replay
+
+    log = ("INFO ... Chunked prefill is enabled with max_num_batched_tokens=2048.\n"
+           "INFO ... max_num_seqs=64 ...")
+    got = replay._scheduler(log, 1024)
+    assert (got.max_num_batched_tokens, got.max_num_seqs, got.max_model_len) == (2048, 64, 1024)
+    assert replay._scheduler("", 512).max_num_batched_tokens == 8192
