@@ -116,6 +116,15 @@ class ModelShape:
     mtp_layers: tuple[LayerKind, ...] = ()
     derived_max_model_len: int = 2048
     notes: tuple[str, ...] = ()
+    #: ``num_hidden_layers``: the decoder layers vLLM splits over pipeline stages
+    #: (``get_pp_indices``); 0: one cache layer per decoder layer, ``len(layers)``
+    num_hidden_layers: int = 0
+    #: the decoder layer each of ``layers`` sits in, where that is not layer i in decoder
+    #: layer i (several caches in one decoder layer, decoder layers without a cache);
+    #: empty: ``range(len(layers))``
+    layer_positions: tuple[int, ...] = ()
+    #: why pipeline parallelism is not modelled for this model (None: it is)
+    pipeline_refusal: str | None = None
 
 
 #: A family rule: (config.json, architecture name) -> the shape.

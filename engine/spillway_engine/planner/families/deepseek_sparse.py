@@ -52,10 +52,13 @@ def _deepseek_sparse(config: dict[str, Any], arch: str) -> ModelShape:
     indexer = LayerKind("mla", bytes_per_token=head + head // _INDEXER_QUANT_BLOCK * 4)
     mla = LayerKind("mla")
     layers: list[LayerKind] = []
+    positions: list[int] = []
     for i in range(n):
         if _has_indexer(i, cfg):
             layers.append(indexer)
+            positions.append(i)
         layers.append(mla)
+        positions.append(i)
     skipped = n - layers.count(indexer)
     notes = (
         (f"{skipped} layers reuse an earlier layer's top-k (no indexer cache)",) if skipped else ()
@@ -75,6 +78,8 @@ def _deepseek_sparse(config: dict[str, Any], arch: str) -> ModelShape:
         sparse_mla=True,
         derived_max_model_len=derived_max_len(cfg),
         mtp_layers=(indexer, mla) * mtp,
+        num_hidden_layers=n,
+        layer_positions=tuple(positions),
         notes=(
             f"sparse MLA: a {indexer.bytes_per_token}-byte indexer key beside each "
             f"{latent}-wide latent",

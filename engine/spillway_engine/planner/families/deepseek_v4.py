@@ -106,13 +106,15 @@ def _deepseek_v4(config: dict[str, Any], arch: str) -> ModelShape:
     states = {r: state(r, head) for r in _STATE_BLOCK}
     index_state = state(4, index_head)
     layers: list[LayerKind] = []
+    positions: list[int] = []
     ratios = _ratios(cfg, n)
-    for r in ratios:
+    for i, r in enumerate(ratios):
         if r == 4:
             layers += [index_key, index_state]
         layers.append(swa)
         if r > 1:
             layers += [latents[r], states[r]]
+        positions += [i] * (len(layers) - len(positions))
     counts = {r: ratios.count(r) for r in (4, 128)}
     # MTP layers sit past num_hidden_layers: vLLM gives them compress ratio 1 (a
     # sliding-window latent only), whatever their compress_ratios entry says
@@ -130,6 +132,8 @@ def _deepseek_v4(config: dict[str, Any], arch: str) -> ModelShape:
         sparse_mla=True,
         compressed_sparse_mla=True,
         mtp_layers=(swa,) * mtp,
+        num_hidden_layers=n,
+        layer_positions=tuple(positions),
         derived_max_model_len=derived_max_len(cfg),
         notes=(
             f"DeepSeek-V4: {n} sliding-window latents (window {window}), "

@@ -58,7 +58,16 @@ def _gemma4(config: dict[str, Any], arch: str) -> ModelShape:
         for t in layer_types[: n - shared]
     )
     notes = (f"{shared} KV-shared layers own no cache",) if shared else ()
-    return attention_shape(config, cfg, arch, layers, model_type="gemma4_text", notes=notes)
+    refusal = (
+        f"{arch} with {shared} KV-shared layers: pipeline parallelism is not modelled (a "
+        "shared layer reads an earlier layer's cache, which may sit on another stage)"
+        if shared
+        else None
+    )
+    return attention_shape(
+        config, cfg, arch, layers, model_type="gemma4_text", notes=notes,
+        num_hidden_layers=n, pipeline_refusal=refusal,
+    )
 
 
 ARCHITECTURES: dict[str, ShapeRule] = {

@@ -89,8 +89,11 @@ def _glm5next(config: dict[str, Any], arch: str) -> ModelShape:
     tail = LayerKind("circular_buffer", bytes_per_token=2 * head * 2, ring_unit=kpool)
     mla = LayerKind("mla")
     layers: list[LayerKind] = []
-    for kind in layer_types:
-        layers.extend((kda,) if kind == "linear_attention" else (indexer, tail, mla))
+    positions: list[int] = []
+    for i, kind in enumerate(layer_types):
+        caches = (kda,) if kind == "linear_attention" else (indexer, tail, mla)
+        layers.extend(caches)
+        positions.extend([i] * len(caches))
     # Glm5NextMTPModel (model_type glm5_next only): each MTP layer is an MLA decoder
     # layer (is_mtp_layer) with its own indexer keys, tail ring and latent
     mtp = cfg.int("num_nextn_predict_layers", 0, minimum=0)
@@ -130,6 +133,8 @@ def _glm5next(config: dict[str, Any], arch: str) -> ModelShape:
         block_alignment=kpool * min(_MQA_PAGES),
         mamba=MambaState("kda", states, checkpoint),
         mtp_layers=(indexer, tail, mla) * mtp,
+        num_hidden_layers=n,
+        layer_positions=tuple(positions),
         derived_max_model_len=derived_max_len(cfg),
         notes=(
             f"kpool indexer: one {indexer.bytes_per_token}-byte key per {kpool} tokens beside "

@@ -53,6 +53,9 @@ def _nemotron_h(config: dict[str, Any], arch: str) -> ModelShape:
         layers,
         model_type="nemotron_h",
         mamba=MambaState("mamba2", states),
+        # the MLP / MoE layers ("-", "E") hold no cache but take part in the PP split
+        num_hidden_layers=len(pattern),
+        layer_positions=tuple(i for i, c in enumerate(pattern) if c in "M*"),
     )
 
 
