@@ -226,9 +226,11 @@ def test_unknown_gpu():
     assert get_gpu("NVIDIA_A100-80GB").name == "a100"
 
 
-def test_pipeline_parallel_refused():
-    with pytest.raises(UnsupportedModel, match="pipeline"):
-        layout("llama-3.2-1b", pipeline_parallel_size=2)
+def test_pipeline_parallel_with_more_stages_than_layers_refused():
+    # pipeline stages are modelled (tests/unit/test_planner_pipeline.py); a stage
+    # without a KV-cache layer is refused
+    with pytest.raises(UnsupportedModel, match="pipeline_parallel_size 32 exceeds"):
+        layout("llama-3.2-1b", pipeline_parallel_size=32)
 
 
 @settings(max_examples=150, deadline=None)

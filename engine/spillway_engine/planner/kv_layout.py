@@ -69,6 +69,9 @@ class LayoutRequest:
     #: the cache layers of a separate drafter (draft model or EAGLE-3 head), from its
     #: own config.json; ``None`` for MTP (the heads are in the model's config)
     drafter: ModelShape | None = None
+    #: ``VLLM_PP_LAYER_PARTITION``: decoder layers per pipeline stage; None: vLLM's
+    #: own split (``get_pp_indices``)
+    pp_layer_partition: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -146,10 +149,32 @@ class KVLayout:
     draft_layers: int = 0
     #: block-outermost (BLHNC) KV layout: groups pack their layers' pages in each block
     block_outer: bool = False
+    #: pipeline stages (empty without pipeline parallelism): each stage's workers hold
+    #: the same groups with only the stage's layers
+    stages: tuple[Stage, ...] = ()
 
     @property
     def replicated_mla(self) -> bool:
         return self.shape.mla_latent > 0 and self.tp_replicas > 1
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline stage: its decoder layers, and the KV cache each of its TP workers
+    holds (vLLM's global groups projected onto the stage's layers,
+    ``_project_kv_cache_groups_to_worker``)."""
+
+    index: int
+    #: decoder layers ``[first_layer, end_layer)`` (``get_pp_indices``)
+    first_layer: int
+    end_layer: int
+    #: the stage's cache layers, as indices among the whole model's (``shape.layers``)
+    cache_layers: tuple[int, ...]
+    #: the drafter's cache layers on this stage (vLLM builds the drafter on the last)
+    draft_layers: int
+    #: the layout one worker of this stage holds: every group of the model, each with
+    #: only this stage's layers (a group may hold none), and the stage's bytes per block
+    layout: KVLayout
 
 
 def _kv_dtype(shape: ModelShape, kv_cache_dtype: str) -> tuple[str, int]:
@@ -213,10 +238,19 @@ def compute_layout(shape: ModelShape, gpu: Gpu, request: LayoutRequest) -> KVLay
     tp = request.tensor_parallel_size
     if tp < 1 or request.pipeline_parallel_size < 1:
         raise ValueError("parallel sizes must be at least 1")
-    if request.pipeline_parallel_size != 1:
+    if request.pipeline_parallel_size > 1:
+        if shape.pipeline_refusal:
+            raise UnsupportedModel(shape.pipeline_refusal)
+        if request.speculative_method not in (None, "mtp"):
+            raise UnsupportedModel(
+                f"a {request.speculative_method} drafter with pipeline parallelism is not "
+                "modelled (vLLM builds it on the last stage with its own layer split); the "
+                "model's own MTP layers (method=mtp) are"
+            )
+    elif request.pp_layer_partition is not None:
         raise UnsupportedModel(
-            "pipeline parallelism is not modelled (each stage holds a subset of the "
-            "layers and vLLM pads groups per stage)"
+            "pipeline_layer_partition (VLLM_PP_LAYER_PARTITION) is given without pipeline "
+            "parallelism (pipeline_parallel_size 1)"
         )
     if request.dtype != "auto":
         if request.dtype not in ("bfloat16", "float16"):
@@ -380,7 +414,7 @@ def compute_layout(shape: ModelShape, gpu: Gpu, request: LayoutRequest) -> KVLay
     # MLA latents are identical on every TP rank (max_tp_shards = 1); Mamba states are
     # split over TP, so a hybrid's ranks do not hold identical caches (the gcd is 1).
     tp_replicas = tp if shape.mla_latent and shape.mamba is None else 1
-    return KVLayout(
+    layout = KVLayout(
         shape=shape,
         gpu=gpu,
         attention_backend=backend.name if backend else None,
@@ -399,6 +433,7 @@ def compute_layout(shape: ModelShape, gpu: Gpu, request: LayoutRequest) -> KVLay
         draft_layers=len(shape.layers) - own_layers,
         block_outer=block_outer,
     )
+    return _with_stages(layout, own_layers, specs, request)
 
 
 # ------------------------------------------------- compressed caches, packed blocks
@@ -490,7 +525,7 @@ def _packed_layout(
             "coarser than the finest block (it refuses to start): only vLLM's offloader "
             "runs this model"
         )
-    return KVLayout(
+    layout = KVLayout(
         shape=shape,
         gpu=gpu,
         attention_backend=backend.name,
@@ -510,7 +545,9 @@ def _packed_layout(
         tp_replicas=request.tensor_parallel_size,
         notes=tuple(notes),
         draft_layers=len(shape.layers) - own_layers,
+        block_outer=True,
     )
+    return _with_stages(layout, own_layers, specs, request)
 
 
 def _approximate_gcd(values: list[int], lower_bound: int) -> int:
@@ -906,3 +943,183 @@ def _tokens_per_hash(groups: tuple[KVGroup, ...], mamba_mode: str | None) -> int
         return math.lcm(*sizes)  # Mamba outside align mode: hash at the scheduler block
     # a circular-buffer ring is never hashed
     return math.gcd(*([g.tokens_per_block for g in groups if g.prefix_cacheable] or sizes))
+
+
+# ------------------------------------------------------------ pipeline parallelism
+
+
+def parse_pp_layer_partition(text: str) -> tuple[int, ...]:
+    """``VLLM_PP_LAYER_PARTITION`` as vLLM reads it: comma-separated integers."""
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise UnsupportedModel(
+            f"pipeline_layer_partition (VLLM_PP_LAYER_PARTITION) {text!r} is not a "
+            f"comma-separated list of integers; vLLM refuses it (Invalid partition string: "
+            f"{text})"
+        ) from None
+
+
+def pp_partition(
+    num_hidden_layers: int, pp_size: int, partition: tuple[int, ...] | None = None
+) -> tuple[int, ...]:
+    """Decoder layers per stage as vLLM 0.33.0's ``get_pp_indices`` splits them.
+
+    With ``partition`` (``VLLM_PP_LAYER_PARTITION``) it must have one entry per stage
+    summing to the layer count. Without, an even split whose remainder goes one layer
+    each to the stages before the last, from the second-to-last backwards."""
+    if pp_size < 1:
+        raise ValueError("pipeline_parallel_size must be at least 1")
+    if partition is not None:
+        partitions = list(partition)
+        if len(partitions) != pp_size:
+            raise UnsupportedModel(
+                f"pipeline_layer_partition (VLLM_PP_LAYER_PARTITION) has {len(partitions)} "
+                f"entries for pipeline_parallel_size {pp_size}; vLLM refuses it "
+                f"(len(partitions)={len(partitions)} does not match pp_size={pp_size}.)"
+            )
+        if sum(partitions) != num_hidden_layers:
+            raise UnsupportedModel(
+                f"pipeline_layer_partition (VLLM_PP_LAYER_PARTITION) {partitions} sums to "
+                f"{sum(partitions)}, not the model's {num_hidden_layers} decoder layers "
+                f"(num_hidden_layers); vLLM refuses it (sum(partitions)={sum(partitions)} "
+                f"does not match num_hidden_layers={num_hidden_layers}.)"
+            )
+        return tuple(partitions)
+    partitions = [num_hidden_layers // pp_size] * pp_size
+    for i in range(2, num_hidden_layers % pp_size + 2):
+        partitions[-i] += 1
+    return tuple(partitions)
+
+
+def pp_indices(
+    num_hidden_layers: int,
+    pp_rank: int,
+    pp_size: int,
+    partition: tuple[int, ...] | None = None,
+) -> tuple[int, int]:
+    """``get_pp_indices``: stage ``pp_rank``'s decoder layers ``[start, end)``."""
+    partitions = pp_partition(num_hidden_layers, pp_size, partition)
+    start = sum(partitions[:pp_rank])
+    return start, start + partitions[pp_rank]
+
+
+def _with_stages(
+    layout: KVLayout, own_layers: int, specs: list[_Spec], request: LayoutRequest
+) -> KVLayout:
+    """The layout with its pipeline stages (none without pipeline parallelism).
+
+    vLLM groups the whole model's layers once (``get_global_kv_cache_groups`` over
+    every worker's specs merged: the same groups as without PP), then each worker keeps
+    every group with only its own layers (``_project_kv_cache_groups_to_worker``; a
+    group may keep none) and sizes its backing allocation from them: a block costs the
+    stage's largest group. The hash unit and block sizes are the model's. Decoder
+    layers split as ``get_pp_indices`` says; the drafter sits on the last stage.
+    """
+    pp = request.pipeline_parallel_size
+    if pp == 1:
+        return layout
+    shape = layout.shape
+    hidden = shape.num_hidden_layers or own_layers
+    positions = shape.layer_positions or tuple(range(own_layers))
+    assert len(positions) == own_layers
+    partitions = pp_partition(hidden, pp, request.pp_layer_partition)
+    if any(p < 0 for p in partitions):
+        raise UnsupportedModel(
+            f"pipeline_layer_partition (VLLM_PP_LAYER_PARTITION) {list(partitions)} has a "
+            "negative entry"
+        )
+    bounds = []
+    start = 0
+    for count in partitions:
+        bounds.append((start, start + count))
+        start += count
+    stage_of: list[int] = []
+    stage = 0
+    for position in positions:  # cache layers come in decoder-layer order
+        while position >= bounds[stage][1]:
+            stage += 1
+        stage_of.append(stage)
+    stage_of += [pp - 1] * (len(shape.layers) - own_layers)  # the drafter: last stage
+    members: list[list[int]] = [[] for _ in range(pp)]
+    for index, s in enumerate(stage_of):
+        members[s].append(index)
+    empty = [s for s in range(pp) if not members[s]]
+    if empty:
+        what = (
+            f"pipeline_parallel_size {pp} exceeds the model's {hidden} decoder layers"
+            if pp > hidden and request.pp_layer_partition is None
+            else f"the split {list(partitions)} of the model's {hidden} decoder layers"
+        )
+        raise UnsupportedModel(
+            f"{what}: stage(s) {empty} would hold no KV-cache layer, and vLLM's KV "
+            "planning fails for a worker without one (ZeroDivisionError: its block is 0 "
+            "bytes)"
+        )
+    stages = []
+    for s in range(pp):
+        mine = set(members[s])
+        groups = tuple(_project(g, mine) for g in layout.groups)
+        widest = max(g.bytes_per_block for g in groups)
+        if layout.block_outer:
+            stride = math.lcm(*(specs[i].stride_alignment for i in members[s]))
+            widest = round_up(widest, stride)
+        stage_layout = replace(
+            layout,
+            groups=groups,
+            worker_bytes_per_block=widest,
+            draft_layers=sum(1 for i in members[s] if i >= own_layers),
+            notes=(),
+        )
+        stages.append(
+            Stage(
+                index=s,
+                first_layer=bounds[s][0],
+                end_layer=bounds[s][1],
+                cache_layers=tuple(members[s]),
+                draft_layers=stage_layout.draft_layers,
+                layout=stage_layout,
+            )
+        )
+    notes = list(layout.notes)
+    if request.pp_layer_partition is None and hidden % pp:
+        notes.append(
+            f"{hidden} decoder layers split unevenly over {pp} stages: {list(partitions)} "
+            "(vLLM's get_pp_indices; VLLM_PP_LAYER_PARTITION overrides it)"
+        )
+    sizes = {st.layout.worker_bytes_per_block for st in stages}
+    if len(sizes) > 1:
+        notes.append(
+            f"the stages' workers hold {sorted(sizes)} bytes per block: vLLM's scheduler "
+            "and its CPU offloader's manager take stage 0's KV-cache config, each stage's "
+            "workers their own"
+        )
+    return replace(layout, stages=tuple(stages), notes=tuple(notes))
+
+
+def _project(group: KVGroup, mine: set[int]) -> KVGroup:
+    """``_project_kv_cache_groups_to_worker``: the group with only this worker's layers;
+    a group of mixed pages (``UniformTypeKVCacheSpecs``) keeps those layers' pages (all
+    of them, as vLLM keeps the spec, when the worker holds none)."""
+    kept = tuple(i for i in group.layer_indices if i in mine)
+    if len(kept) == group.num_layers:
+        return group
+    if not group.layer_page_bytes:
+        return replace(group, layer_indices=kept, padded_layers=0)
+    if not kept:
+        return replace(
+            group, layer_indices=(), padded_layers=0, layer_page_bytes=(), layer_true_page_bytes=()
+        )
+    where = [k for k, i in enumerate(group.layer_indices) if i in mine]
+    pages = tuple(group.layer_page_bytes[k] for k in where)
+    true_pages = (
+        tuple(group.layer_true_page_bytes[k] for k in where) if group.layer_true_page_bytes else ()
+    )
+    return replace(
+        group,
+        layer_indices=kept,
+        page_bytes=sum(pages),
+        layer_page_bytes=pages,
+        layer_true_page_bytes=true_pages,
+        padded_layers=0,
+    )

@@ -53,6 +53,8 @@ class OffloadRequest:
     chunk_block_size_tokens: int | None = None
     #: vLLM's replicated MLA layout needs the single-node ``mp`` executor
     single_node: bool = True
+    #: pipeline stages in ``world_size`` (vLLM's replicated layout needs 1)
+    pipeline_parallel_size: int = 1
 
 
 @dataclass(frozen=True)
@@ -143,9 +145,14 @@ def host_copies(world_size: int, replicated: bool) -> int:
     return 1 if replicated else world_size
 
 
-def replicated_layout(layout: KVLayout, world_size: int, single_node: bool) -> bool:
-    """``build_offloading_config``: one copy per row for TP-replicated MLA (mp, one node)."""
-    tp = world_size  # PP is refused earlier, so the world is the TP group
+def replicated_layout(
+    layout: KVLayout, world_size: int, single_node: bool, pipeline_parallel_size: int = 1
+) -> bool:
+    """``build_offloading_config``: one copy per row for TP-replicated MLA (mp, one node,
+    TP only: no pipeline stages)."""
+    if pipeline_parallel_size != 1:
+        return False
+    tp = world_size
     return layout.shape.mla_latent > 0 and tp > 1 and layout.tp_replicas == tp and single_node
 
 
@@ -221,7 +228,9 @@ def upstream_geometry(layout: KVLayout, request: OffloadRequest) -> UpstreamGeom
                 "asserts at start-up (Mamba hybrids need prefix caching on)"
             )
     bpc = resolve_blocks_per_chunk(layout, request)
-    replicated = replicated_layout(layout, request.world_size, request.single_node)
+    replicated = replicated_layout(
+        layout, request.world_size, request.single_node, request.pipeline_parallel_size
+    )
     copies = host_copies(request.world_size, replicated)
     kv_bytes_per_chunk = layout.worker_bytes_per_block * copies * bpc
     row = round_up(kv_bytes_per_chunk, ROW_ALIGNMENT)
@@ -494,18 +503,29 @@ def spillway_geometry(layout: KVLayout, request: OffloadRequest) -> SpillwayGeom
             "mode 'align'); without it there is nothing chunkable to offload"
         )
     span = spillway_chunk_tokens(layout, request.blocks_per_chunk, request.chunk_block_size_tokens)
-    replicated = replicated_layout(layout, request.world_size, request.single_node)
+    replicated = replicated_layout(
+        layout, request.world_size, request.single_node, request.pipeline_parallel_size
+    )
     _check_pool(request.cpu_bytes, 1, "byte")
+    # a pipeline stage may hold no layer of a group: its chunks take no host bytes there
+    held = [(i, g) for i, g in offloaded_groups(layout) if g.num_layers]
+    if not held:
+        raise OffloadRefused(
+            "the workers hold no layer of any offloaded KV-cache group: nothing to offload"
+        )
     pool = unit_pool(
         request.cpu_bytes,
         span,
-        [
-            (i, g.kind, g.tokens_per_block, true_bytes_per_block(layout, g))
-            for i, g in offloaded_groups(layout)
-        ],
+        [(i, g.kind, g.tokens_per_block, true_bytes_per_block(layout, g)) for i, g in held],
         host_copies(request.world_size, replicated),
     )
     copies, unit = pool.copies, pool.unit_bytes
+    per_group = {
+        i: (bpc, nbytes, k)
+        for (i, _), bpc, nbytes, k in zip(
+            held, pool.blocks_per_chunk, pool.chunk_bytes, pool.units, strict=True
+        )
+    }
     groups = tuple(
         GroupChunk(
             group_index=i,
@@ -517,13 +537,8 @@ def spillway_geometry(layout: KVLayout, request: OffloadRequest) -> SpillwayGeom
             window_chunks=_window_chunks(g, span),
             units=k,
         )
-        for (i, g), bpc, nbytes, k in zip(
-            offloaded_groups(layout),
-            pool.blocks_per_chunk,
-            pool.chunk_bytes,
-            pool.units,
-            strict=True,
-        )
+        for i, g in offloaded_groups(layout)
+        for bpc, nbytes, k in (per_group.get(i, (span // g.tokens_per_block, 0, 0)),)
     )
     num_units, num_chunks = pool.num_units, pool.num_chunks
     return SpillwayGeometry(

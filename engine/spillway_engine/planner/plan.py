@@ -9,6 +9,12 @@ cache manager on, speculative decoding only as asked (``speculative_method``; a
 separate drafter's config.json is ``make_plan``'s ``draft_config``), no decode/prefill
 context parallelism,
 ``mp`` executor on one node, ``--prefix-cache-retention-interval`` at its default.
+
+Pipeline parallelism (``pipeline_parallel_size`` > 1): vLLM groups the whole model's
+layers once, and every stage's workers hold those groups with only the stage's layers.
+The plan's top-level figures (``worker_bytes_per_block``, rows, chunks, capacity) are
+then stage 0's, the KV-cache config vLLM's scheduler and its offloader's manager take;
+``stages`` gives each stage's layers, groups and host pool as its workers compute them.
 """
 
 from __future__ import annotations
@@ -68,7 +74,12 @@ class PlanRequest(_Model):
 
     model_name: str | None = Field(None, description="Model id or path, for the record.")
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs per engine sharing heads.")
-    pipeline_parallel_size: int = Field(1, ge=1, description="Pipeline stages (only 1).")
+    pipeline_parallel_size: int = Field(1, ge=1, description="Pipeline stages.")
+    pipeline_layer_partition: list[int] | None = Field(
+        None,
+        description="VLLM_PP_LAYER_PARTITION: decoder layers per pipeline stage; null: "
+        "vLLM's own split.",
+    )
     data_parallel_size: int = Field(1, ge=1, description="Engines per pod, each with a pool.")
     dtype: Literal["auto", "bfloat16", "float16"] = Field("auto", description="vLLM --dtype.")
     kv_cache_dtype: str = Field("auto", description="vLLM --kv-cache-dtype.")
@@ -149,6 +160,9 @@ class Parallelism(_Model):
     pipeline_parallel_size: int
     data_parallel_size: int
     world_size: int = Field(description="GPU workers per engine (TP x PP).")
+    pipeline_layer_partition: list[int] | None = Field(
+        None, description="VLLM_PP_LAYER_PARTITION the engine sets, or null (vLLM's split)."
+    )
 
 
 class KVGroupInfo(_Model):
@@ -258,6 +272,36 @@ class DiskTierInfo(_Model):
     )
 
 
+class StageInfo(_Model):
+    """One pipeline stage: its layers and what each of its TP workers holds and offloads."""
+
+    stage: int = Field(description="Pipeline rank.")
+    first_layer: int = Field(description="First decoder layer of the stage.")
+    end_layer: int = Field(description="One past its last decoder layer.")
+    num_cache_layers: int = Field(description="Cache layers on the stage (drafter's included).")
+    cache_layer_indices: list[int] = Field(
+        description="The stage's cache layers, as indices among the whole model's."
+    )
+    draft_layer_indices: list[int] = Field(
+        default_factory=list, description="The drafter's cache layers (on the last stage)."
+    )
+    workers: int = Field(description="Workers of the stage (its TP ranks).")
+    kv_groups: list[KVGroupInfo] = Field(
+        description="Every KV-cache group of the model with only this stage's layers (a "
+        "group may hold none here): the stage's workers' KV-cache config."
+    )
+    worker_bytes_per_block: int = Field(description="One block of a stage worker's allocation.")
+    upstream: UpstreamInfo | None = Field(
+        description="vLLM's offloader as this stage's workers size it, or null if refused."
+    )
+    upstream_refusal: str | None = Field(None, description="Why vLLM's offloader refuses.")
+    spillway: SpillwayInfo | None = Field(
+        description="Spillway's geometry for this stage's groups, or null if refused."
+    )
+    spillway_refusal: str | None = Field(None, description="Why Spillway's refuses it.")
+    region_bytes: int = Field(description="The chosen offloader's host region for the stage.")
+
+
 class Plan(_Model):
     """Everything the operator and the engine need to agree on. Stable JSON."""
 
@@ -305,6 +349,11 @@ class Plan(_Model):
     )
     draft_layer_indices: list[int] = Field(
         default_factory=list, description="Cache layers the drafter adds (last in order)."
+    )
+    stages: list[StageInfo] = Field(
+        default_factory=list,
+        description="Pipeline stages, each with its layers, KV groups and host pool; empty "
+        "without pipeline parallelism.",
     )
 
     def speculative_config(self) -> dict[str, Any] | None:
@@ -486,6 +535,11 @@ def _layout(
         LayoutRequest(
             tensor_parallel_size=request.tensor_parallel_size,
             pipeline_parallel_size=request.pipeline_parallel_size,
+            pp_layer_partition=(
+                None
+                if request.pipeline_layer_partition is None
+                else tuple(request.pipeline_layer_partition)
+            ),
             kv_cache_dtype=request.kv_cache_dtype,
             dtype=request.dtype,
             max_model_len=max_len,
@@ -517,9 +571,16 @@ def make_plan(
 def _make_plan(
     config: dict[str, Any], request: PlanRequest, draft_config: dict[str, Any] | None
 ) -> Plan:
-    layout, max_len = _layout(config, request, draft_config)
+    model_layout, max_len = _layout(config, request, draft_config)
+    # the scheduler's view: stage 0's KV-cache config under pipeline parallelism
+    layout = model_layout.stages[0].layout if model_layout.stages else model_layout
     workers = request.tensor_parallel_size * request.pipeline_parallel_size
     dp = request.data_parallel_size
+    if model_layout.stages and request.disk_bytes is not None:
+        raise PlanRefused(
+            "offload.disk.size (--disk) with pipeline parallelism: the disk tier is not "
+            "modelled for pipeline stages"
+        )
     cpu_bytes = _pool_bytes(request, workers, dp)
     upstream, upstream_refusal, spillway = _geometries(
         layout, request, cpu_bytes, workers, max_len
@@ -539,6 +600,7 @@ def _make_plan(
             layout, request, cpu_bytes, workers, max_len
         )
         chosen = _chosen_offload(request.offloader, upstream, spillway)
+    stages, stage_notes = _stages(model_layout, request, cpu_bytes, workers, max_len)
     pod = _sized_pod(chosen.region_bytes, workers, dp, limit, chosen.host_keys)
     disk = _disk_tier(request, layout, spillway, workers, dp, max_len)
     # One validation of nested dicts (pydantic's core walks them) instead of a model
@@ -559,13 +621,14 @@ def _make_plan(
             pipeline_parallel_size=request.pipeline_parallel_size,
             data_parallel_size=dp,
             world_size=workers,
+            pipeline_layer_partition=request.pipeline_layer_partition,
         ),
         kv_cache_dtype=layout.kv_cache_dtype,
         max_model_len=max_len,
         block_size=layout.block_size,
         enable_prefix_caching=request.enable_prefix_caching,
         mamba_cache_mode=layout.mamba_cache_mode,
-        kv_groups=_kv_groups(layout),
+        kv_groups=_kv_groups(model_layout),
         tokens_per_hash=layout.tokens_per_hash,
         worker_bytes_per_block=layout.worker_bytes_per_block,
         offloader=request.offloader,
@@ -591,11 +654,12 @@ def _make_plan(
             headroom_bytes=pod.headroom_bytes,
         ),
         disk=disk,
-        notes=list(layout.notes),
+        notes=list(model_layout.notes) + stage_notes,
         speculative_method=request.speculative_method,
         num_speculative_tokens=request.num_speculative_tokens if request.speculative_method else 0,
         speculative_model=request.speculative_model if request.speculative_method else None,
-        draft_layer_indices=_draft_layers(layout),
+        draft_layer_indices=_draft_layers(model_layout),
+        stages=stages,
     ))
 
 
@@ -654,6 +718,86 @@ def _disk_tier(
     )
 
 
+def _stages(
+    model_layout: KVLayout, request: PlanRequest, cpu_bytes: int, workers: int, max_len: int
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """Each pipeline stage's layers, groups and both offloaders' host pools as the
+    stage's workers size them (every worker builds its offloading spec from its own
+    KV-cache config and the same cpu_bytes_to_use), and notes on how they differ."""
+    out: list[dict[str, Any]] = []
+    draft = set(_draft_layers(model_layout))
+    for stage in model_layout.stages:
+        layout = stage.layout
+        upstream = spillway = None
+        upstream_refusal = spillway_refusal = None
+        offload = _offload_request(request, cpu_bytes, workers, max_len)
+        try:
+            upstream = upstream_geometry(layout, offload)
+        except OffloadRefused as e:
+            upstream_refusal = str(e)
+        try:
+            if request.offloader == "spillway" and (why := spillway_connector_refusal(layout)):
+                raise OffloadRefused(why)
+            spillway = spillway_geometry(layout, offload)
+        except OffloadRefused as e:
+            spillway_refusal = str(e)
+        refusal = upstream_refusal if request.offloader == "upstream" else spillway_refusal
+        if refusal is not None:
+            raise OffloadRefused(f"pipeline stage {stage.index}: {refusal}")
+        chosen = upstream if request.offloader == "upstream" else spillway
+        assert chosen is not None
+        out.append(dict(
+            stage=stage.index,
+            first_layer=stage.first_layer,
+            end_layer=stage.end_layer,
+            num_cache_layers=len(stage.cache_layers),
+            cache_layer_indices=list(stage.cache_layers),
+            draft_layer_indices=[i for i in stage.cache_layers if i in draft],
+            workers=request.tensor_parallel_size,
+            kv_groups=_kv_groups(layout),
+            worker_bytes_per_block=layout.worker_bytes_per_block,
+            upstream=None if upstream is None else _upstream_info(upstream),
+            upstream_refusal=upstream_refusal,
+            spillway=None if spillway is None else _spillway_info(spillway),
+            spillway_refusal=spillway_refusal,
+            region_bytes=chosen.region_bytes,
+        ))
+    return out, _stage_notes(out)
+
+
+def _stage_notes(stages: list[dict[str, Any]]) -> list[str]:
+    """Where vLLM's offloader sizes the stages differently: its scheduler-side manager
+    counts stage 0's chunks, each stage's workers cut their own rows of the region."""
+    rows = [(s["upstream"]["row_bytes"], s["upstream"]["num_chunks"]) for s in stages
+            if s["upstream"] is not None]
+    if len(set(rows)) <= 1:
+        return []
+    short = [s["stage"] for s in stages
+             if s["upstream"] is not None and s["upstream"]["num_chunks"] < rows[0][1]]
+    return [
+        "vLLM's offloader sizes each stage's rows from that stage's KV cache: "
+        f"(row bytes, chunks) per stage {rows}; its manager hands out stage 0's "
+        f"{rows[0][1]} chunks"
+        + (f", more than stage(s) {short} hold" if short else "")
+        + ", and stages sharing a node share one /dev/shm region with different row "
+        "strides (unchecked on GPUs; a split that gives every stage the same bytes per "
+        "block avoids both)"
+    ]
+
+
+def _offload_request(
+    request: PlanRequest, cpu_bytes: int, workers: int, max_len: int
+) -> OffloadRequest:
+    return OffloadRequest(
+        cpu_bytes=cpu_bytes,
+        world_size=workers,
+        max_model_len=max_len,
+        blocks_per_chunk=request.blocks_per_chunk,
+        chunk_block_size_tokens=request.chunk_block_size_tokens,
+        pipeline_parallel_size=request.pipeline_parallel_size,
+    )
+
+
 def _pool_bytes(request: PlanRequest, workers: int, dp: int) -> int:
     """The host pool per engine: as asked, or the largest the memory limit allows."""
     cpu_bytes = request.cpu_memory_bytes
@@ -673,13 +817,7 @@ def _geometries(
 ) -> tuple[UpstreamGeometry | None, str | None, SpillwayGeometry]:
     """Both offloaders' geometry for the pool. vLLM's may refuse the model; that only
     stops the plan when vLLM's offloader is the one asked for."""
-    offload = OffloadRequest(
-        cpu_bytes=cpu_bytes,
-        world_size=workers,
-        max_model_len=max_len,
-        blocks_per_chunk=request.blocks_per_chunk,
-        chunk_block_size_tokens=request.chunk_block_size_tokens,
-    )
+    offload = _offload_request(request, cpu_bytes, workers, max_len)
     upstream: UpstreamGeometry | None = None
     refusal = None
     try:
