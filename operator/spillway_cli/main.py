@@ -15,8 +15,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from spillway_engine.planner.families import HOW_TO_ASK, SUPPORTED_ARCHITECTURES
+from spillway_engine.planner.kv_layout import parse_pp_layer_partition
 from spillway_engine.planner.model_config import ModelConfigSourceError, load_hub, load_local
 from spillway_engine.planner.plan import Plan, PlanRefused, PlanRequest, make_plan
+from spillway_engine.planner.shape import UnsupportedModel
 from spillway_engine.quantity import QuantityError, human_bytes, parse_bytes
 
 EXIT_REFUSED = 2
@@ -90,6 +92,12 @@ def _add_plan(sub: Any) -> None:
     p.add_argument("--revision", help="hub revision for --model")
     p.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1)
     p.add_argument("--pipeline-parallel-size", "-pp", type=_positive_int, default=1)
+    p.add_argument(
+        "--pp-layer-partition",
+        metavar="N,N,...",
+        help="decoder layers per pipeline stage, as vLLM's VLLM_PP_LAYER_PARTITION "
+        "(default: vLLM's own split)",
+    )
     p.add_argument("--data-parallel-size", "-dp", type=_positive_int, default=1)
     p.add_argument("--max-model-len", type=_positive_int)
     p.add_argument("--block-size", type=_positive_int, help="vLLM --block-size, if forced")
@@ -188,10 +196,17 @@ def _run_plan(args: argparse.Namespace) -> int:
         raise CliError("give --cpu-memory (the host pool) or --memory-limit")
     config = _load_config(args)
     draft_config = _load_draft_config(args)
+    partition = None
+    if args.pp_layer_partition is not None:
+        try:
+            partition = list(parse_pp_layer_partition(args.pp_layer_partition))
+        except UnsupportedModel as e:
+            raise CliError(str(e)) from None
     request = PlanRequest(
         model_name=args.model or args.model_config,
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
+        pipeline_layer_partition=partition,
         data_parallel_size=args.data_parallel_size,
         dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype,
@@ -327,8 +342,46 @@ def render_table(plan: Plan) -> str:
         *_disk_lines(plan),
         f"extra cfg  {json.dumps(plan.kv_connector_extra_config)}",
     ]
+    lines += _stage_lines(plan)
     lines += [f"note       {n}" for n in plan.notes]
     return "\n".join(lines)
+
+
+def _stage_lines(plan: Plan) -> list[str]:
+    """Per pipeline stage: its decoder layers, its share of each KV group, its workers'
+    block and the host pool its workers map (the top-level figures are stage 0's)."""
+    if not plan.stages:
+        return []
+    partition = plan.parallelism.pipeline_layer_partition
+    how = f"VLLM_PP_LAYER_PARTITION={','.join(map(str, partition))}" if partition else (
+        "vLLM's split"
+    )
+    lines = [
+        "",
+        f"Pipeline stages ({how}; figures above are stage 0's, which vLLM's scheduler uses)",
+    ]
+    lines += _table(
+        ("stage", "decoder layers", "cache layers", "layers per group", "bytes/block",
+         "chunks", "host pool"),
+        [
+            (
+                s.stage,
+                f"{s.first_layer}-{s.end_layer - 1}",
+                s.num_cache_layers,
+                "/".join(str(g.num_layers) for g in s.kv_groups),
+                human_bytes(s.worker_bytes_per_block),
+                _stage_chunks(plan, s),
+                human_bytes(s.region_bytes),
+            )
+            for s in plan.stages
+        ],
+    )
+    return lines
+
+
+def _stage_chunks(plan: Plan, stage: Any) -> Any:
+    chosen = stage.upstream if plan.offloader == "upstream" else stage.spillway
+    return "-" if chosen is None else chosen.num_chunks
 
 
 # ---------------------------------------------------------------------------- main

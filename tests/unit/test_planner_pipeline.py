@@ -7,6 +7,7 @@ planning in ``tests/contract/test_planner_pipeline.py``.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -15,6 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from spillway_cli import main as cli
 from spillway_engine.planner.families import model_shape
 from spillway_engine.planner.gpus import get_gpu
 from spillway_engine.planner.kv_layout import (
@@ -27,7 +29,7 @@ from spillway_engine.planner.kv_layout import (
 from spillway_engine.planner.plan import PlanRefused, PlanRequest, make_plan, read_plan
 from spillway_engine.planner.shape import UnsupportedModel
 
-from .planner_fixtures import load_frontier, load_model
+from .planner_fixtures import MODELS, load_frontier, load_model
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 from vllm.distributed.utils import get_pp_indices
@@ -255,3 +257,39 @@ def test_a_group_a_stage_holds_no_layer_of_takes_no_host_bytes_there():
         held = first.kv_groups[chunk.group_index].num_layers
         assert (chunk.units == 0) == (held == 0)
         assert (chunk.row_bytes == 0) == (held == 0)
+
+
+LLAMA_70B = str(MODELS / "llama-3.1-70b-instruct.json")
+
+
+def spillway_plan(capsys, *args: str) -> tuple[int, str, str]:
+    code = cli.main(["plan", "--model-config", LLAMA_70B, "--cpu-memory", "64Gi", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_spillway_plan_prints_each_stage(capsys):
+    code, out, _ = spillway_plan(capsys, "-tp", "8", "-pp", "3", "--offloader", "upstream")
+    assert code == 0
+    assert "Pipeline stages (vLLM's split" in out
+    rows = out.split("Pipeline stages", 1)[1].splitlines()[3:6]
+    assert [row.split()[:4] for row in rows] == [
+        ["0", "0-26", "27", "27"], ["1", "27-53", "27", "27"], ["2", "54-79", "26", "26"]
+    ]
+    code, out, _ = spillway_plan(capsys, "-tp", "8", "-pp", "2", "--pp-layer-partition",
+                                 "50,30", "--format", "json")
+    assert code == 0
+    plan = json.loads(out)
+    assert plan["parallelism"]["pipeline_layer_partition"] == [50, 30]
+    assert [(s["first_layer"], s["end_layer"]) for s in plan["stages"]] == [(0, 50), (50, 80)]
+
+
+@pytest.mark.parametrize(
+    ("partition", "match"),
+    [("50;30", "comma-separated list of integers"), ("50,20", "sums to 70")],
+)
+def test_spillway_plan_refuses_a_bad_partition_in_one_line(capsys, partition, match):
+    code, _, err = spillway_plan(capsys, "-tp", "8", "-pp", "2", "--pp-layer-partition",
+                                 partition)
+    assert code == 2
+    assert match in err and err.count("\n") == 1

@@ -781,7 +781,7 @@ def _stage_notes(stages: list[dict[str, Any]]) -> list[str]:
         + (f", more than stage(s) {short} hold" if short else "")
         + ", and stages sharing a node share one /dev/shm region with different row "
         "strides (unchecked on GPUs; a split that gives every stage the same bytes per "
-        "block avoids both)"
+        "block avoids this)"
     ]
 
 
