@@ -293,3 +293,14 @@ def test_spillway_plan_refuses_a_bad_partition_in_one_line(capsys, partition, ma
                                  partition)
     assert code == 2
     assert match in err and err.count("\n") == 1
+
+
+def test_a_hybrid_stage_without_an_attention_layer_is_refused():
+    """vLLM's worker aligns its block to the Mamba state only when it finds an attention
+    backend among its own layers; a stage of GDN layers only keeps 16-token blocks."""
+    config = load_frontier("qwen3.5-35b-a3b")
+    with pytest.raises(PlanRefused, match=r"pipeline stage 0 \(decoder layers 0-2\) holds only"):
+        plan(config, tensor_parallel_size=2, pipeline_parallel_size=2,
+             pipeline_layer_partition=[3, 37])
+    plan(config, tensor_parallel_size=2, pipeline_parallel_size=2,
+         pipeline_layer_partition=[4, 36])

@@ -1053,9 +1053,35 @@ def _with_stages(
         )
         raise UnsupportedModel(
             f"{what}: stage(s) {empty} would hold no KV-cache layer, and vLLM's KV "
-            "planning fails for a worker without one (ZeroDivisionError: its block is 0 "
-            "bytes)"
+            "planning fails for a worker without one (its block is 0 bytes)"
         )
+    if shape.mamba is not None:
+        for s in range(pp):
+            if all(shape.layers[i].kind == "mamba" for i in members[s]):
+                raise UnsupportedModel(
+                    f"pipeline stage {s} (decoder layers {bounds[s][0]}-{bounds[s][1] - 1}) "
+                    f"holds only {shape.mamba.family} state layers: its worker sets its block "
+                    "size without an attention layer (vLLM's update_block_size_for_backend "
+                    "finds no attention backend and skips the hybrid alignment), so its "
+                    "states do not match the other stages' blocks; give "
+                    "pipeline_layer_partition (VLLM_PP_LAYER_PARTITION) a split that puts "
+                    "an attention layer on every stage"
+                )
+            gdn_grid = layout.gpu.gdn_checkpoint_alignment
+            if (
+                shape.gdn
+                and gdn_grid
+                and layout.mamba_cache_mode == "align"
+                and not any(shape.layers[i].kind == "mamba" for i in members[s])
+            ):
+                raise UnsupportedModel(
+                    f"pipeline stage {s} (decoder layers {bounds[s][0]}-{bounds[s][1] - 1}) "
+                    f"holds no {shape.mamba.family} layer: its worker aligns its block "
+                    f"without the GDN kernel's {gdn_grid}-token checkpoint grid (vLLM reads it "
+                    "from the stage's own layers), so its blocks do not match the other "
+                    "stages'; give pipeline_layer_partition (VLLM_PP_LAYER_PARTITION) a "
+                    "split that puts a GDN layer on every stage"
+                )
     stages = []
     for s in range(pp):
         mine = set(members[s])
