@@ -117,6 +117,8 @@ MODELS = {
     "gemma-3-1b": lambda: dict(load_model("gemma-3-1b-it")),
     "deepseek-v4-flash": lambda: dict(load_frontier("deepseek-v4-flash")),
     "glm-5.3-flash": lambda: dict(load_frontier("glm-5.3-flash")),
+    "kimi-linear-48b": lambda: dict(load_frontier("kimi-linear-48b-a3b")),
+    "granite-4.0-h-small": lambda: dict(load_frontier("granite-4.0-h-small")),
 }
 
 
@@ -166,6 +168,8 @@ CASES = [
     PPCase("gemma-3-1b", 1, 2),
     PPCase("deepseek-v4-flash", 4, 2),
     PPCase("glm-5.3-flash", 4, 2),
+    PPCase("kimi-linear-48b", 2, 2, max_model_len=2048),
+    PPCase("granite-4.0-h-small", 1, 2, max_model_len=2048),
 ]
 
 
@@ -496,17 +500,19 @@ HYBRIDS = {"qwen3.5-35b": lambda: dict(load_frontier("qwen3.5-35b-a3b")), **MODE
 @given(data=st.data())
 def test_random_splits_match_vllm(data: st.DataObject):
     """Random stage counts and VLLM_PP_LAYER_PARTITION splits (every stage holding at
-    least one decoder layer) of a GDN hybrid and a Mamba-2 hybrid, whose groups a
+    least one decoder layer) of GDN, Mamba-2 and KDA (+MLA) hybrids, whose groups a
     stage may hold few or none of: the stages' groups, bytes per block and rows match."""
-    model = data.draw(st.sampled_from(["qwen3.5-35b", "nemotron-h-8b"]))
+    model = data.draw(st.sampled_from(
+        ["qwen3.5-35b", "nemotron-h-8b", "kimi-linear-48b", "granite-4.0-h-small"]
+    ))
     config = HYBRIDS[model]()
     hidden = config["num_hidden_layers"]
     pp = data.draw(st.integers(2, 5))
     cuts = sorted(data.draw(st.sets(st.integers(1, hidden - 1), min_size=pp - 1,
                                     max_size=pp - 1)))
     partition = [b - a for a, b in zip([0, *cuts], [*cuts, hidden], strict=True)]
-    case = PPCase(model, 2 if model == "qwen3.5-35b" else 1, pp,
-                  partition=",".join(map(str, partition)))
+    case = PPCase(model, 2 if model in ("qwen3.5-35b", "kimi-linear-48b") else 1, pp,
+                  partition=",".join(map(str, partition)), max_model_len=2048)
     MODELS.setdefault(model, HYBRIDS[model])
     backend = plan_backend(case)
     try:
@@ -541,4 +547,6 @@ def test_random_splits_match_vllm(data: st.DataObject):
 
 def plan_backend(case: PPCase) -> str | None:
     """The attention backend the planner picks for the model (without the split)."""
-    return plan_for(PPCase(case.model, case.tp, 1)).gpu.attention_backend
+    return plan_for(
+        PPCase(case.model, case.tp, 1, max_model_len=case.max_model_len)
+    ).gpu.attention_backend
