@@ -168,6 +168,9 @@ CASES = [
     PPCase("gemma-3-1b", 1, 2),
     PPCase("deepseek-v4-flash", 4, 2),
     PPCase("glm-5.3-flash", 4, 2),
+    # stage 0: one KDA + one indexed layer; the second layer's groups hold none there
+    PPCase("glm-5.3-flash", 4, 2, partition="4,41"),
+    PPCase("glm-5.3-flash", 4, 3, partition="5,20,20"),
     PPCase("kimi-linear-48b", 2, 2, max_model_len=2048),
     PPCase("granite-4.0-h-small", 1, 2, max_model_len=2048),
 ]
@@ -384,11 +387,17 @@ def plan_for(case: PPCase, **kw: Any) -> Plan:
     )
 
 
-def as_vllm(groups: Any) -> list[dict[str, Any]]:
-    """The plan's groups described as ``_describe`` describes vLLM's."""
+def as_vllm(groups: Any, vllm_groups: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """The plan's groups described as ``_describe`` describes vLLM's. A mixed-page group
+    a stage holds no layer of keeps vLLM's whole-model spec (``uniform:``, its pages'
+    sum) there; the plan lists no pages for it: ``vllm_groups`` lends the marker."""
     out = []
-    for g in groups:
-        mixed = bool(g.layer_page_bytes)
+    for i, g in enumerate(groups):
+        mixed = bool(g.layer_page_bytes) or (
+            g.num_layers == 0
+            and vllm_groups is not None
+            and vllm_groups[i]["kind"].startswith("uniform:")
+        )
         kind = "CircularBufferSpec" if g.kind == "circular_buffer" else g.kind  # harness name
         out.append({
             "kind": f"uniform:{kind}" if mixed else kind,
@@ -411,7 +420,7 @@ def test_stages_match_vllm(case: PPCase, pipelines: Pipelines):
         first, end = get_pp_indices_for(case, built.num_hidden_layers, stage.stage)
         assert (stage.first_layer, stage.end_layer) == (first, end)
         assert stage.cache_layer_indices == vllm_stage.layer_indices
-        assert as_vllm(stage.kv_groups) == vllm_stage.groups
+        assert as_vllm(stage.kv_groups, vllm_stage.groups) == vllm_stage.groups
         off = stage_offload(vllm_stage, {"cpu_bytes_to_use": POOL, "blocks_per_chunk": 1})
         assert stage.worker_bytes_per_block == off["worker_bytes_per_block"]
         assert plan.tokens_per_hash == off["tokens_per_hash"]
@@ -536,7 +545,7 @@ def test_random_splits_match_vllm(data: st.DataObject):
     assert built.stage_block_sizes == [plan.block_size] * pp
     assert as_vllm(plan.kv_groups) == built.global_groups
     for stage, vllm_stage in zip(plan.stages, built.stages, strict=True):
-        assert as_vllm(stage.kv_groups) == vllm_stage.groups
+        assert as_vllm(stage.kv_groups, vllm_stage.groups) == vllm_stage.groups
         off = stage_offload(vllm_stage, {"cpu_bytes_to_use": POOL, "blocks_per_chunk": 1})
         assert stage.worker_bytes_per_block == off["worker_bytes_per_block"]
         assert stage.upstream is not None
@@ -550,3 +559,24 @@ def plan_backend(case: PPCase) -> str | None:
     return plan_for(
         PPCase(case.model, case.tp, 1, max_model_len=case.max_model_len)
     ).gpu.attention_backend
+
+
+@pytest.mark.parametrize("partition", ["2,41", "1,42"])
+def test_a_deepseek_v4_stage_without_compressed_layers_fails_in_vllm_and_is_refused(
+    partition: str,
+):
+    """DeepSeek-V4-Flash's first two layers are sliding-window only (compress ratio 0): a
+    stage of those picks another block for its backends, and vLLM's grouping then fails
+    to unify the other stage's indexer pages. The planner refuses splits where a stage
+    lacks a kind of cache."""
+    case = PPCase("deepseek-v4-flash", 4, 2, partition=partition)
+    with pytest.raises(PlanRefused, match="holds only some of DeepseekV4ForCausalLM's kinds"):
+        plan_for(case)
+    _cpu_workspace()
+    backend = plan_for(PPCase("deepseek-v4-flash", 4, 1)).gpu.attention_backend
+    with pytest.raises(NotImplementedError, match="cannot be padded"):
+        build_pipeline(deepseek_v4(), case, STAND_IN.get(backend or "", backend))
+
+
+def deepseek_v4() -> dict[str, Any]:
+    return dict(load_frontier("deepseek-v4-flash"))

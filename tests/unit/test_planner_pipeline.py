@@ -304,3 +304,14 @@ def test_a_hybrid_stage_without_an_attention_layer_is_refused():
              pipeline_layer_partition=[3, 37])
     plan(config, tensor_parallel_size=2, pipeline_parallel_size=2,
          pipeline_layer_partition=[4, 36])
+
+
+def test_a_deepseek_v4_stage_lacking_a_kind_of_cache_is_refused():
+    config = load_frontier("deepseek-v4-flash")
+    with pytest.raises(PlanRefused, match=r"stage 0 .* holds only some of"):
+        plan(config, tensor_parallel_size=4, pipeline_parallel_size=2,
+             pipeline_layer_partition=[2, 41])
+    p = plan(config, tensor_parallel_size=4, pipeline_parallel_size=2)  # [22, 21]
+    assert [s.num_cache_layers for s in p.stages] == [
+        len(s.cache_layer_indices) for s in p.stages
+    ]

@@ -1055,6 +1055,18 @@ def _with_stages(
             f"{what}: stage(s) {empty} would hold no KV-cache layer, and vLLM's KV "
             "planning fails for a worker without one (its block is 0 bytes)"
         )
+    if shape.compressed_sparse_mla:
+        kinds = set(shape.layers[:own_layers])
+        for s in range(pp):
+            if {shape.layers[i] for i in members[s] if i < own_layers} != kinds:
+                raise UnsupportedModel(
+                    f"pipeline stage {s} (decoder layers {bounds[s][0]}-{bounds[s][1] - 1}) "
+                    f"holds only some of {shape.architecture}'s kinds of cache (compress "
+                    "ratios): its worker picks its block from its own layers' backends (vLLM "
+                    "fails on some such splits), so only splits where every stage holds "
+                    "every kind are modelled; give pipeline_layer_partition "
+                    "(VLLM_PP_LAYER_PARTITION) such a split"
+                )
     if shape.mamba is not None:
         for s in range(pp):
             if all(shape.layers[i].kind == "mamba" for i in members[s]):
