@@ -254,11 +254,13 @@ class EmulatedGpuWorker(WorkerBase):
         if self._speed > 0:
             known = planned_gpu()["name"] in GPU_PROFILES
             logger.info(
-                "Emulated step times: %s profile%s, %.3g parameters per GPU (%s), x%g",
+                "Emulated step times: %s profile%s, %.3g parameters per GPU (%s), "
+                "weight_bytes=%.6g, x%g",
                 self._gpu.name,
                 "" if known else f" (no profile for {planned_gpu()['name']})",
                 cost.params,
                 ENV_MODEL_PARAMS if override else "counted",
+                cost.weight_bytes,
                 self._speed,
             )
         return cost
