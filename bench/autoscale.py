@@ -11,6 +11,7 @@ scrape: each ready replica's ``/metrics`` text, parsed by the operator's
     python -m bench.autoscale [--trace T ...] [--seed N] [--verbose]   # defaults, one trace
     python -m bench.autoscale --sweep [--seeds 5] [--jobs 2] [--out rows.json]
                               [--png-dir docs/figures]                 # the frontier
+    python -m bench.autoscale --sweep --from-rows rows.json [--png-dir D]  # report it again
     python -m bench.autoscale --quick                                  # 600 s smoke run
 
 ``--sweep`` runs every policy over its targets (``SWEEP_TARGETS``) on every trace and
@@ -669,6 +670,30 @@ def frontier_report(rows: list[dict], traces: list[str]) -> list[str]:
     return out
 
 
+def one_setting_report(rows: list[dict], traces: list[str]) -> list[str]:
+    """What a user deploys: one target for every trace. Per policy and level, the target
+    whose median attainment reaches the level on all ``traces`` with the fewest
+    replica-minutes in total (the sum of the per-trace medians)."""
+    if len(traces) < 2:
+        return []
+    pts = {tr: points(rows, tr) for tr in traces}
+    out = [f"\none setting for all of {', '.join(traces)} (replica-minutes summed over the "
+           "traces, of each policy's cheapest target whose median attainment reaches the "
+           "level on every trace)"]
+    out.append(f"  {'policy':10}" + "".join(f"{f'>= {lv:.1%}':>24}" for lv in LEVELS))
+    for name in SWEEP_TARGETS:
+        cells = []
+        for lv in LEVELS:
+            ok = []
+            for t in SWEEP_TARGETS[name]:
+                got = [pts[tr].get((name, t)) for tr in traces]
+                if all(g is not None and g["met"] >= lv for g in got):
+                    ok.append((sum(g["rm"] for g in got), t))  # type: ignore[index]
+            cells.append(f"{min(ok)[0]:>7.1f} [{min(ok)[1]:g}]" if ok else "-")
+        out.append(f"  {name:10}" + "".join(f"{c:>24}" for c in cells))
+    return out
+
+
 def run_sweep(args) -> int:
     traces = args.trace or list(TRACES)
     seeds = list(range(args.seeds))
@@ -676,9 +701,13 @@ def run_sweep(args) -> int:
             for tr in traces for seed in seeds
             for name, targets in SWEEP_TARGETS.items() if name in args.policies
             for target in targets]  # fmt: skip
-    print(f"{len(jobs)} runs on {args.jobs} process(es)", flush=True)
     started = time.perf_counter()
     rows: list[dict] = []
+    if args.from_rows:  # a saved sweep: report and plot it again
+        rows = [r for r in json.loads(args.from_rows.read_text()) if r["trace"] in traces]
+        traces = [t for t in traces if any(r["trace"] == t for r in rows)]
+        jobs = []
+    print(f"{len(jobs)} runs on {args.jobs} process(es)", flush=True)
     with multiprocessing.get_context("fork").Pool(args.jobs, maxtasksperchild=40) as pool:
         for row in pool.imap_unordered(_sweep_job, jobs):
             rows.append(row)
@@ -688,7 +717,7 @@ def run_sweep(args) -> int:
     if args.out:
         args.out.write_text(json.dumps(rows, indent=0) + "\n")
         print(f"wrote {args.out}")
-    print("\n".join(frontier_report(rows, traces)))
+    print("\n".join(frontier_report(rows, traces) + one_setting_report(rows, traces)))
     if args.png_dir:
         for trace in traces:
             path = args.png_dir / f"autoscale-{trace}.png"
@@ -800,6 +829,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--out", type=Path, help="--sweep: write every run's row (JSON)")
     parser.add_argument("--png-dir", type=Path, help="--sweep: one frontier PNG per trace")
+    parser.add_argument("--from-rows", type=Path,
+                        help="--sweep: report (and plot) the rows an earlier --out wrote")
     args = parser.parse_args(argv)
     args.policies = [p for p in args.policies.split(",") if p]
     if args.quick:

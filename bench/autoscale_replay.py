@@ -112,9 +112,20 @@ def planned() -> tuple[dict[str, Any], Any]:
     return config, plan
 
 
-def latency(overhead_s: float) -> LatencyModel:
-    return LatencyModel.emulating(gpu_profile("h100"), ModelCost.of(MODEL_PARAMS), SPEED,
-                                  overhead_s)
+def latency(overhead_s: float, weight_bytes: float | None = None) -> LatencyModel:
+    """The emulated engines' steps: the roofline of MODEL_PARAMS whose weights weigh
+    what the emulator counted (``weight_bytes``, from its log; bfloat16 when unknown)."""
+    cost = ModelCost.of(MODEL_PARAMS)
+    if weight_bytes:
+        cost = ModelCost(MODEL_PARAMS, weight_bytes)
+    return LatencyModel.emulating(gpu_profile("h100"), cost, SPEED, overhead_s)
+
+
+def _weight_bytes(log: str) -> float | None:
+    """The weight bytes the emulated worker times its steps by, as it logged them (the
+    model's own bytes per parameter: a hybrid's float32 state parameters weigh in)."""
+    m = re.search(r"weight_bytes=([0-9.e+]+)", log)
+    return float(m.group(1)) if m else None
 
 
 @dataclass
@@ -151,7 +162,8 @@ HEADER = (f"{'':16} {'rep-min':>9} {'<= 2 s':>9} {'p50 s':>7} {'p95 s':>7} "
 
 
 def simulate(items: list[ReplayItem], plan_json: str, *, duration: float, load_delay: float,
-             overhead_s: float, scheduler: SchedulerConfig, seed: int) -> Side:
+             overhead_s: float, scheduler: SchedulerConfig, seed: int,
+             weight_bytes: float | None = None) -> Side:
     folder = Path(os.environ.get("TMPDIR", "/tmp")) / "spillway-replay"
     folder.mkdir(exist_ok=True)
     plan_file = folder / "plan.json"
@@ -162,7 +174,7 @@ def simulate(items: list[ReplayItem], plan_json: str, *, duration: float, load_d
     # block 0 (its null block)
     blocks = KV_BYTES // max(g["bytes_per_block"] for g in json.loads(plan_json)["kv_groups"])
     res = run_policy(policy, scenario, seed, gpu_blocks=blocks - 1,
-                     latency=latency(overhead_s), scheduler=scheduler)
+                     latency=latency(overhead_s, weight_bytes), scheduler=scheduler)
     ttfts: list[float | None] = [r.ttft for r in res.requests]
     ttfts += [None] * (res.offered - len(res.requests))
     s = summarize(res, TTFT_TARGET)
@@ -276,7 +288,7 @@ async def play(items: list[ReplayItem], pods: PodClock, t0: float) -> list[float
     return out
 
 
-def calibrate(url: str, n: int = 6, tokens: int = 48) -> float:
+def calibrate(url: str, weight_bytes: float | None, n: int = 6, tokens: int = 48) -> float:
     """The engine's own CPU time per step: one request at a time, the mean time between
     its streamed tokens less the emulator's modelled decode step."""
     import urllib.request
@@ -296,7 +308,7 @@ def calibrate(url: str, n: int = 6, tokens: int = 48) -> float:
                     stamps.append(time.monotonic())
         gaps += [b - a for a, b in itertools.pairwise(stamps[1:])]
     step = statistics.median(gaps)
-    return max(0.0, step - latency(0.0).memory_floor_s)
+    return max(0.0, step - latency(0.0, weight_bytes).memory_floor_s)
 
 
 def _scheduler(log: str, max_model_len: int) -> SchedulerConfig:
@@ -358,9 +370,11 @@ def run_fleet(items: list[ReplayItem], duration: float, workdir: Path) -> tuple[
             time.sleep(1)
         plan_json = core.read_namespaced_config_map(f"{NAME}-plan", NAMESPACE).data["plan.json"]
         [first] = list(fleet.sims)
-        overhead = calibrate(f"http://{pods.ready[0]}:8000")
+        weights = _weight_bytes(fleet.log_text(first))
+        overhead = calibrate(f"http://{pods.ready[0]}:8000", weights)
         say(f"first engine ready; its CPU time per step {overhead * 1e3:.1f} ms beyond the "
-            f"modelled {latency(0.0).memory_floor_s * 1e3:.1f} ms decode step")
+            f"modelled {latency(0.0, weights).memory_floor_s * 1e3:.1f} ms decode step "
+            f"({weights or 0:.3g} weight bytes)")
         t0 = time.monotonic() + 2.0
         pods.count_from(t0)
         say(f"replaying {len(items)} requests over {duration:.0f} s ...")
@@ -379,7 +393,8 @@ def run_fleet(items: list[ReplayItem], duration: float, workdir: Path) -> tuple[
         side = Side("emulated fleet", pods.seconds / 60.0, ttfts, host / max(1.0, prompt),
                     max(c for _, _, c in pods.timeline), len(decisions),
                     statistics.median(loads))
-        extra = {"plan": plan_json, "overhead_s": overhead, "load_times": loads,
+        extra = {"plan": plan_json, "overhead_s": overhead, "weight_bytes": weights,
+                 "load_times": loads,
                  "scheduler": _scheduler(fleet.log_text(first), 1024),
                  "timeline": pods.timeline, "decisions": decisions,
                  "status": obj.get("status", {}).get("autoscaling")}
@@ -457,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     fleet, extra = run_fleet(items, args.duration, args.workdir)
     sim = simulate(items, extra["plan"], duration=args.duration, load_delay=fleet.load_delay,
                    overhead_s=extra["overhead_s"], scheduler=extra["scheduler"],
-                   seed=args.seed)
+                   seed=args.seed, weight_bytes=extra["weight_bytes"])
     print(f"\n{len(items)} requests, {args.duration:.0f} s, TTFT target {TTFT_TARGET:g} s; "
           f"engine CPU per step {extra['overhead_s'] * 1e3:.1f} ms; scheduler "
           f"{extra['scheduler']}; pod load times {[round(x) for x in extra['load_times']]}")

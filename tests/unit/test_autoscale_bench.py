@@ -141,6 +141,25 @@ def test_the_report_takes_each_policys_cheapest_target_at_the_median():
     assert "at >= 99.9%" not in report  # nobody reached it
 
 
+def test_one_setting_for_all_traces_needs_the_level_on_every_trace():
+    """The HPA wins each trace with another target; with one target for both it must
+    take the one that holds on both, and pays the sum."""
+    rows = [
+        {"trace": tr, "policy": p, "target": t, "seed": 0, "rm": rm, "met": met}
+        for tr, p, t, rm, met in [
+            ("a", "hpa-kv", 0.5, 90.0, 0.999), ("a", "hpa-kv", 0.8, 60.0, 0.995),
+            ("b", "hpa-kv", 0.5, 95.0, 0.999), ("b", "hpa-kv", 0.8, 55.0, 0.90),
+            ("a", "spillway", 1.0, 70.0, 0.995), ("b", "spillway", 1.0, 72.0, 0.992),
+        ]
+    ]  # fmt: skip
+    report = bench.one_setting_report(rows, ["a", "b"])
+    [hpa] = [ln for ln in report if ln.strip().startswith("hpa-kv")]
+    [ours] = [ln for ln in report if ln.strip().startswith("spillway")]
+    assert hpa.split()[1:5] == ["185.0", "[0.5]", "185.0", "[0.5]"]  # 0.8 fails trace b
+    assert ours.split()[1:5] == ["142.0", "[1]", "142.0", "[1]"] and ours.split()[-1] == "-"
+    assert bench.one_setting_report(rows, ["a"]) == []
+
+
 def test_the_fleet_replay_trace_fits_the_tiny_model_and_its_sides_agree_on_the_plan():
     """bench/autoscale_replay: the trace it plays on real engines is seeded, inside the
     tiny tokenizer's ids and the engines' max_model_len (a request vLLM rejects would
