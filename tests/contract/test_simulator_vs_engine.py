@@ -124,6 +124,9 @@ SIM_MODELS: dict[str, tuple[dict, int]] = {
     # Gemma-3-1B (26 layers, window 512, one KV head of 256): 6 window groups, two of
     # them padded to 3 layers, and 1 full group; 640 blocks of 64 KiB
     "gemma3_1b": (load_model("gemma-3-1b-it"), 640 * 65536),
+    # Llama-3.2-1B (16 layers, 8 KV heads of 64): the bursty, diurnal and flash
+    # traces' model; 80 blocks of 512 KiB
+    "llama3_1b": (load_model("llama-3.2-1b"), 80 * 524288),
 }
 #: the six-group Gemma with a pool of 96 keys: on the long trace below both GPU
 #: hits and host loads come between the pool's evictions
@@ -137,7 +140,8 @@ SIM_MODELS["qwen3_next_long"] = SIM_MODELS["qwen3_next"]
 #: 9 MiB, 16 chunks of 256 tokens of 576 KiB (two layers' latents). Six-group Gemma:
 #: 4 MiB, 64 keys of 64 KiB; a prompt stores 7 (5 window keys + 2 full chunks); 6 MiB:
 #: 96 keys. Gemma-3-1B: 96 MiB, 384 units of 256 KiB; a prompt stores 14 keys of 3 or
-#: 4 units, 52 units (2 window chunks of each window group + 2 full chunks).
+#: 4 units, 52 units (2 window chunks of each window group + 2 full chunks). Llama-3.2-1B:
+#: 128 MiB, 16 chunks of 256 tokens (8 MiB each), as the tiny Llama's.
 POOL_BYTES = {
     "llama": 1 * MIB,
     "gemma3": 1 * MIB,
@@ -147,6 +151,7 @@ POOL_BYTES = {
     "gemma3_6g_6mib": 6 * MIB,
     "gemma3_1b": 96 * MIB,
     "qwen3_next_long": 3 * MIB // 4,
+    "llama3_1b": 128 * MIB,
 }
 #: two 256-token chunks (Qwen3-Next: nine of 64); + 2 output tokens stays inside the
 #: next chunk (below 768; 640)
