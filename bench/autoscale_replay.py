@@ -49,7 +49,7 @@ import sys
 import threading
 import time
 import zlib
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -139,7 +139,6 @@ class Side:
     max_replicas: int
     actions: int
     load_delay: float = 0.0
-    notes: dict[str, Any] = field(default_factory=dict)
 
     @property
     def met(self) -> float:
@@ -482,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
     d_rm = sim.replica_minutes / fleet.replica_minutes - 1.0
     d_met = sim.met / max(1e-9, fleet.met) - 1.0
     print(f"{'difference':16} {d_rm:>+9.1%} {d_met:>+9.1%}")
-    print("operator decisions:", *fleet.notes.get("decisions", extra["decisions"]), sep="\n  ")
+    print("operator decisions:", *extra["decisions"], sep="\n  ")
     if args.out:
         args.out.write_text(json.dumps({
             "fleet": fleet.__dict__, "simulator": sim.__dict__,
