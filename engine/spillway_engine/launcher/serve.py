@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from spillway_engine.launcher import drain, preflight
+from spillway_engine.launcher import drain, headless, multinode, preflight
 from spillway_engine.launcher.plugin import (
     ENTRY_POINT_GROUP,
     ENTRY_POINT_NAME,
@@ -434,13 +434,17 @@ class Overlay:
 OverlayFor = Callable[[Plan, EngineOptions, argparse.Namespace, Sequence[str]], Overlay | None]
 
 
-def _exec(cmd: list[str], env: dict[str, str]) -> int:
+def _argv(cmd: list[str], env: Mapping[str, str]) -> list[str]:
     # The vllm of this interpreter's environment (whose version was checked), else
     # PATH's, else the same CLI through this interpreter.
     beside = Path(sys.executable).with_name(cmd[0])
     exe = str(beside) if os.access(beside, os.X_OK) else shutil.which(cmd[0], path=env.get("PATH"))
     program = [exe] if exe else [sys.executable, "-m", "vllm.entrypoints.cli.main"]
-    argv = [*program, *cmd[1:]]
+    return [*program, *cmd[1:]]
+
+
+def _exec(cmd: list[str], env: dict[str, str]) -> int:
+    argv = _argv(cmd, env)
     sys.stdout.flush()
     sys.stderr.flush()
     try:
@@ -513,8 +517,41 @@ def serve_parser() -> argparse.ArgumentParser:
         help=f"where the plan's disk tier keeps its files (default: {DISK_TIER_MOUNT}, "
         "the pod's volume)",
     )
+    nodes = p.add_argument_group(
+        "several nodes (one vLLM instance over a LeaderWorkerSet group; no Ray)")
+    nodes.add_argument(
+        "--nnodes", type=positive(int), default=1, metavar="N",
+        help="pods (nodes) the replica spans; every pod runs the same command (default 1)")
+    nodes.add_argument(
+        "--node-rank", type=positive(int, zero=True), metavar="R",
+        help=f"this node's rank, 0 for the leader (default: ${multinode.ENV_WORKER_INDEX})")
+    nodes.add_argument(
+        "--master-addr", metavar="HOST",
+        help=f"the leader's address (default: ${multinode.ENV_LEADER_ADDRESS})")
+    nodes.add_argument(
+        "--master-port", type=_port, default=multinode.DIST_PORT, metavar="PORT",
+        help="torch.distributed's rendezvous (and data-parallel RPC) port on the leader "
+        f"(default {multinode.DIST_PORT})")
     p.add_argument("extra", nargs="*", metavar="-- VLLM_ARG", help="more vLLM arguments")
     return p
+
+
+def node_of(args: argparse.Namespace, env: Mapping[str, str]) -> multinode.Node:
+    """This pod's place in its replica, from the flags or LeaderWorkerSet's environment."""
+    try:
+        return multinode.node_from(
+            args.nnodes, env, node_rank=args.node_rank, master_addr=args.master_addr,
+            master_port=args.master_port)
+    except multinode.MultiNodeError as e:
+        raise EngineCliError(str(e)) from None
+
+
+def parallel_launch(plan: Plan, node: multinode.Node) -> tuple[list[str], dict[str, str]]:
+    """:func:`multinode.parallel_launch`, its refusals as EngineCliError."""
+    try:
+        return multinode.parallel_launch(plan, node)
+    except multinode.MultiNodeError as e:
+        raise EngineCliError(str(e)) from None
 
 
 def serve_main(argv: Sequence[str], parser: argparse.ArgumentParser | None = None,
@@ -538,6 +575,19 @@ def serve_main(argv: Sequence[str], parser: argparse.ArgumentParser | None = Non
         # vLLM seeds the first block hash with it instead of "vllm-none-hash"
         notes.append(f"KV events: block hashes seeded by PYTHONHASHSEED={seed} (give "
                      f"spillway-router --hash-seed {seed})")
+    node = node_of(args, os.environ)
+    planned_nodes = getattr(plan.parallelism, "nodes", None)
+    if isinstance(planned_nodes, int) and planned_nodes > 1 and planned_nodes != node.nnodes:
+        raise EngineCliError(
+            f"the plan was made for {planned_nodes} nodes, but --nnodes is {node.nnodes} "
+            "(its per-pod figures would not hold)")
+    spread, spread_env = parallel_launch(plan, node)
+    cmd += spread
+    if node.nnodes > 1:
+        notes.append(
+            f"node {node.rank} of {node.nnodes} "
+            f"({'headless: probes answered by the launcher' if node.headless else 'leader'}), "
+            f"torch.distributed at {node.master_addr}:{node.master_port}")
     overlay = (overlay_for(plan, options, args, argv) if overlay_for else None) or Overlay()
     cmd += overlay.args
     notes += overlay.notes
@@ -569,12 +619,18 @@ def serve_main(argv: Sequence[str], parser: argparse.ArgumentParser | None = Non
         pins=options.offload_enabled and overlay.pins,
         disk=Path(args.disk_dir),
     )
-    print(f"{PROG}: exec {shlex.join(cmd)}", file=sys.stderr)
+    print(f"{PROG}: {'start' if node.headless else 'exec'} {shlex.join(cmd)}", file=sys.stderr)
     env = serving_env(plan_path, options_path, os.environ, [ENTRY_POINT_NAME, *overlay.plugins])
     if events_ip and "--kv-events-config" in cmd:
         # what tcp://*:0 binds; a VLLM_HOST_IP set in the container's env stays
         env.setdefault("VLLM_HOST_IP", events_ip)
+    env.update(spread_env)
     env.update(overlay.env)
+    if node.headless:
+        try:
+            return headless.run_headless(_argv(cmd, env), env, args.host, args.port)
+        except OSError as e:
+            raise EngineCliError(str(e)) from None
     return _exec(cmd, env)
 
 
