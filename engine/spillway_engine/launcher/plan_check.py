@@ -94,6 +94,36 @@ class Mismatch:
     vllm: Any
 
 
+# --------------------------------------------------------------------------- stages
+
+
+def stage_of_rank(plan: Plan, rank: int, prefill_context_parallel_size: int = 1) -> int:
+    """The pipeline stage of worker ``rank`` (within one data-parallel engine): vLLM
+    orders an engine's ranks stage-major, ``rank = stage x TP x PCP + ...``
+    (``initialize_model_parallel``)."""
+    par = plan.parallelism
+    return rank // (par.tensor_parallel_size * max(1, prefill_context_parallel_size))
+
+
+def stage_plan(plan: Plan, stage: int | None) -> Plan:
+    """The plan as one pipeline stage's workers see it: the stage's KV-cache groups,
+    bytes per block and host-pool geometry (``plan.stages``). Without stages (no
+    pipeline parallelism, or ``stage`` None) the plan itself."""
+    if stage is None or not plan.stages:
+        return plan
+    if not 0 <= stage < len(plan.stages):
+        raise ValueError(f"stage {stage} outside the plan's {len(plan.stages)} stages")
+    st = plan.stages[stage]
+    update: dict[str, Any] = {
+        "kv_groups": list(st.kv_groups),
+        "worker_bytes_per_block": st.worker_bytes_per_block,
+        "upstream": st.upstream,
+        "upstream_refusal": st.upstream_refusal,
+        "spillway": st.spillway,
+    }
+    return plan.model_copy(update=update)
+
+
 # --------------------------------------------------------------------------- compare
 
 
@@ -181,6 +211,9 @@ def compare(plan: Plan, observed: ObservedGeometry) -> list[Mismatch]:
             out.append(Mismatch("offloading config", "Spillway's geometry", observed.offload_error))
             return out
         spillway = plan.spillway
+        if spillway is None:  # a stage Spillway's geometry refused at planning
+            out.append(Mismatch("offloader", "spillway refused for this stage", connector))
+            return out
         check("spillway.chunk_tokens", spillway.chunk_tokens, observed.chunk_tokens)
         check(
             "spillway.groups[].blocks_per_chunk",
@@ -384,10 +417,14 @@ def _observe_upstream_offload(vllm_config: Any, kv_cache_config: Any) -> dict[st
     return out
 
 
-def check(plan: Plan, vllm_config: Any, kv_cache_config: Any) -> ObservedGeometry:
-    """Observe and compare; raises :class:`PlanMismatch` on any difference."""
+def check(plan: Plan, vllm_config: Any, kv_cache_config: Any,
+          stage: int | None = None) -> ObservedGeometry:
+    """Observe and compare (with ``stage``: against that pipeline stage of the plan,
+    :func:`stage_plan`); raises :class:`PlanMismatch` on any difference."""
     observed = observe(vllm_config, kv_cache_config)
-    mismatches = compare(plan, observed)
+    mismatches = compare(stage_plan(plan, stage), observed)
+    if mismatches and stage is not None and plan.stages:
+        mismatches = [Mismatch(f"stages[{stage}].{m.field}", m.plan, m.vllm) for m in mismatches]
     if mismatches:
         raise PlanMismatch(mismatches)
     return observed

@@ -60,6 +60,7 @@ from spillway_engine.launcher.plan_check import (
     check,
     effective_plan,
     format_table,
+    stage_of_rank,
 )
 from spillway_engine.launcher.termination import write_termination_message
 from spillway_engine.planner.plan import Plan, PlanReadError, read_plan
@@ -75,7 +76,7 @@ ENTRY_POINT_VALUE = "spillway_engine.launcher.plugin:register"
 # A child of vLLM's logger, so it shares vLLM's handlers and format.
 logger = logging.getLogger("vllm.spillway")
 
-_state: dict[str, Any] = {"plan": None, "metrics": {}}
+_state: dict[str, Any] = {"plan": None, "metrics": {}, "checked": set()}
 
 
 class PluginError(RuntimeError):
@@ -119,10 +120,12 @@ def register() -> None:
 # ----------------------------------------------------------------------- plan check
 
 
-def run_plan_check(plan: Plan, vllm_config: Any, kv_cache_config: Any) -> None:
-    """Check one built config; log and raise :class:`PlanMismatch` on a difference."""
+def run_plan_check(plan: Plan, vllm_config: Any, kv_cache_config: Any,
+                   stage: int | None = None, where: str = "") -> None:
+    """Check one built config (with ``stage``: against that pipeline stage of the plan);
+    log and raise :class:`PlanMismatch` on a difference."""
     try:
-        observed = check(plan, vllm_config, kv_cache_config)
+        observed = check(plan, vllm_config, kv_cache_config, stage)
     except PlanMismatch as e:
         table = format_table(e.mismatches)
         logger.error(
@@ -135,9 +138,11 @@ def run_plan_check(plan: Plan, vllm_config: Any, kv_cache_config: Any) -> None:
             f"Spillway plan check FAILED: vLLM's KV-cache geometry differs from the plan:\n{table}"
         )
         raise
+    _state["checked"].add(id(kv_cache_config))
     logger.info(
-        "Spillway plan check passed: %d KV-cache group(s), %d tokens per hash, "
+        "Spillway plan check passed%s: %d KV-cache group(s), %d tokens per hash, "
         "%d bytes per block%s",
+        where,
         len(observed.groups),
         observed.tokens_per_hash,
         observed.worker_bytes_per_block,
@@ -147,23 +152,72 @@ def run_plan_check(plan: Plan, vllm_config: Any, kv_cache_config: Any) -> None:
     )
 
 
+def _stage_where(plan: Plan, stage: int | None) -> str:
+    return "" if stage is None or not plan.stages else f" (pipeline stage {stage})"
+
+
 def install_plan_check() -> None:
-    """Wrap ``Executor.initialize_from_config`` (once) so the check sees the real result."""
+    """Wrap ``Executor.initialize_from_config`` and ``WorkerWrapperBase.
+    initialize_from_config`` (once each) so the check sees the real result.
+
+    The engine core's executor holds every worker's config (remote nodes' too) and
+    checks each against its pipeline stage before any memory is committed. Each worker
+    then checks its own config again in its own process: on a headless node
+    (``--headless``, a multi-node replica's rank > 0) that is the only check, and its
+    failure is that pod's termination message. A config already checked in the same
+    process (the uni-process executor's worker) is not checked twice."""
     from vllm.v1.executor.abstract import Executor
+    from vllm.v1.worker.worker_base import WorkerWrapperBase
 
     original = Executor.initialize_from_config
-    if getattr(original, "_spillway_checked", False):
-        return
+    if not getattr(original, "_spillway_checked", False):
 
-    @functools.wraps(original)
-    def initialize_from_config(self: Any, kv_cache_configs: list[Any]) -> None:
-        plan = _state["plan"]
-        if plan is not None and kv_cache_configs:
-            run_plan_check(plan, self.vllm_config, kv_cache_configs[0])
-        return original(self, kv_cache_configs)
+        @functools.wraps(original)
+        def initialize_from_config(self: Any, kv_cache_configs: list[Any]) -> None:
+            plan = _state["plan"]
+            if plan is not None and kv_cache_configs:
+                pcp = self.vllm_config.parallel_config.prefill_context_parallel_size
+                picks: list[tuple[int, int | None]] = [(0, None)]
+                if plan.stages and len(kv_cache_configs) > 1:
+                    # the first worker of each stage (its TP ranks build the same config)
+                    step = plan.parallelism.tensor_parallel_size * max(1, pcp)
+                    picks = [(r, stage_of_rank(plan, r, pcp))
+                             for r in range(0, len(kv_cache_configs), step)]
+                for rank, stage in picks:
+                    run_plan_check(plan, self.vllm_config, kv_cache_configs[rank], stage,
+                                   _stage_where(plan, stage))
+            return original(self, kv_cache_configs)
 
-    initialize_from_config._spillway_checked = True  # type: ignore[attr-defined]
-    Executor.initialize_from_config = initialize_from_config  # type: ignore[method-assign]
+        initialize_from_config._spillway_checked = True  # type: ignore[attr-defined]
+        Executor.initialize_from_config = initialize_from_config  # type: ignore[method-assign]
+
+    worker_original = WorkerWrapperBase.initialize_from_config
+    if not getattr(worker_original, "_spillway_checked", False):
+
+        @functools.wraps(worker_original)
+        def worker_initialize_from_config(self: Any, kv_cache_configs: list[Any]) -> None:
+            plan = _state["plan"]
+            config = kv_cache_configs[self.global_rank]
+            if plan is not None and id(config) not in _state["checked"]:
+                stage = _pipeline_stage() if plan.stages else None
+                run_plan_check(plan, self.vllm_config, config, stage,
+                               f" on worker rank {self.global_rank}"
+                               + _stage_where(plan, stage))
+            return worker_original(self, kv_cache_configs)
+
+        worker_initialize_from_config._spillway_checked = True  # type: ignore[attr-defined]
+        WorkerWrapperBase.initialize_from_config = (  # type: ignore[method-assign]
+            worker_initialize_from_config)
+
+
+def _pipeline_stage() -> int | None:
+    """This worker's pipeline rank (its groups are initialised by then)."""
+    from vllm.distributed.parallel_state import get_pp_group
+
+    try:
+        return int(get_pp_group().rank_in_group)
+    except AssertionError:  # no model-parallel groups in this process
+        return None
 
 
 # -------------------------------------------------------------------------- metrics
