@@ -18,6 +18,16 @@ INFERENCE_POOL_API = "inference.networking.k8s.io/v1"
 INFERENCE_POOL_KIND = "InferencePool"
 INFERENCE_POOL_PLURAL = "inferencepools"
 
+#: LeaderWorkerSet (sigs.k8s.io/lws): a replica that spans nodes is one of its groups, a
+#: leader pod (node rank 0, the API server) and worker pods; LWS labels each pod with its
+#: group and its index in it (0: the leader).
+LWS_API = "leaderworkerset.x-k8s.io/v1"
+LWS_KIND = "LeaderWorkerSet"
+LWS_PLURAL = "leaderworkersets"
+LWS_WORKER_INDEX = "leaderworkerset.sigs.k8s.io/worker-index"
+LWS_GROUP_INDEX = "leaderworkerset.sigs.k8s.io/group-index"
+LWS_GROUP_KEY = "leaderworkerset.sigs.k8s.io/group-key"
+
 
 def inference_pool_name(inference_deployment: str) -> str:
     """An InferenceDeployment's InferencePool: the same name, one pool each, as its

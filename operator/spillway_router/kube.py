@@ -30,6 +30,8 @@ DRAINING = "spillway.dev/draining"
 #: (spillway_operator.flow.render); pods without it publish on --events-port
 KV_EVENTS = "spillway.dev/kv-events"
 ENGINE_PORT = 8000
+#: LWS's index of a pod in its group: only the leader (0) of a multi-node replica serves
+LWS_WORKER_INDEX = "leaderworkerset.sigs.k8s.io/worker-index"
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,8 @@ def backend_from_pod(
     if info is None or not pod_ready(pod):
         return None
     meta = pod.get("metadata") or {}
+    if (meta.get("labels") or {}).get(LWS_WORKER_INDEX, "0") != "0":
+        return None  # a worker of a multi-node group: headless ranks, no API
     ip = pod["status"]["podIP"]
     host = f"[{ip}]" if ":" in ip else ip
     annotations = meta.get("annotations") or {}

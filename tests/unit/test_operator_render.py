@@ -97,7 +97,7 @@ def test_configmap_holds_the_plan_json_sorted_as_the_engine_reads_it():
 def test_rest_paths_are_the_api_clients():
     spec = spec_of()
     plan = plan_for(spec)
-    children = [render.plan_configmap(OWNER, spec, plan), render.service(OWNER),
+    children = [render.plan_configmap(OWNER, spec, plan), render.service(OWNER, spec),
                 render.deployment(OWNER, spec, plan), render.service_monitor(OWNER)]
     assert [Kube.object_path(c) for c in children] == [
         "/api/v1/namespaces/team-a/configmaps/chat-plan",

@@ -81,6 +81,12 @@ class PlanRequest(_Model):
         "vLLM's own split.",
     )
     data_parallel_size: int = Field(1, ge=1, description="Engines per pod, each with a pool.")
+    nodes: int = Field(
+        1,
+        ge=1,
+        description="Nodes (pods) one engine's workers span: vLLM's --nnodes, tensor and "
+        "pipeline ranks split evenly; each node maps the whole host pool region.",
+    )
     dtype: Literal["auto", "bfloat16", "float16"] = Field("auto", description="vLLM --dtype.")
     kv_cache_dtype: str = Field("auto", description="vLLM --kv-cache-dtype.")
     max_model_len: int | None = Field(
@@ -162,6 +168,9 @@ class Parallelism(_Model):
     world_size: int = Field(description="GPU workers per engine (TP x PP).")
     pipeline_layer_partition: list[int] | None = Field(
         None, description="VLLM_PP_LAYER_PARTITION the engine sets, or null (vLLM's split)."
+    )
+    nodes: int = Field(
+        1, description="Nodes (pods) the engine spans (vLLM --nnodes); pod figures are per node."
     )
 
 
@@ -576,12 +585,14 @@ def _make_plan(
     layout = model_layout.stages[0].layout if model_layout.stages else model_layout
     workers = request.tensor_parallel_size * request.pipeline_parallel_size
     dp = request.data_parallel_size
+    # The workers one pod holds: pod memory and the pool that fits it are per node.
+    local = _workers_per_node(request, workers, dp)
     if model_layout.stages and request.disk_bytes is not None:
         raise PlanRefused(
             "offload.disk.size (--disk) with pipeline parallelism: the disk tier is not "
             "modelled for pipeline stages"
         )
-    cpu_bytes = _pool_bytes(request, workers, dp)
+    cpu_bytes = _pool_bytes(request, local, dp)
     upstream, upstream_refusal, spillway = _geometries(
         layout, request, cpu_bytes, workers, max_len
     )
@@ -590,7 +601,7 @@ def _make_plan(
     for _ in range(4 if request.cpu_memory_bytes is None else 0):
         # the pool filled the limit before its units (and the manager's bytes per
         # key) were known: give those bytes back from the pool (a row may round)
-        needed = size_pod(chosen.region_bytes, workers, dp, chosen.host_keys).memory_limit_bytes
+        needed = size_pod(chosen.region_bytes, local, dp, chosen.host_keys).memory_limit_bytes
         if limit is None or needed <= limit:
             break
         # from the region, not the budget: a budget short of a whole row above it
@@ -601,7 +612,7 @@ def _make_plan(
         )
         chosen = _chosen_offload(request.offloader, upstream, spillway)
     stages, stage_notes = _stages(model_layout, request, cpu_bytes, workers, max_len)
-    pod = _sized_pod(chosen.region_bytes, workers, dp, limit, chosen.host_keys)
+    pod = _sized_pod(chosen.region_bytes, local, dp, limit, chosen.host_keys)
     disk = _disk_tier(request, layout, spillway, workers, dp, max_len)
     # One validation of nested dicts (pydantic's core walks them) instead of a model
     # per group and chunk: a tenth of a millisecond on many-group models.
@@ -622,6 +633,7 @@ def _make_plan(
             data_parallel_size=dp,
             world_size=workers,
             pipeline_layer_partition=request.pipeline_layer_partition,
+            nodes=request.nodes,
         ),
         kv_cache_dtype=layout.kv_cache_dtype,
         max_model_len=max_len,
@@ -796,6 +808,21 @@ def _offload_request(
         chunk_block_size_tokens=request.chunk_block_size_tokens,
         pipeline_parallel_size=request.pipeline_parallel_size,
     )
+
+
+def _workers_per_node(request: PlanRequest, workers: int, dp: int) -> int:
+    """GPU workers per node when an engine spans ``request.nodes`` nodes (vLLM's
+    --nnodes: its tensor x pipeline ranks split evenly, no data parallelism)."""
+    nodes = request.nodes
+    if nodes == 1:
+        return workers
+    if dp > 1:
+        raise PlanRefused("data parallelism across nodes is not planned: with nodes above 1 "
+                          "the data-parallel size must be 1")
+    if workers % nodes:
+        raise PlanRefused(f"{nodes} nodes do not divide the engine's {workers} workers "
+                          "(tensor x pipeline parallel) evenly")
+    return workers // nodes
 
 
 def _pool_bytes(request: PlanRequest, workers: int, dp: int) -> int:

@@ -46,6 +46,7 @@ from spillway_operator.flow.status import (
     to_wire,
     transitions,
 )
+from spillway_operator.names import LWS_API, LWS_KIND
 from spillway_operator.plumbing import metrics
 from spillway_operator.plumbing.cache import Memo
 from spillway_operator.plumbing.kube import (
@@ -157,6 +158,11 @@ class ConfigResolver:
         return self._hub_cache[key]
 
 
+class LeaderWorkerSetUnavailable(Exception):
+    """The replica spans nodes and LeaderWorkerSet's API is not installed: asked again
+    until it is (installing LWS needs no change to the spec)."""
+
+
 class PlanCrashed(Exception):
     """The planner failed in a way it does not foresee (a bug a hostile config.json
     reached): refused like an invalid config, once, instead of retried for ever."""
@@ -164,7 +170,7 @@ class PlanCrashed(Exception):
 
 # Planning failures: the PlanReady reason, and the outcome (retry or refused).
 _PLAN_FAILURES = (ValidationError, ConfigUnavailable, ConfigInvalid, PlanRefused, PlanCrashed,
-                  DiskVolumeUnavailable, DiskVolumeInvalid)
+                  DiskVolumeUnavailable, DiskVolumeInvalid, LeaderWorkerSetUnavailable)
 MAX_MESSAGE = 600
 
 
@@ -179,6 +185,8 @@ def make_plan_safely(
     draft_config: dict[str, Any] | None = None,
 ) -> Plan:
     """make_plan, with any exception it does not foresee turned into PlanCrashed."""
+    if refusal := spec.placement_refusal():
+        raise PlanRefused(refusal)
     if spec.engine.pipeline_parallel_size > 1:
         # The planner plans each stage (``spillway plan`` shows them), but no pod can
         # serve one yet: the engine's start-up check compares the whole model's groups
@@ -206,6 +214,8 @@ def plan_failure(exc: Exception) -> tuple[str, str, str]:
         return "ModelConfigUnavailable", str(exc), "retry"
     if isinstance(exc, DiskVolumeUnavailable):
         return "DiskVolumeUnavailable", str(exc), "retry"
+    if isinstance(exc, LeaderWorkerSetUnavailable):
+        return "LeaderWorkerSetUnavailable", str(exc), "retry"
     if isinstance(exc, DiskVolumeInvalid):
         return "DiskVolumeInvalid", str(exc), "refused"
     if isinstance(exc, ConfigInvalid | PlanCrashed):
@@ -350,6 +360,12 @@ class Reconciler:
             draft = self.configs.resolve_draft(owner.namespace, spec, owner.name)
             plan = self._plan(config, spec, draft)
             self._check_disk_volume(owner.namespace, spec)
+            if spec.nodes > 1 and not self.kube.leader_worker_sets_served():
+                raise LeaderWorkerSetUnavailable(
+                    f"spec.engine.nodes: a replica on {spec.nodes} nodes runs as a "
+                    "LeaderWorkerSet group, and the cluster does not serve "
+                    "leaderworkerset.x-k8s.io/v1: install LWS (sigs.k8s.io/lws); no pods "
+                    "are made until then")
         except _PLAN_FAILURES as exc:
             reason, message, outcome = plan_failure(exc)
             obs.plan_error = (reason, message)
@@ -360,7 +376,9 @@ class Reconciler:
             # Never reconciled (no status yet): no children to read before applying.
             first = not (obj.get("status") or {}).get("observedGeneration")
             try:
-                writes += self._apply(owner, spec, plan, obs, first)
+                old_plan = (obj.get("status") or {}).get("plan") or {}
+                writes += self._apply(owner, spec, plan, obs, first,
+                                      int(old_plan.get("nodes") or 1))
             except NamespaceTerminating:
                 raise  # not this body's fault: see reconcile()
             except Rejected as exc:
@@ -383,8 +401,8 @@ class Reconciler:
         # them (image pulls and model loads take minutes); the Service and the PDB
         # matter once pods are ready.
         children = [render.plan_configmap(owner, spec, plan),
-                    render.deployment(owner, spec, plan, strategy),
-                    render.service(owner), render.pod_disruption_budget(owner, spec)]
+                    render.engine_workload(owner, spec, plan, strategy),
+                    render.service(owner, spec), render.pod_disruption_budget(owner, spec)]
         if self.kube.service_monitors_served():
             children.append(render.service_monitor(owner))
         return children
@@ -394,14 +412,22 @@ class Reconciler:
                                     render.selector_string(owner), deployment)
 
     def _apply(self, owner: render.Owner, spec: InferenceDeploymentSpec, plan: Plan,
-               obs: Observed, first: bool = False) -> int:
+               obs: Observed, first: bool = False, old_nodes: int = 1) -> int:
         """Apply the children that differ; returns the writes made."""
         obs.plan_summary = plan_summary(plan, spec.gpus_per_pod, render.plan_hash(plan))
-        # The update strategy follows the live rollout (a surge pod with no GPU).
-        live = None if first else self.kube.get_deployment(owner.namespace, owner.name)
+        groups = spec.nodes > 1
+        if first:
+            live = None
+        elif groups:
+            live = self.kube.get_leader_worker_set(owner.namespace, owner.name)
+        else:
+            live = self.kube.get_deployment(owner.namespace, owner.name)
         if live is not None:
             obs.pods = self._pods(owner, live)
-        decision = rollout.decide(spec, live, obs.pods, time.time())
+        # A Deployment's update strategy follows the live rollout (a surge pod with no
+        # GPU); LWS rolls whole groups one at a time by itself.
+        decision = (rollout.Decision({}) if groups
+                    else rollout.decide(spec, live, obs.pods, time.time()))
         obs.rollout_stuck, obs.rollout_in_place = decision.stuck, decision.in_place
         obs.recheck_after = (None if decision.recheck_after is None
                              else decision.recheck_after + 1.0)
@@ -409,9 +435,29 @@ class Reconciler:
         for child in self._children(owner, spec, plan, decision.strategy):
             wrote, live = self._ensure(owner, child, first)
             writes += wrote
-            if child["kind"] == "Deployment":
+            if child["kind"] in ("Deployment", LWS_KIND):
                 obs.deployment = live
+        if not first:
+            writes += self._drop_other_workload(owner, groups, old_nodes)
         return writes + self._route(owner, spec, obs, first)
+
+    def _drop_other_workload(self, owner: render.Owner, groups: bool, old_nodes: int) -> int:
+        """Scale to 0 the workload of the other kind, left by a spec whose replicas
+        spanned another number of nodes (the status says how many the last plan had)."""
+        ns, name = owner.namespace, owner.name
+        if groups:
+            kind = ("apps/v1", "Deployment")
+            live = self.kube.get_deployment(ns, name)
+        elif old_nodes > 1:
+            kind = (LWS_API, LWS_KIND)
+            live = self.kube.get_leader_worker_set(ns, name)
+        else:
+            return 0
+        if not self.kube.scale_to_zero(*kind, ns, name, live):
+            return 0
+        log.info("scaled %s/%s %s to 0: replicas now span %s", ns, name, kind[1],
+                 "several nodes" if groups else "one node")
+        return 1
 
     def _ensure(self, owner: render.Owner, child: dict[str, Any],
                 first: bool) -> tuple[int, dict[str, Any]]:
@@ -462,7 +508,11 @@ class Reconciler:
         """Write the status if it changed, with an Event per condition transition;
         returns the object written ({} when the answer had none), None if no write."""
         if obs.deployment is None:  # not applied this time (no plan): what is running?
-            obs.deployment = self.kube.get_deployment(owner.namespace, owner.name)
+            old_plan = (obj.get("status") or {}).get("plan") or {}
+            obs.deployment = (
+                self.kube.get_leader_worker_set(owner.namespace, owner.name)
+                if int(old_plan.get("nodes") or 1) > 1 and self.kube.leader_worker_sets_served()
+                else self.kube.get_deployment(owner.namespace, owner.name))
         if obs.deployment is not None:
             obs.pods = self._pods(owner, obs.deployment)
         live = obj.get("status") or {}

@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from spillway_engine.launcher.multinode import DIST_PORT  # the leader's rendezvous port
 from spillway_engine.planner.plan import Plan
 from spillway_engine.quantity import format_bytes, parse_bytes
 from spillway_engine.seam import (
@@ -37,6 +38,10 @@ from spillway_operator.names import (
     FIELD_MANAGER,
     INFERENCE_POOL_API,
     INFERENCE_POOL_KIND,
+    LWS_API,
+    LWS_GROUP_KEY,
+    LWS_KIND,
+    LWS_WORKER_INDEX,
     inference_pool_name,
 )
 from spillway_operator.plumbing.cache import Memo
@@ -79,6 +84,23 @@ def selector_labels(owner: Owner) -> dict[str, str]:
         "app.kubernetes.io/name": "spillway-engine",
         f"{GROUP}/inference-deployment": owner.name,
     }
+
+
+
+
+def serving_labels(owner: Owner, spec: InferenceDeploymentSpec) -> dict[str, str]:
+    """The pods that answer requests: all of them, or each group's leader (a worker pod
+    of a multi-node replica runs headless ranks and serves no API)."""
+    if spec.nodes == 1:
+        return selector_labels(owner)
+    return {**selector_labels(owner), LWS_WORKER_INDEX: "0"}
+
+
+def serves(pod: dict[str, Any]) -> bool:
+    """Whether a pod answers requests and exports the engine's metrics: not a worker
+    of a multi-node group (LWS's worker index above 0)."""
+    index = ((pod.get("metadata") or {}).get("labels") or {}).get(LWS_WORKER_INDEX)
+    return index in (None, "0")
 
 
 def selector_string(owner: Owner) -> str:
@@ -158,14 +180,14 @@ def plan_configmap(owner: Owner, spec: InferenceDeploymentSpec, plan: Plan) -> d
     }
 
 
-def service(owner: Owner) -> dict[str, Any]:
+def service(owner: Owner, spec: InferenceDeploymentSpec) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": _meta(owner, owner.name),
         "spec": {
             "type": "ClusterIP",
-            "selector": selector_labels(owner),
+            "selector": serving_labels(owner, spec),
             "ports": [
                 {"name": "http", "port": ENGINE_PORT, "targetPort": "http", "protocol": "TCP"}
             ],
@@ -195,7 +217,7 @@ def inference_pool(owner: Owner, spec: InferenceDeploymentSpec,
         "kind": INFERENCE_POOL_KIND,
         "metadata": _meta(owner, inference_pool_name(owner.name)),
         "spec": {
-            "selector": {"matchLabels": selector_labels(owner)},
+            "selector": {"matchLabels": serving_labels(owner, spec)},
             "targetPorts": [{"number": ENGINE_PORT}],
             "endpointPickerRef": {
                 "kind": "Service",
@@ -346,6 +368,8 @@ def _resources(spec: InferenceDeploymentSpec, plan: Plan) -> dict[str, Any]:
 
 def _engine_args(spec: InferenceDeploymentSpec) -> list[str]:
     args = ["--plan", f"{PLAN_MOUNT}/{PLAN_FILE}", "--port", str(ENGINE_PORT)]
+    if spec.nodes > 1:  # node rank and leader address come from LWS's env
+        args += ["--nnodes", str(spec.nodes)]
     emulated = spec.engine.emulate_gpu
     if emulated:  # the same launch, on the emulated GPU (spillway_engine.emulator)
         args += ["--emulate-gpu", "--emulate-speed", repr(emulated.speed)]
@@ -365,7 +389,9 @@ def _engine_container(spec: InferenceDeploymentSpec, plan: Plan,
         "image": spec.engine.image,
         "command": ["spillway-engine", "serve"],
         "args": _engine_args(spec),
-        "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
+        "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}] + (
+            [] if spec.nodes == 1 else
+            [{"name": "dist", "containerPort": DIST_PORT, "protocol": "TCP"}]),
         "env": _env(spec),
         "resources": _resources(spec, plan),
         "volumeMounts": mounts,
@@ -460,6 +486,75 @@ def pod_disruption_budget(owner: Owner, spec: InferenceDeploymentSpec) -> dict[s
     }
 
 
+def _pod_template(owner: Owner, spec: InferenceDeploymentSpec, plan: Plan) -> dict[str, Any]:
+    return {
+        "metadata": {
+            "labels": labels(owner),
+            # A changed plan rolls the pods: they were sized for the old one.
+            "annotations": {f"{GROUP}/plan-hash": plan_hash(plan),
+                            **capacity_annotations(plan),
+                            **kv_events_annotation(spec, plan)},
+        },
+        "spec": _pod_spec(owner, spec, plan),
+    }
+
+
+def engine_workload(owner: Owner, spec: InferenceDeploymentSpec, plan: Plan,
+                    strategy: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What runs the replicas: a Deployment of one-pod replicas, or a LeaderWorkerSet
+    whose groups are the replicas of an engine that spans nodes."""
+    if spec.nodes > 1:
+        return leader_worker_set(owner, spec, plan)
+    return deployment(owner, spec, plan, strategy)
+
+
+def _group_affinity(affinity: dict[str, Any]) -> dict[str, Any]:
+    """A group's pods on one zone where the cluster labels zones (preferred: the ranks
+    talk every step; the group-key label is LWS's, one value per group)."""
+    affinity = json.loads(json.dumps(affinity))
+    affinity.setdefault("podAffinity", {}).setdefault(
+        "preferredDuringSchedulingIgnoredDuringExecution", []).append({
+            "weight": 100,
+            "podAffinityTerm": {
+                "topologyKey": "topology.kubernetes.io/zone",
+                "labelSelector": {"matchExpressions": [
+                    {"key": LWS_GROUP_KEY, "operator": "Exists"}]},
+                "matchLabelKeys": [LWS_GROUP_KEY],
+            }})
+    return affinity
+
+
+def leader_worker_set(owner: Owner, spec: InferenceDeploymentSpec,
+                      plan: Plan) -> dict[str, Any]:
+    """One group per replica: the leader (node rank 0, vLLM's API server) and
+    nodes - 1 workers (headless ranks), from one pod template; LWS's webhook gives each
+    pod its rank and the leader's address (LWS_WORKER_INDEX, LWS_LEADER_ADDRESS)."""
+    template = _pod_template(owner, spec, plan)
+    template["spec"]["affinity"] = _group_affinity(template["spec"]["affinity"])
+    return {
+        "apiVersion": LWS_API,
+        "kind": LWS_KIND,
+        "metadata": _meta(owner, owner.name),
+        "spec": {
+            "replicas": spec.replicas,
+            # The leader pod first, its workers once it exists (they need its address).
+            "startupPolicy": "LeaderCreated",
+            "leaderWorkerTemplate": {
+                "size": spec.nodes,
+                # A rank that dies leaves the others hung in a collective: the group
+                # restarts as one.
+                "restartPolicy": "RecreateGroupOnPodRestart",
+                "workerTemplate": template,
+            },
+            # Whole groups, one at a time: a group without one of its pods serves nothing,
+            # and no GPUs are assumed free for a surge group.
+            "rolloutStrategy": {"type": "RollingUpdate", "rollingUpdateConfiguration": {
+                "maxUnavailable": 1, "maxSurge": 0}},
+            "networkConfig": {"subdomainPolicy": "Shared"},
+        },
+    }
+
+
 def deployment(owner: Owner, spec: InferenceDeploymentSpec, plan: Plan,
                strategy: dict[str, Any] | None = None) -> dict[str, Any]:
     """The engine Deployment; ``strategy`` is rollout.decide's (default: the one a
@@ -476,15 +571,6 @@ def deployment(owner: Owner, spec: InferenceDeploymentSpec, plan: Plan,
             # Surge while the cluster has room, else in place (spillway_operator.flow.rollout).
             "strategy": strategy,
             "progressDeadlineSeconds": 3600,
-            "template": {
-                "metadata": {
-                    "labels": labels(owner),
-                    # A changed plan rolls the pods: they were sized for the old one.
-                    "annotations": {f"{GROUP}/plan-hash": plan_hash(plan),
-                                    **capacity_annotations(plan),
-                                    **kv_events_annotation(spec, plan)},
-                },
-                "spec": _pod_spec(owner, spec, plan),
-            },
+            "template": _pod_template(owner, spec, plan),
         },
     }

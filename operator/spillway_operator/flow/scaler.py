@@ -304,7 +304,9 @@ class Autoscaler:
         ns, name = key
         owner = render.Owner(name, ns, body["metadata"]["uid"])
         pods = await asyncio.to_thread(self.kube.pods_of, ns, name, render.selector_string(owner))
-        live = [p for p in pods if not p.get("metadata", {}).get("deletionTimestamp")]
+        # A multi-node replica is its group's leader: workers export no engine metrics.
+        live = [p for p in pods if not p.get("metadata", {}).get("deletionTimestamp")
+                and render.serves(p)]
         ready = [p for p in live if _ready(p) and p.get("status", {}).get("podIP")]
         failed: PolicyError | None = None
         try:

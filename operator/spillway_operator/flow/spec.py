@@ -351,6 +351,12 @@ class EngineSpec(_Model):
     data_parallel_size: Annotated[
         int, Field(ge=1, le=64, description="engines per pod; each gets its own host pool")
     ] = 1
+    nodes: Annotated[
+        int | None,
+        Field(ge=1, le=64, description="nodes one replica spans (default: as many as its GPUs "
+              "need at resources.gpusPerNode); above 1 a replica is a LeaderWorkerSet group "
+              "of a leader pod and nodes-1 worker pods"),
+    ] = None
     max_model_len: Annotated[
         int | None, Field(ge=16, le=16_777_216, description="context length (default: model's)")
     ] = None
@@ -421,6 +427,10 @@ class ResourcesSpec(_Model):
     gpu_product: Annotated[
         GPUProduct, Field(description="GPU model: sets vLLM's kernels/block sizes and node choice")
     ] = GPUProduct.H100
+    gpus_per_node: Annotated[
+        int, Field(ge=1, le=64, description="GPUs of one node: a replica needing more spans "
+                   "several nodes (engine.nodes)")
+    ] = 8
     cpu: Annotated[
         str | None,
         Field(
@@ -729,9 +739,38 @@ class InferenceDeploymentSpec(_Model):
     ] = RoutingSpec()
 
     @property
-    def gpus_per_pod(self) -> int:
+    def gpus_per_replica(self) -> int:
         e = self.engine
         return e.tensor_parallel_size * e.pipeline_parallel_size * e.data_parallel_size
+
+    @property
+    def nodes(self) -> int:
+        """Nodes (pods) one replica spans: as asked, else as many as its GPUs need."""
+        if self.engine.nodes is not None:
+            return self.engine.nodes
+        return -(-self.gpus_per_replica // self.resources.gpus_per_node)
+
+    @property
+    def gpus_per_pod(self) -> int:
+        return max(1, self.gpus_per_replica // self.nodes)
+
+    def placement_refusal(self) -> str | None:
+        """Why the replica cannot be split over its nodes as vLLM runs it, or None."""
+        e, nodes = self.engine, self.nodes
+        if nodes == 1:
+            return None
+        if e.data_parallel_size > 1:
+            return ("spec.engine.dataParallelSize: data parallelism across nodes is not "
+                    "served yet; with engine.nodes above 1 use dataParallelSize 1 (tensor "
+                    "and pipeline parallelism span the nodes)")
+        if self.gpus_per_replica % nodes:
+            return (f"spec.engine.nodes: {nodes} nodes do not divide the replica's "
+                    f"{self.gpus_per_replica} GPUs (tensorParallelSize x "
+                    "pipelineParallelSize) evenly")
+        if self.gpus_per_pod > self.resources.gpus_per_node:
+            return (f"spec.engine.nodes: {self.gpus_per_pod} GPUs per node are more than "
+                    f"resources.gpusPerNode ({self.resources.gpus_per_node})")
+        return None
 
     @property
     def memory_limit_bytes(self) -> int:
@@ -761,6 +800,7 @@ class InferenceDeploymentSpec(_Model):
             tensor_parallel_size=self.engine.tensor_parallel_size,
             pipeline_parallel_size=self.engine.pipeline_parallel_size,
             data_parallel_size=self.engine.data_parallel_size,
+            nodes=self.nodes,
             kv_cache_dtype=self.engine.kv_cache_dtype.value,
             max_model_len=self.engine.max_model_len,
             blocks_per_chunk=off.blocks_per_chunk,
@@ -986,6 +1026,8 @@ class PlanSummary(_Model):
     offloader: str | None = None
     gpu: str | None = None
     gpus_per_pod: int | None = None
+    nodes: Annotated[int | None, Field(description="pods (nodes) per replica; above 1 the "
+                                       "replicas are LeaderWorkerSet groups")] = None
     kv_groups: list[KVGroupSummary] = []
     tokens_per_hash: int | None = None
     blocks_per_chunk: int | None = None

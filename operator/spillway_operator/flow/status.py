@@ -27,6 +27,7 @@ from spillway_operator.flow.spec import (
     PlanSummary,
     Routing,
 )
+from spillway_operator.names import LWS_KIND
 from spillway_operator.plumbing.kube import now_rfc3339
 
 log = logging.getLogger("spillway.status")
@@ -235,8 +236,11 @@ class Rollout:
         status = deployment.get("status", {}) or {}
         spec = deployment.get("spec", {}) or {}
         updated = int(status.get("updatedReplicas") or 0)
+        # A LeaderWorkerSet (replicas are groups) has no observedGeneration to compare.
+        seen = deployment.get("kind") == LWS_KIND or (
+            status.get("observedGeneration") == deployment["metadata"].get("generation"))
         complete = (
-            status.get("observedGeneration") == deployment["metadata"].get("generation")
+            seen
             and spec.get("replicas") == want
             and updated == want
             and int(status.get("replicas") or 0) == want
@@ -370,6 +374,7 @@ def plan_summary(plan: Plan, gpus_per_pod: int, digest: str) -> PlanSummary:
         offloader=plan.offloader,
         gpu=plan.gpu.name,
         gpus_per_pod=gpus_per_pod,
+        nodes=plan.parallelism.nodes,
         kv_groups=[
             KVGroupSummary(kind=g.kind, num_layers=g.num_layers,
                            tokens_per_block=g.tokens_per_block, page_bytes=g.page_bytes,

@@ -31,6 +31,9 @@ from spillway_operator.names import (
     INFERENCE_POOL_KIND,
     INFERENCE_POOL_PLURAL,
     KIND,
+    LWS_API,
+    LWS_KIND,
+    LWS_PLURAL,
     PLURAL,
     VERSION,
 )
@@ -75,6 +78,7 @@ _PLURALS = {
     ("v1", "Service"): "services",
     ("v1", "PersistentVolumeClaim"): "persistentvolumeclaims",
     ("apps/v1", "Deployment"): "deployments",
+    (LWS_API, LWS_KIND): LWS_PLURAL,
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
     (SERVICE_MONITOR_API, "ServiceMonitor"): "servicemonitors",
     (INFERENCE_POOL_API, INFERENCE_POOL_KIND): INFERENCE_POOL_PLURAL,
@@ -511,6 +515,34 @@ class Kube:
             self._api_changed(INFERENCE_POOL_API, INFERENCE_POOL_KIND)
 
     # ------------------------------------------------------------ reads
+
+    def leader_worker_sets_served(self, max_age: float = 30) -> bool:
+        """Whether LeaderWorkerSet's API (sigs.k8s.io/lws) is installed: replicas that
+        span nodes need it."""
+        return self._served(LWS_API, LWS_KIND, max_age)
+
+    def get_leader_worker_set(self, namespace: str, name: str) -> dict | None:
+        """Read each time: no watch keeps a copy (its status moves with every group),
+        and the cache must not hold one that goes stale."""
+        return self.get(resource_path(LWS_API, LWS_KIND, namespace, name))
+
+    def scale_to_zero(self, api_version: str, kind: str, namespace: str, name: str,
+                      live: dict | None) -> bool:
+        """Set a workload's replicas to 0 (a merge patch: the operator's role has no
+        delete); False when it is absent or already at 0."""
+        if live is None or not (live.get("spec") or {}).get("replicas"):
+            return False
+        try:
+            patched = self.request("patch", resource_path(api_version, kind, namespace, name),
+                                   body={"spec": {"replicas": 0}},
+                                   content_type="application/merge-patch+json")
+        except ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise
+        if self.cache is not None:
+            self.cache.remember(patched)
+        return True
 
     def get_deployment(self, namespace: str, name: str) -> dict | None:
         return self._cached("apps/v1", "Deployment", namespace, name) or self._read(

@@ -1,0 +1,232 @@
+"""Replicas that span nodes: the spec's placement, the per-node plan, the LeaderWorkerSet
+the operator renders for them, and the reconciler's choice between it and a Deployment."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from spillway_engine.planner.model_config import load_local
+from spillway_engine.planner.plan import PlanRefused, make_plan
+from spillway_engine.planner.pod_sizing import WORKER_PROCESS_BYTES
+from spillway_engine.quantity import parse_bytes
+from spillway_operator.flow import render
+from spillway_operator.flow.crd import spec_schema
+from spillway_operator.flow.reconciler import Reconciler, make_plan_safely
+from spillway_operator.flow.spec import InferenceDeploymentSpec
+from spillway_router.kube import backend_from_pod, deployment_from_configmap
+from tests.unit.test_operator_status import MODELS, FakeKube
+
+OWNER = render.Owner("big", "team-a", "uid-9")
+DEEPSEEK = load_local(MODELS / "deepseek-v3.json")
+
+
+def spec_of(engine: dict[str, Any] | None = None, **fields: Any) -> InferenceDeploymentSpec:
+    return InferenceDeploymentSpec.model_validate({
+        "model": {"name": "deepseek-ai/DeepSeek-V3"}, "offload": {"hostMemory": "64Gi"},
+        "engine": engine or {"tensorParallelSize": 16}, **fields})
+
+
+# ------------------------------------------------------------------ placement
+
+
+def test_sixteen_gpus_on_eight_gpu_nodes_span_two_nodes():
+    spec = spec_of()
+    assert (spec.nodes, spec.gpus_per_pod, spec.placement_refusal()) == (2, 8, None)
+    # pipeline stages split too, and an explicit node count wins over the default
+    assert spec_of({"tensorParallelSize": 8, "pipelineParallelSize": 2}).nodes == 2
+    assert spec_of({"tensorParallelSize": 8, "nodes": 2}).gpus_per_pod == 4
+    assert spec_of({"tensorParallelSize": 8}).nodes == 1
+    # a node of 4 GPUs (resources.gpusPerNode) needs four pods for the same replica
+    assert spec_of(resources={"gpusPerNode": 4}).nodes == 4
+
+
+@pytest.mark.parametrize("engine, gpus_per_node, field", [
+    ({"tensorParallelSize": 16, "nodes": 3}, 8, "spec.engine.nodes"),  # 16 / 3
+    ({"tensorParallelSize": 8, "dataParallelSize": 2}, 8, "spec.engine.dataParallelSize"),
+    ({"tensorParallelSize": 16, "nodes": 1}, 8, None),  # one pod of 16: allowed, as asked
+    ({"tensorParallelSize": 32, "nodes": 2}, 8, "spec.engine.nodes"),  # 16 a node > 8
+])
+def test_a_placement_vllm_cannot_run_is_refused_naming_the_field(engine, gpus_per_node, field):
+    spec = spec_of(engine, resources={"gpusPerNode": gpus_per_node})
+    refusal = spec.placement_refusal()
+    if field is None:
+        assert refusal is None
+        return
+    assert refusal is not None and refusal.startswith(field)
+    with pytest.raises(PlanRefused, match=field):
+        make_plan_safely(DEEPSEEK, spec)
+
+
+def test_each_pod_is_sized_for_its_own_node():
+    """Pod memory counts the workers of one node; each node maps the whole pool region
+    (vLLM's SharedOffloadRegion is one file of every rank's rows, on every node)."""
+    two = make_plan(DEEPSEEK, spec_of().plan_request())
+    assert two.parallelism.nodes == 2 and two.parallelism.world_size == 16
+    one = make_plan(DEEPSEEK, spec_of({"tensorParallelSize": 16, "nodes": 1}).plan_request())
+    # the same pool, eight fewer GPU worker processes on each pod
+    assert one.pod.pool_bytes_per_engine == two.pod.pool_bytes_per_engine
+    assert one.pod.process_overhead_bytes - two.pod.process_overhead_bytes == (
+        8 * WORKER_PROCESS_BYTES)
+    with pytest.raises(PlanRefused, match="do not divide"):
+        make_plan(DEEPSEEK, spec_of({"tensorParallelSize": 16, "nodes": 3}).plan_request())
+
+
+# ------------------------------------------------------------------ rendering
+
+
+def test_a_multi_node_replica_is_one_leader_worker_set_group():
+    spec = spec_of(replicas=2)
+    plan = make_plan_safely(DEEPSEEK, spec)
+    lws = render.engine_workload(OWNER, spec, plan)
+    assert (lws["apiVersion"], lws["kind"]) == ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet")
+    s = lws["spec"]
+    assert s["replicas"] == 2  # groups, as the InferenceDeployment counts replicas
+    t = s["leaderWorkerTemplate"]
+    assert t["size"] == 2 and t["restartPolicy"] == "RecreateGroupOnPodRestart"
+    assert s["rolloutStrategy"]["rollingUpdateConfiguration"] == {"maxUnavailable": 1,
+                                                                  "maxSurge": 0}
+    pod = t["workerTemplate"]["spec"]
+    c = pod["containers"][0]
+    assert c["args"][c["args"].index("--nnodes") + 1] == "2"
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "8"  # one node's GPUs
+    assert parse_bytes(c["resources"]["limits"]["memory"]) == plan.pod.memory_limit_bytes
+    assert {"name": "dist", "containerPort": render.DIST_PORT, "protocol": "TCP"} in c["ports"]
+    assert c["securityContext"]["runAsNonRoot"] is True
+    assert c["readinessProbe"]["httpGet"]["path"] and c["lifecycle"]["preStop"]
+    term = pod["affinity"]["podAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]
+    assert term["podAffinityTerm"]["matchLabelKeys"] == [render.LWS_GROUP_KEY]
+    # the GPU product is still required of every pod of the group
+    assert pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert t["workerTemplate"]["metadata"]["annotations"]["spillway.dev/plan-hash"] == (
+        render.plan_hash(plan))
+    assert lws["metadata"]["ownerReferences"][0]["uid"] == "uid-9"
+
+
+def test_a_one_node_replica_keeps_its_deployment():
+    spec = spec_of({"tensorParallelSize": 8})
+    workload = render.engine_workload(OWNER, spec, make_plan_safely(DEEPSEEK, spec))
+    assert workload["kind"] == "Deployment"
+    assert "--nnodes" not in workload["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def test_only_leaders_serve():
+    spec = spec_of()
+    selector = render.service(OWNER, spec)["spec"]["selector"]
+    assert selector[render.LWS_WORKER_INDEX] == "0"
+    assert render.LWS_WORKER_INDEX not in render.service(
+        OWNER, spec_of({"tensorParallelSize": 8}))["spec"]["selector"]
+
+    def pod(index: str | None) -> dict[str, Any]:
+        labels = {} if index is None else {render.LWS_WORKER_INDEX: index}
+        return {"metadata": {"name": f"p{index}", "labels": labels},
+                "status": {"phase": "Running", "podIP": "10.0.0.9",
+                           "conditions": [{"type": "Ready", "status": "True"}]}}
+
+    assert [render.serves(pod(i)) for i in (None, "0", "1")] == [True, True, False]
+    plan = make_plan_safely(DEEPSEEK, spec)
+    info = deployment_from_configmap(render.plan_configmap(OWNER, spec, plan))
+    assert backend_from_pod(pod("0"), info, None) is not None
+    assert backend_from_pod(pod("1"), info, None) is None
+
+
+# ------------------------------------------------------------------ reconciler
+
+
+class GroupKube(FakeKube):
+    """FakeKube with LeaderWorkerSet's API served (or not) and a ready LWS."""
+
+    def __init__(self, obj: dict[str, Any], config: dict[str, Any], served: bool = True):
+        super().__init__(obj, config)
+        self.served = served
+        self.zeroed: list[str] = []
+
+    def leader_worker_sets_served(self, max_age: float = 30) -> bool:
+        return self.served
+
+    def get_leader_worker_set(self, namespace: str, name: str) -> dict | None:
+        return self.children.get("LeaderWorkerSet")
+
+    def ensure(self, desired: dict, *, surely_absent: bool = False) -> tuple[str, dict]:
+        action, live = super().ensure(desired, surely_absent=surely_absent)
+        if desired["kind"] == "LeaderWorkerSet" and action != "unchanged":
+            n = desired["spec"]["replicas"]
+            live["status"] = {"replicas": n, "readyReplicas": n, "updatedReplicas": n}
+        return action, live
+
+    def scale_to_zero(self, api_version: str, kind: str, namespace: str, name: str,
+                      live: dict | None) -> bool:
+        if live is None or not live["spec"]["replicas"]:
+            return False
+        live["spec"]["replicas"] = 0
+        self.zeroed.append(kind)
+        return True
+
+
+def big(**spec: Any) -> dict[str, Any]:
+    return {"apiVersion": "spillway.dev/v1alpha1", "kind": "InferenceDeployment",
+            "metadata": {"name": "big", "namespace": "team-a", "uid": "u", "generation": 1},
+            "spec": {"model": {"name": "deepseek-ai/DeepSeek-V3", "configMapRef": {"name": "m"}},
+                     "offload": {"hostMemory": "64Gi"}, **spec}}
+
+
+def conditions(obj: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c["type"]: c for c in obj["status"]["conditions"]}
+
+
+def test_the_reconciler_applies_a_leader_worker_set_and_counts_groups():
+    obj = big(replicas=2, engine={"tensorParallelSize": 16})
+    kube = GroupKube(obj, DEEPSEEK)
+    first = Reconciler(kube).reconcile(obj)
+    assert first.outcome == "ok"
+    assert "LeaderWorkerSet" in kube.children and "Deployment" not in kube.children
+    status = obj["status"]
+    assert (status["replicas"], status["readyReplicas"]) == (2, 2)
+    assert status["plan"]["nodes"] == 2 and status["plan"]["gpusPerPod"] == 8
+    assert conditions(obj)["Available"]["status"] == "True"
+    assert conditions(obj)["Progressing"]["reason"] == "RolloutComplete"
+    writes = len(kube.writes)
+    assert Reconciler(kube).reconcile(obj).writes == 0 and len(kube.writes) == writes
+
+
+def test_changing_the_node_count_scales_the_other_workload_to_zero():
+    obj = big(engine={"tensorParallelSize": 8})
+    kube = GroupKube(obj, DEEPSEEK)
+    rec = Reconciler(kube)
+    rec.reconcile(obj)
+    assert kube.children["Deployment"]["spec"]["replicas"] == 1
+    obj["spec"]["engine"] = {"tensorParallelSize": 16}
+    obj["metadata"]["generation"] = 2
+    rec.reconcile(obj)
+    assert kube.zeroed == ["Deployment"] and kube.children["LeaderWorkerSet"]
+    obj["spec"]["engine"] = {"tensorParallelSize": 8}
+    obj["metadata"]["generation"] = 3
+    rec.reconcile(obj)
+    assert kube.zeroed == ["Deployment", "LeaderWorkerSet"]
+    assert kube.children["Deployment"]["spec"]["replicas"] == 1
+    rec.reconcile(obj)  # and no more: the status says the replicas span one node
+    assert kube.zeroed == ["Deployment", "LeaderWorkerSet"]
+
+
+def test_without_lws_installed_a_condition_says_so_and_no_pods_are_made():
+    obj = big(engine={"tensorParallelSize": 16})
+    kube = GroupKube(obj, DEEPSEEK, served=False)
+    result = Reconciler(kube).reconcile(obj)
+    assert result.outcome == "retry" and result.requeue_after  # asked again: LWS may come
+    assert not {"Deployment", "LeaderWorkerSet"} & set(kube.children)
+    plan = conditions(obj)["PlanReady"]
+    assert plan["reason"] == "LeaderWorkerSetUnavailable"
+    assert "spec.engine.nodes" in plan["message"] and "leaderworkerset.x-k8s.io" in (
+        plan["message"])
+    assert ("Warning", "LeaderWorkerSetUnavailable") in kube.events
+    kube.served = True  # installed: the next reconcile proceeds
+    assert Reconciler(kube).reconcile(obj).outcome == "ok"
+    assert kube.children["LeaderWorkerSet"]["spec"]["leaderWorkerTemplate"]["size"] == 2
+
+
+def test_the_crd_serves_the_new_fields():
+    spec = spec_schema()["properties"]
+    nodes = spec["engine"]["properties"]["nodes"]
+    assert (nodes["minimum"], nodes["maximum"]) == (1, 64)
+    assert spec["resources"]["properties"]["gpusPerNode"]["default"] == 8
