@@ -200,6 +200,9 @@ class EmulatedGpuWorker(WorkerBase):
         # Counted since the last step's connector stats; None until the first report,
         # which sends 0 so the series is exported before anything goes wrong.
         self._mismatches: int | None = None
+        # Pipeline parallelism: the step's output waits for sample_tokens (below).
+        self._pipelined = self.parallel_config.pipeline_parallel_size > 1
+        self._pending: ModelRunnerOutput | None = None
 
     # ---------------------------------------------------------------- start-up
 
@@ -343,7 +346,23 @@ class EmulatedGpuWorker(WorkerBase):
 
     # --------------------------------------------------------------------- steps
 
-    def execute_model(self, scheduler_output: Any) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: Any) -> ModelRunnerOutput | None:
+        """The step's output, or -- under pipeline parallelism, when tokens were
+        scheduled -- None, the output kept for :meth:`sample_tokens`.
+
+        With pipeline stages vLLM's engine core runs a batch queue that always asks
+        ``sample_tokens`` after a step with tokens, and the executor gathers every
+        stage's answer (each stage's KV-connector output; the tokens are the last
+        stage's). Each stage writes and checks only its own layers' pages; no hidden
+        states pass between stages, since the emulated tokens come from the KV bytes.
+        """
+        output = self._execute(scheduler_output)
+        if self._pipelined and scheduler_output.total_num_scheduled_tokens:
+            self._pending = output
+            return None
+        return output
+
+    def _execute(self, scheduler_output: Any) -> ModelRunnerOutput:
         t0 = time.perf_counter()
         self._update_requests(scheduler_output)
         if not scheduler_output.total_num_scheduled_tokens:
@@ -405,8 +424,10 @@ class EmulatedGpuWorker(WorkerBase):
         modelled = sleep_for(step_s(1, self._gpu, self._cost), self._speed)
         time.sleep(max(modelled, _IDLE_STEP_FLOOR_S))
 
-    def sample_tokens(self, grammar_output: Any) -> None:
-        return None  # execute_model already answered with the sampled tokens
+    def sample_tokens(self, grammar_output: Any) -> ModelRunnerOutput | None:
+        # Without pipeline stages execute_model already answered with the tokens.
+        output, self._pending = self._pending, None
+        return output
 
     def take_draft_token_ids(self) -> None:
         return None
@@ -425,6 +446,13 @@ class EmulatedGpuWorker(WorkerBase):
             req = self._requests[rid]
             if rid in cached.all_token_ids:
                 req.tokens = list(cached.all_token_ids[rid])
+            elif cached.new_token_ids:
+                # Pipeline parallelism: the scheduler sends the tokens the step computes,
+                # the last stage's samples (an earlier stage appended its own guesses)
+                start = cached.num_computed_tokens[i]
+                new = list(cached.new_token_ids[i])
+                req.tokens[start : start + len(new)] = new
+                del req.expected[start:]
             new_blocks = cached.new_block_ids[i]
             if rid in cached.resumed_req_ids:
                 req.blocks = [list(b) for b in new_blocks or ()]
