@@ -92,6 +92,9 @@ def _add_plan(sub: Any) -> None:
     p.add_argument("--revision", help="hub revision for --model")
     p.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1)
     p.add_argument("--pipeline-parallel-size", "-pp", type=_positive_int, default=1)
+    p.add_argument("--nodes", type=_positive_int, default=1,
+                   help="nodes one engine spans (vLLM --nnodes: its TP x PP ranks split "
+                   "evenly); the pod figures are then per node")
     p.add_argument(
         "--pp-layer-partition",
         metavar="N,N,...",
@@ -208,6 +211,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         pipeline_parallel_size=args.pipeline_parallel_size,
         pipeline_layer_partition=partition,
         data_parallel_size=args.data_parallel_size,
+        nodes=args.nodes,
         dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype,
         max_model_len=args.max_model_len,
@@ -274,7 +278,11 @@ def render_table(plan: Plan) -> str:
         f"{m.dtype})",
         f"engine     vLLM {plan.vllm_version} on {plan.gpu.name} ({plan.gpu.generation}, "
         f"{plan.gpu.attention_backend or 'no attention'}), TP {par.tensor_parallel_size} "
-        f"x PP {par.pipeline_parallel_size}, DP {par.data_parallel_size}",
+        f"x PP {par.pipeline_parallel_size}, DP {par.data_parallel_size}"
+        + ("" if par.nodes == 1 else
+           f", {par.nodes} nodes of {par.world_size // par.nodes} ranks "
+           f"(node r holds ranks {par.world_size // par.nodes}r.."
+           f"{par.world_size // par.nodes}r+{par.world_size // par.nodes - 1})"),
         f"kv cache   {plan.kv_cache_dtype}, block size {plan.block_size}, "
         f"max_model_len {plan.max_model_len}, hash unit {plan.tokens_per_hash} tokens, "
         f"{human_bytes(plan.worker_bytes_per_block)} per block per rank",
@@ -337,7 +345,9 @@ def render_table(plan: Plan) -> str:
         f"{plan.num_chunks} chunks, {plan.capacity_tokens} tokens per engine",
         f"           {pod.engines} engine(s) per pod: "
         f"{human_bytes(pod.engines * pod.pool_bytes_per_engine)} mapped per pod",
-        f"Pod        /dev/shm {human_bytes(pod.shm_bytes)}, memory request "
+        f"{'Pod' if plan.parallelism.nodes == 1 else 'Each node'}"
+        f"{'        ' if plan.parallelism.nodes == 1 else '  '}/dev/shm "
+        f"{human_bytes(pod.shm_bytes)}, memory request "
         f"{human_bytes(pod.memory_request_bytes)}, limit {human_bytes(pod.memory_limit_bytes)}",
         *_disk_lines(plan),
         f"extra cfg  {json.dumps(plan.kv_connector_extra_config)}",

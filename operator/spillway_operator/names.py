@@ -27,6 +27,7 @@ LWS_PLURAL = "leaderworkersets"
 LWS_WORKER_INDEX = "leaderworkerset.sigs.k8s.io/worker-index"
 LWS_GROUP_INDEX = "leaderworkerset.sigs.k8s.io/group-index"
 LWS_GROUP_KEY = "leaderworkerset.sigs.k8s.io/group-key"
+LWS_REVISION = "leaderworkerset.sigs.k8s.io/template-revision-hash"
 
 
 def inference_pool_name(inference_deployment: str) -> str:

@@ -15,6 +15,8 @@ from spillway_operator.flow import render
 from spillway_operator.flow.crd import spec_schema
 from spillway_operator.flow.reconciler import Reconciler, make_plan_safely
 from spillway_operator.flow.spec import InferenceDeploymentSpec
+from spillway_operator.flow.status import Observed, conditions_for, group_restarts
+from spillway_operator.names import LWS_GROUP_INDEX, LWS_REVISION
 from spillway_router.kube import backend_from_pod, deployment_from_configmap
 from tests.unit.test_operator_status import MODELS, FakeKube
 
@@ -230,3 +232,47 @@ def test_the_crd_serves_the_new_fields():
     nodes = spec["engine"]["properties"]["nodes"]
     assert (nodes["minimum"], nodes["maximum"]) == (1, 64)
     assert spec["resources"]["properties"]["gpusPerNode"]["default"] == 8
+
+
+# ------------------------------------------------------------------ group restarts
+
+
+def group_pod(group: str, index: str, uid: str, ready: bool, revision: str = "r1",
+              deleting: bool = False) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": f"big-{group}-{index}", "uid": uid, "labels": {
+        LWS_GROUP_INDEX: group, render.LWS_WORKER_INDEX: index,
+        LWS_REVISION: revision}}
+    if deleting:
+        meta["deletionTimestamp"] = "2026-12-03T00:00:00Z"
+    return {"metadata": meta, "status": {"conditions": [
+        {"type": "Ready", "status": "True" if ready else "False"}]}}
+
+
+def test_a_group_seen_whole_that_loses_a_pod_is_restarting_until_whole_again():
+    starting = [group_pod("0", "0", "a", False), group_pod("0", "1", "b", False)]
+    restarting, seen = group_restarts(starting, 2, {})
+    assert restarting == [] and seen == {}  # never whole yet: starting, not restarting
+    whole = [group_pod("0", "0", "a", True), group_pod("0", "1", "b", True),
+             group_pod("1", "0", "c", True), group_pod("1", "1", "d", True)]
+    restarting, seen = group_restarts(whole, 2, seen)
+    assert restarting == [] and seen == {"0": ("a", "r1"), "1": ("c", "r1")}
+    # group 0's worker died: LWS deletes the leader and starts both anew
+    broken = [group_pod("0", "0", "a", True, deleting=True), group_pod("0", "0", "e", False),
+              group_pod("1", "0", "c", True), group_pod("1", "1", "d", True)]
+    restarting, seen = group_restarts(broken, 2, seen)
+    assert restarting == ["0"] and seen["0"] == ("a", "r1")
+    healed = [group_pod("0", "0", "e", True), group_pod("0", "1", "f", True), *whole[2:]]
+    restarting, seen = group_restarts(healed, 2, seen)
+    assert restarting == [] and seen["0"] == ("e", "r1")
+    # a rollout (a new template revision) replaces groups: not a restart
+    rolling = [group_pod("0", "0", "g", False, "r2"), group_pod("0", "1", "h", False, "r2")]
+    assert group_restarts(rolling + whole[2:], 2, seen)[0] == []
+    # a group scaled away is forgotten
+    assert group_restarts(whole[2:], 2, seen)[1] == {"1": ("c", "r1")}
+
+
+def test_a_restarting_group_is_a_degraded_condition():
+    obs = Observed(generation=1, desired_replicas=2, restarting_groups=["0"])
+    degraded = next(c for c in conditions_for(obs) if c.type == "Degraded")
+    assert degraded.status is True and degraded.reason == "GroupRestarting"
+    assert "group(s) 0" in degraded.message

@@ -40,6 +40,7 @@ from spillway_operator.flow.spec import (
 from spillway_operator.flow.status import (
     Observed,
     build_status,
+    group_restarts,
     merge_patch,
     plan_summary,
     read_status,
@@ -265,6 +266,9 @@ class Reconciler:
         # once, validating, planning and the plan's JSON were a fifth of the work.
         self._specs = Memo(4096)
         self._plans = Memo()
+        # Multi-node replicas: each group as last seen whole and ready, to tell a group
+        # LWS recreates after a pod failed (status.group_restarts) from one starting.
+        self._groups: dict[tuple[str, str], dict[str, Any]] = {}
 
     def _spec(self, meta: dict[str, Any], raw: dict[str, Any]) -> InferenceDeploymentSpec:
         key = (meta.get("uid"), meta.get("generation"))
@@ -348,6 +352,7 @@ class Reconciler:
     def _reconcile(self, obj: dict[str, Any], defer_status: bool = False) -> Result:
         meta = obj["metadata"]
         if meta.get("deletionTimestamp"):
+            self._groups.pop((meta["namespace"], meta["name"]), None)
             return Result("ok")  # owner references let the garbage collector clean up
         owner = render.Owner(meta["name"], meta["namespace"], meta["uid"])
         obs = Observed(generation=meta.get("generation", 0), desired_replicas=0,
@@ -515,6 +520,11 @@ class Reconciler:
                 else self.kube.get_deployment(owner.namespace, owner.name))
         if obs.deployment is not None:
             obs.pods = self._pods(owner, obs.deployment)
+            if obs.deployment.get("kind") == LWS_KIND:
+                size = int(obs.deployment["spec"]["leaderWorkerTemplate"].get("size") or 1)
+                key = (owner.namespace, owner.name)
+                obs.restarting_groups, self._groups[key] = group_restarts(
+                    obs.pods, size, self._groups.get(key, {}))
         live = obj.get("status") or {}
         old = read_status(live)
         # The raw spec: autoscaling may be on even when the spec does not validate.

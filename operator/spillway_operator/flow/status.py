@@ -27,7 +27,7 @@ from spillway_operator.flow.spec import (
     PlanSummary,
     Routing,
 )
-from spillway_operator.names import LWS_KIND
+from spillway_operator.names import LWS_GROUP_INDEX, LWS_KIND, LWS_REVISION, LWS_WORKER_INDEX
 from spillway_operator.plumbing.kube import now_rfc3339
 
 log = logging.getLogger("spillway.status")
@@ -66,6 +66,8 @@ class Observed:
     # What routes to the pods, decided when the children were applied (None: not this
     # time, the status keeps what it said)
     routing: Routing | None = None
+    # Multi-node replicas: the groups LWS is recreating after one of their pods failed
+    restarting_groups: list[str] = field(default_factory=list)
 
 
 # ------------------------------------------------------------------ wire format
@@ -248,6 +250,41 @@ class Rollout:
         return cls(int(status.get("readyReplicas") or 0), updated, complete)
 
 
+#: A group as last seen whole and ready: (its leader pod's uid, its template revision)
+GroupSeen = tuple[str, str]
+
+
+def _pod_ready(pod: dict[str, Any]) -> bool:
+    return not pod["metadata"].get("deletionTimestamp") and any(
+        c.get("type") == "Ready" and c.get("status") == "True"
+        for c in (pod.get("status") or {}).get("conditions") or [])
+
+
+def group_restarts(pods: list[dict[str, Any]], size: int, seen: dict[str, GroupSeen]
+                   ) -> tuple[list[str], dict[str, GroupSeen]]:
+    """The groups of a LeaderWorkerSet that were whole and ready and are not now, on the
+    same template (LWS recreates a group when one of its pods fails; a new template is a
+    rollout, not a restart), and what to remember of the groups for next time."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for pod in pods:
+        index = (pod["metadata"].get("labels") or {}).get(LWS_GROUP_INDEX)
+        if index is not None:
+            groups.setdefault(index, []).append(pod)
+    restarting, now_seen = [], {}
+    for index in sorted(set(groups) | set(seen), key=lambda i: (len(i), i)):
+        members = groups.get(index, [])
+        leader = next((p for p in members if (p["metadata"].get("labels") or {}).get(
+            LWS_WORKER_INDEX) == "0" and not p["metadata"].get("deletionTimestamp")), None)
+        revision = ((leader or {}).get("metadata", {}).get("labels") or {}).get(LWS_REVISION)
+        whole = leader is not None and sum(map(_pod_ready, members)) == size
+        if whole:
+            now_seen[index] = (leader["metadata"]["uid"], revision or "")
+        elif index in seen and members and (revision is None or revision == seen[index][1]):
+            restarting.append(index)
+            now_seen[index] = seen[index]
+    return restarting, now_seen
+
+
 def _plan_ready(obs: Observed) -> Cond:
     if obs.plan_error:
         reason, message = obs.plan_error
@@ -308,6 +345,11 @@ def _degraded(obs: Observed, unschedulable: str | None,
         return Cond(ConditionType.DEGRADED, True, "InsufficientGPUCapacity", unschedulable)
     if failure:
         return Cond(ConditionType.DEGRADED, True, *failure)
+    if obs.restarting_groups:
+        return Cond(ConditionType.DEGRADED, True, "GroupRestarting",
+                    f"group(s) {', '.join(obs.restarting_groups)} restarting: a pod of the "
+                    "group failed and LeaderWorkerSet recreates the whole group (its ranks "
+                    "run one vLLM instance)")
     return Cond(ConditionType.DEGRADED, False, "AsExpected", "")
 
 
