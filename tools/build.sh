@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Build (or reuse) the Go binaries the local control plane needs, pinned in
 # tools/versions.env, into a cache under $HOME keyed by version:
-#   $SPILLWAY_BIN_CACHE/{k8s-v*,etcd-v*,kwok-v*,helm-v*,imageref-v*,node-v*,gpuplugin-v*}/
-# and, not a binary, the Gateway API Inference Extension's CRDs in gie-v*/crds/.
+#   $SPILLWAY_BIN_CACHE/{k8s-v*,etcd-v*,kwok-v*,helm-v*,imageref-v*,node-v*,gpuplugin-v*,lws-v*}/
+# and, not binaries, LeaderWorkerSet's CRD and webhook manifests in lws-v*/{crds,webhook}/
+# and the Gateway API Inference Extension's CRDs in gie-v*/crds/.
 # Prints the directory of every family on stdout, one "NAME=DIR" per line.
 # Never writes into the repository.
 set -euo pipefail
@@ -129,3 +130,33 @@ ensure_gie_crds() {
   echo "gie=$dir"
 }
 ensure_gie_crds "$GIE_VERSION"
+
+# LeaderWorkerSet's controller manager (its controllers and its webhooks: LWS defaulting
+# and validation, the pod webhook that injects LWS_LEADER_ADDRESS and the group labels),
+# from tools/lws (which pins sigs.k8s.io/lws), and beside it, from the same module, the
+# CRD (config/crd/bases) and the webhook manifests (config/webhook: the webhooks and the
+# patches that narrow the pod webhooks to LWS's pods). e2e/cluster/controlplane.py
+# installs the CRD and registers the webhooks with URLs on 127.0.0.1.
+lws_manifests() {
+  local dir=$1 src
+  src=$(cd "$here/lws" && go mod download sigs.k8s.io/lws && go list -m -f '{{.Dir}}' sigs.k8s.io/lws)
+  if [ ! -s "$src/config/crd/bases/leaderworkerset.x-k8s.io_leaderworkersets.yaml" ] ||
+     [ ! -s "$src/config/webhook/manifests.yaml" ]; then
+    log "no LeaderWorkerSet CRD or webhook manifests in $src"
+    exit 1
+  fi
+  local tmp="$dir/manifests.tmp.$$"
+  rm -rf "$tmp"; mkdir -p "$tmp/crds" "$tmp/webhook"
+  cp "$src"/config/crd/bases/*.yaml "$tmp/crds/"
+  cp "$src"/config/webhook/{manifests,mutating-patch,validating-patch}.yaml "$tmp/webhook/"
+  chmod -R u+w "$tmp"
+  rm -rf "$dir/crds" "$dir/webhook"; mv "$tmp/crds" "$tmp/webhook" "$dir/"; rmdir "$tmp"
+}
+LDFLAGS="-s -w -X sigs.k8s.io/lws/pkg/version.GitVersion=v$LWS_VERSION"
+ensure lws "$LWS_VERSION" sigs.k8s.io/lws/cmd:lws-controller >/dev/null
+lws_dir="$cache/lws-v$LWS_VERSION"
+if [ ! -s "$lws_dir/crds/leaderworkerset.x-k8s.io_leaderworkersets.yaml" ] ||
+   [ ! -s "$lws_dir/webhook/validating-patch.yaml" ]; then
+  lws_manifests "$lws_dir"
+fi
+echo "lws=$lws_dir"
