@@ -4,6 +4,7 @@ The default cluster lives in $SPILLWAY_CLUSTER_DIR (default /tmp/spillway-cluste
 on fixed ports from --port-base (default 16380), so a second ``up`` finds it.
 ``up --real-nodes N`` adds N real nodes (kubelet, containerd, runc; e2e/nodes; root,
 tools/host.sh) and then no fake KWOK nodes unless --nodes asks for some.
+LeaderWorkerSet's controller runs beside the others unless ``up --no-lws``.
 Exit status: 0 ok, 1 the cluster failed (the message says why), 2 bad usage.
 """
 
@@ -42,9 +43,11 @@ def _cluster(args: argparse.Namespace, need_binaries: bool) -> LocalCluster:
         gpu_product=args.gpu_product,
         pod_net=args.pod_net,
         real_nodes=args.real_nodes,
+        lws=args.lws,
     )
     if need_binaries:
-        config.binaries = locate_binaries(args.bin_cache, real_nodes=bool(args.real_nodes))
+        config.binaries = locate_binaries(args.bin_cache, real_nodes=bool(args.real_nodes),
+                                          lws=args.lws)
     return LocalCluster(config)
 
 
@@ -53,11 +56,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("command", choices=["up", "down", "status"])
     parser.add_argument("--dir", type=Path, default=DEFAULT_DIR, help="state and data folder")
     parser.add_argument("--port-base", type=int, default=DEFAULT_PORT_BASE,
-                        help="first of six consecutive loopback ports")
+                        help="first of nine consecutive loopback ports")
     parser.add_argument("--nodes", type=int, default=None,
                         help="fake (KWOK) GPU nodes (default 2, or 0 with --real-nodes)")
     parser.add_argument("--real-nodes", type=int, default=0,
                         help="real nodes: kubelet + containerd + runc each (needs root)")
+    parser.add_argument("--no-lws", dest="lws", action="store_false",
+                        help="without LeaderWorkerSet (no controller, no CRD)")
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument("--gpu-product", default="NVIDIA-H100-80GB-HBM3",
                         help="value of the nvidia.com/gpu.product node label")

@@ -1,7 +1,8 @@
 """Start, check and stop a real Kubernetes control plane on loopback.
 
-Processes: etcd, kube-apiserver, kube-controller-manager, kube-scheduler and the
-KWOK controller, each in its own process group with its log in ``<workdir>/logs``.
+Processes: etcd, kube-apiserver, kube-controller-manager, kube-scheduler, the
+KWOK controller and (``ClusterConfig.lws``, on by default) LeaderWorkerSet's controller
+manager, each in its own process group with its log in ``<workdir>/logs``.
 State (pids, ports) lives in ``<workdir>/state.json`` so that ``up`` is idempotent
 and ``down`` works from another process. Every wait has a deadline and fails with
 the tail of the component's log instead of hanging.
@@ -14,6 +15,7 @@ plugin: ``e2e/nodes``); the API server then listens on the address pods reach it
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -30,7 +32,7 @@ from pathlib import Path
 
 import yaml
 
-from e2e.cluster.pki import make_pki
+from e2e.cluster.pki import ensure_client_cert, ensure_serving_cert, make_pki
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 VERSIONS_FILE = REPO_ROOT / "tools" / "versions.env"
@@ -43,6 +45,11 @@ STAGES_FILE = Path(__file__).with_name("kwok-stages.yaml")
 SERVICE_CIDR = "10.0.0.0/16"  # room for the 1000-object benches (two Services each)
 
 COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
+#: LeaderWorkerSet's controller manager (controllers and webhooks), started after the
+#: others when ``ClusterConfig.lws`` is on; its binary has the same name.
+LWS_COMPONENT = "lws-controller"
+#: The CRD LeaderWorkerSet's controller serves (leaderworkerset.x-k8s.io/v1).
+LWS_CRD = "leaderworkersets.leaderworkerset.x-k8s.io"
 
 
 class ClusterError(RuntimeError):
@@ -63,10 +70,13 @@ def default_bin_cache() -> Path:
     return Path(os.environ.get("SPILLWAY_BIN_CACHE", Path.home() / ".cache/spillway/bin"))
 
 
-def locate_binaries(cache: Path | None = None, real_nodes: bool = False) -> dict[str, Path]:
+def locate_binaries(cache: Path | None = None, real_nodes: bool = False,
+                    lws: bool = True) -> dict[str, Path]:
     """Map each binary name to its path in the version-keyed cache that
     ``tools/build.sh`` fills; a missing one is a ClusterError naming the fix.
-    ``real_nodes``: also the real nodes' kubelet, kube-proxy and GPU device plugin."""
+    ``real_nodes``: also the real nodes' kubelet, kube-proxy and GPU device plugin.
+    ``lws``: LeaderWorkerSet's controller manager, whose folder also holds its CRD and
+    webhook manifests (``lws_manifests``)."""
     cache = cache or default_bin_cache()
     v = read_versions()
     families = {
@@ -78,6 +88,8 @@ def locate_binaries(cache: Path | None = None, real_nodes: bool = False) -> dict
         "kwok": f"kwok-v{v['KWOK_BUILD']}",
         "helm": f"helm-v{v['HELM_VERSION']}",
     }
+    if lws:
+        families[LWS_COMPONENT] = f"lws-v{v['LWS_VERSION']}"
     if real_nodes:
         families |= {
             "kubelet": f"node-v{v['K8S_VERSION']}",
@@ -114,6 +126,44 @@ def locate_gie_crds(cache: Path | None = None) -> Path:
             f"missing {folder / GIE_INFERENCE_POOL_CRD} -- fetch it with tools/build.sh "
             "(or point SPILLWAY_BIN_CACHE at a folder that holds it)")
     return folder
+
+
+def lws_manifests(binary: Path) -> tuple[Path, Path]:
+    """LeaderWorkerSet's CRD folder and webhook manifests folder, which
+    ``tools/build.sh`` copies from its Go module next to its controller's ``binary``."""
+    crds, webhook = binary.parent / "crds", binary.parent / "webhook"
+    for need in (crds / "leaderworkerset.x-k8s.io_leaderworkersets.yaml",
+                 *(webhook / f"{f}.yaml" for f in ("manifests", "mutating-patch",
+                                                   "validating-patch"))):
+        if not need.is_file():
+            raise ClusterError(f"missing {need} -- fetch it with tools/build.sh")
+    return crds, webhook
+
+
+def lws_webhook_configurations(webhook_dir: Path, port: int, ca_bundle: bytes) -> list[dict]:
+    """LeaderWorkerSet's Mutating- and ValidatingWebhookConfiguration as its release
+    installs them (``config/webhook/manifests.yaml`` with the kustomize patches that
+    limit the pod webhooks to LWS's pods), named as its release names them
+    (``lws-`` prefix), each webhook pointed at ``https://127.0.0.1:<port><path>``
+    with ``ca_bundle`` instead of the in-cluster Service it names."""
+    docs = [d for d in yaml.safe_load_all((webhook_dir / "manifests.yaml").read_text()) if d]
+    patches = {"MutatingWebhookConfiguration": "mutating-patch.yaml",
+               "ValidatingWebhookConfiguration": "validating-patch.yaml"}
+    for doc in docs:
+        patch = webhook_dir / patches[doc["kind"]]
+        for op in yaml.safe_load(patch.read_text()):
+            parts = op["path"].strip("/").split("/")
+            if op["op"] != "replace" or len(parts) != 2 or parts[0] != "webhooks":
+                raise ClusterError(f"{patch}: unexpected patch {op['op']} {op['path']}")
+            doc["webhooks"][int(parts[1])] = op["value"]
+        doc["metadata"]["name"] = "lws-" + doc["metadata"]["name"]
+        for hook in doc["webhooks"]:
+            path = hook["clientConfig"]["service"]["path"]
+            hook["clientConfig"] = {
+                "url": f"https://127.0.0.1:{port}{path}",
+                "caBundle": base64.b64encode(ca_bundle).decode(),
+            }
+    return docs
 
 
 def free_port() -> int:
@@ -169,14 +219,19 @@ class Ports:
     controller_manager: int
     scheduler: int
     kwok: int
+    # LeaderWorkerSet's controller: its webhook server (TLS, called by the API server),
+    # metrics and health probe. 0 in the state of a cluster started before LWS was.
+    lws_webhook: int = 0
+    lws_metrics: int = 0
+    lws_health: int = 0
 
     @classmethod
     def from_base(cls, base: int) -> Ports:
-        return cls(base, base + 1, base + 2, base + 3, base + 4, base + 5)
+        return cls(*range(base, base + 9))
 
     @classmethod
     def free(cls) -> Ports:
-        return cls(*(free_port() for _ in range(6)))
+        return cls(*(free_port() for _ in range(9)))
 
 
 @dataclass
@@ -204,6 +259,9 @@ class ClusterConfig:
     # Real nodes (e2e/nodes): a kubelet, containerd and runc each, beside the KWOK
     # nodes (``nodes``, which may be 0). One real-node cluster per machine; needs root.
     real_nodes: int = 0
+    # LeaderWorkerSet's controller and webhooks, and its CRD (multi-node replicas).
+    # Off: no LWS API at all, as on a cluster that never installed it.
+    lws: bool = True
 
     @property
     def kubeconfig(self) -> Path:
@@ -252,6 +310,7 @@ class LocalCluster:
             "nodes": self.config.nodes,
             "pod_net": self.config.pod_net,
             "real_nodes": self.config.real_nodes,
+            "lws": self.config.lws,
         }
         self.state_file.write_text(json.dumps(state, indent=2))
 
@@ -270,16 +329,23 @@ class LocalCluster:
                 return False
         return True
 
+    def components(self, lws: bool | None = None) -> tuple[str, ...]:
+        """The processes of this cluster, in start order."""
+        lws = self.config.lws if lws is None else lws
+        return (*COMPONENTS, LWS_COMPONENT) if lws else COMPONENTS
+
     def running(self) -> bool:
         """True when every component of a previous start is alive and the API answers."""
         state = self._load_state()
-        if not state or set(state.get("pids", {})) != set(COMPONENTS):
+        lws = bool(state and state.get("lws"))
+        if not state or set(state.get("pids", {})) != set(self.components(lws)):
             return False
         if not all(self._alive(pid) for pid in state["pids"].values()):
             return False
         self.config.ports = Ports(**state["ports"])
         self.config.pod_net = state.get("pod_net", self.config.pod_net)
         self.config.real_nodes = state.get("real_nodes", 0)
+        self.config.lws = lws
         self.pids = {k: int(v) for k, v in state["pids"].items()}
         if self.config.real_nodes and not self.real_nodes().alive():
             return False
@@ -384,7 +450,7 @@ class LocalCluster:
         taken = [
             f"{port} ({name})"
             for name, port in asdict(self.config.ports).items()
-            if not port_is_free(port)
+            if (self.config.lws or not name.startswith("lws_")) and not port_is_free(port)
         ]
         if taken:
             raise ClusterError(
@@ -401,8 +467,9 @@ class LocalCluster:
             return 0.0
         self.stop()  # leftovers of a half-started run
         real = self.config.real_nodes
-        if not self.config.binaries or (real and "kubelet" not in self.config.binaries):
-            self.config.binaries = locate_binaries(real_nodes=bool(real))
+        if not self.config.binaries or (real and "kubelet" not in self.config.binaries) or (
+                self.config.lws and LWS_COMPONENT not in self.config.binaries):
+            self.config.binaries = locate_binaries(real_nodes=bool(real), lws=self.config.lws)
         self.check_ports()
         t0 = time.monotonic()
         for d in (self.workdir, self.logs):
@@ -415,6 +482,13 @@ class LocalCluster:
             self._start_etcd(timeout)
             self._start_apiserver(timeout)
             self._start_controllers(timeout)
+            if self.config.lws:
+                self._start_lws(timeout)
+            else:  # a workdir an earlier start with LWS left its objects in
+                self.kubectl("delete", "--ignore-not-found", "--timeout=60s",
+                             f"crd/{LWS_CRD}",
+                             "mutatingwebhookconfiguration/lws-mutating-webhook-configuration",
+                             "validatingwebhookconfiguration/lws-validating-webhook-configuration")
             self._create_nodes(timeout)
             if nodes is not None:
                 self.timings["real_nodes"] = nodes.start(max(timeout, 240))
@@ -449,8 +523,6 @@ class LocalCluster:
     def _start_apiserver(self, timeout: float) -> None:
         p, k = self.config.ports, self.pki
         if self.config.real_nodes:
-            from e2e.cluster.pki import ensure_client_cert
-
             # Pods reach the API server through the `kubernetes` Service, whose endpoint
             # is the advertised address; it reaches the kubelets (logs, exec) by their
             # InternalIP with a client certificate they trust.
@@ -571,6 +643,70 @@ class LocalCluster:
             "kube-controller-manager",
             timeout,
         )
+
+    def _start_lws(self, timeout: float) -> None:
+        """LeaderWorkerSet's controller manager as a host process: its CRD installed
+        first (the controller fails without it), its webhook server on 127.0.0.1 with a
+        serving certificate from our CA (its own rotation needs an in-cluster Service
+        and Secret, so it is off), and its webhook configurations pointing the API
+        server there. Ready when a server-side dry run of a LeaderWorkerSet comes back
+        defaulted by its mutating webhook: the API server reached it."""
+        p, k, w = self.config.ports, self.pki, self.workdir
+        binary = self.config.binaries[LWS_COMPONENT]
+        crds, webhook_dir = lws_manifests(binary)
+        ensure_client_cert(k, "lws", "lws-controller-manager", "system:masters")
+        ensure_serving_cert(k, "lws-webhook", "lws-webhook-service")
+        certs = w / "lws-certs"
+        certs.mkdir(exist_ok=True)
+        for src, dst in (("lws-webhook.crt", "tls.crt"), ("lws-webhook.key", "tls.key")):
+            (certs / dst).write_bytes((k / src).read_bytes())
+            (certs / dst).chmod(0o600)
+        self._kubeconfig(w / "lws.kubeconfig", "lws-controller-manager", "lws")
+        self.kubectl("apply", "--server-side", "--force-conflicts",
+                     "--field-manager=spillway-harness", "-f", crds)
+        self._wait(f"the {LWS_CRD} CRD Established", lambda: self.kubectl(
+            "get", "crd", LWS_CRD, "-o",
+            "jsonpath={.status.conditions[?(@.type=='Established')].status}",
+            check=False) == "True", "kube-apiserver", timeout)
+        config = w / "lws-config.yaml"
+        config.write_text(yaml.safe_dump({
+            "apiVersion": "config.lws.x-k8s.io/v1alpha1",
+            "kind": "Configuration",
+            "leaderElection": {"leaderElect": False},  # one replica
+            "internalCertManagement": {"enable": False},
+            "webhook": {"host": "127.0.0.1", "port": p.lws_webhook, "certDir": str(certs)},
+            "metrics": {"bindAddress": f"127.0.0.1:{p.lws_metrics}"},
+            "health": {"healthProbeBindAddress": f"127.0.0.1:{p.lws_health}"},
+        }))
+        self._spawn(LWS_COMPONENT, [f"--config={config}", f"--kubeconfig={w / 'lws.kubeconfig'}",
+                                    "--zap-devel=false", "--zap-log-level=info"])
+        self.kubectl("apply", "--server-side", "--force-conflicts",
+                     "--field-manager=spillway-harness", "-f", "-",
+                     input=yaml.safe_dump_all(lws_webhook_configurations(
+                         webhook_dir, p.lws_webhook, (k / "ca.crt").read_bytes())))
+        self._wait("LeaderWorkerSet's controller /readyz",
+                   lambda: self._http_ok(f"http://127.0.0.1:{p.lws_health}/readyz"),
+                   LWS_COMPONENT, timeout)
+        probe = yaml.safe_dump({
+            "apiVersion": "leaderworkerset.x-k8s.io/v1",
+            "kind": "LeaderWorkerSet",
+            "metadata": {"name": "spillway-webhook-probe", "namespace": "default"},
+            "spec": {"leaderWorkerTemplate": {"size": 1, "workerTemplate": {"spec": {
+                "containers": [{"name": "c", "image": "example.invalid/probe:0"}]}}}},
+        })
+
+        def defaulted_by_the_webhook() -> bool:
+            try:
+                out = self.kubectl("create", "--dry-run=server", "-o", "json", "-f", "-",
+                                   input=probe)
+            except (ClusterError, subprocess.TimeoutExpired):
+                return False
+            network = json.loads(out)["spec"].get("networkConfig") or {}
+            return network.get("subdomainPolicy") == "Shared"
+
+        self._wait("LeaderWorkerSet's webhooks answering the API server",
+                   defaulted_by_the_webhook, LWS_COMPONENT, timeout)
+        self.timings["lws"] = time.monotonic()
 
     def node_manifests(self) -> list[dict]:
         c = self.config
@@ -734,7 +870,7 @@ class LocalCluster:
         state = self._load_state() or {}
         pids = {**{k: int(v) for k, v in state.get("pids", {}).items()}, **self.pids}
         # Reverse start order: the controllers first, etcd last.
-        order = [c for c in reversed(COMPONENTS) if c in pids]
+        order = [c for c in reversed(self.components(lws=True)) if c in pids]
         for name in order:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pids[name], signal.SIGTERM)

@@ -1,5 +1,7 @@
 """A throw-away PKI for the local control plane: one CA, the apiserver's serving
-certificate, client certificates for each component, and the service-account key."""
+certificate, client certificates for each component, serving certificates for the
+webhook servers the API server calls on loopback (LeaderWorkerSet's), and the
+service-account key."""
 
 from __future__ import annotations
 
@@ -169,3 +171,27 @@ def ensure_client_cert(directory: Path, stem: str, cn: str, org: str | None = No
             return
     ca, ca_key = _load_ca(directory)
     _issue(directory, ca, ca_key, stem, _name(cn, org), ExtendedKeyUsageOID.CLIENT_AUTH)
+
+
+def ensure_serving_cert(directory: Path, stem: str, cn: str,
+                        dns_names: tuple[str, ...] = ("localhost",),
+                        ips: tuple[str, ...] = ("127.0.0.1",)) -> None:
+    """Issue ``<stem>.{crt,key}``, a serving certificate from the CA ``make_pki`` wrote
+    for ``dns_names`` and ``ips``, unless one with those names is there already: the
+    certificate of a webhook server the API server reaches at ``https://127.0.0.1:PORT``
+    (LeaderWorkerSet's, whose own certificate rotation needs an in-cluster Service)."""
+    crt = directory / f"{stem}.crt"
+    if crt.exists() and (directory / f"{stem}.key").exists():
+        cert = x509.load_pem_x509_certificate(crt.read_bytes())
+        try:
+            sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        except x509.ExtensionNotFound:
+            sans = None
+        if sans is not None and set(dns_names) <= set(sans.get_values_for_type(x509.DNSName)) \
+                and set(ips) <= _cert_ips(crt) and cert.subject == _name(cn):
+            return
+    ca, ca_key = _load_ca(directory)
+    sans = [x509.DNSName(n) for n in dns_names] + [
+        x509.IPAddress(ipaddress.ip_address(ip)) for ip in ips
+    ]
+    _issue(directory, ca, ca_key, stem, _name(cn), ExtendedKeyUsageOID.SERVER_AUTH, sans)

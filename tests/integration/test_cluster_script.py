@@ -26,7 +26,7 @@ def run(*args: str, timeout: float = 180, env: dict | None = None) -> subprocess
     )
 
 
-def consecutive_free_ports(n: int = 6) -> int:
+def consecutive_free_ports(n: int = 9) -> int:
     for _ in range(50):
         base = free_port()
         if base + n < 65535 and all(port_is_free(base + i) for i in range(n)):
@@ -87,7 +87,7 @@ def test_up_is_idempotent_and_down_leaves_no_process(tmp_path, cluster):
         assert kubeconfig.exists()
         pids = json.loads((workdir / "state.json").read_text())["pids"]
         assert set(pids) == {"etcd", "kube-apiserver", "kube-controller-manager",
-                             "kube-scheduler", "kwok"}
+                             "kube-scheduler", "kwok", "lws-controller"}
 
         second = run("up", *common)
         assert second.returncode == 0, second.stderr
@@ -107,9 +107,49 @@ def test_up_is_idempotent_and_down_leaves_no_process(tmp_path, cluster):
         down = run("down", "--dir", str(workdir), "--port-base", str(base))
     assert down.returncode == 0, down.stderr
     assert not any(_alive(int(pid)) for pid in pids.values())
-    assert all(port_is_free(base + i) for i in range(6))
+    assert all(port_is_free(base + i) for i in range(9))
     status = run("status", "--dir", str(workdir), "--port-base", str(base))
     assert status.returncode == 1 and "down" in status.stdout
+
+
+def lws_resources(kubeconfig) -> list[str]:
+    from e2e.cluster.controlplane import locate_binaries
+
+    proc = subprocess.run(
+        [str(locate_binaries()["kubectl"]), f"--kubeconfig={kubeconfig}", "api-resources",
+         "--api-group=leaderworkerset.x-k8s.io", "-o", "name"],
+        capture_output=True, text=True, timeout=30, check=True,
+    )
+    return proc.stdout.split()
+
+
+@pytest.mark.timeout(300)
+def test_no_lws_starts_a_cluster_without_leaderworkerset(tmp_path, cluster):
+    """``up --no-lws``: no LWS controller process and no LeaderWorkerSet API (what the
+    operator finds on a cluster that never installed LWS); the default has both."""
+    import json
+
+    from e2e.cluster.controlplane import free_pod_net
+
+    assert lws_resources(cluster.config.kubeconfig) == ["leaderworkersets.leaderworkerset.x-k8s.io"]
+    workdir = tmp_path / "no-lws"
+    base = consecutive_free_ports()
+    common = ["--dir", str(workdir), "--port-base", str(base), "--nodes", "1",
+              "--pod-net", free_pod_net()]
+    try:
+        up = run("up", "--no-lws", *common)
+        assert up.returncode == 0, up.stderr
+        state = json.loads((workdir / "state.json").read_text())
+        assert set(state["pids"]) == {"etcd", "kube-apiserver", "kube-controller-manager",
+                                      "kube-scheduler", "kwok"}
+        assert state["lws"] is False
+        assert lws_resources(workdir / "kubeconfig") == []
+        status = run("status", *common[:4])
+        assert status.returncode == 0 and "up:" in status.stdout, status.stdout
+    finally:
+        down = run("down", "--dir", str(workdir), "--port-base", str(base))
+    assert down.returncode == 0, down.stderr
+    assert not any(_alive(int(pid)) for pid in state["pids"].values())
 
 
 def test_the_demo_picks_a_pod_network_no_running_cluster_uses():
