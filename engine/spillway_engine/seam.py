@@ -25,6 +25,7 @@ from spillway_engine.planner.plan import Plan
 
 __all__ = [
     "DISK_TIER_MOUNT",
+    "DIST_PORT",
     "DRAIN_PATH",
     "ENGINE_OPTIONS_FILE",
     "PLAN_FILE",
@@ -50,6 +51,10 @@ READY_PATH = "/spillway/ready"
 #: under <mount>/<plan.disk.cache_key>, so another plan's files are never read.
 DISK_TIER_MOUNT = "/var/cache/spillway/kv"
 DRAIN_PATH = "/spillway/drain"
+#: A replica over several pods (``spillway-engine serve --nnodes N``): torch.distributed's
+#: rendezvous (vLLM's ``--master-port``) and the data-parallel RPC port on the leader
+#: pod, which the operator exposes as a container port (spillway_engine.launcher.multinode).
+DIST_PORT = 29500
 
 
 class EngineOptionsError(ValueError):

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from spillway_engine import seam
 from spillway_engine.cli import main
 from spillway_engine.launcher import headless, multinode
 from spillway_engine.launcher.multinode import (
@@ -82,7 +83,8 @@ def flag(args: list[str], name: str) -> str:
 def test_one_node_is_todays_launch():
     assert node_from(1, LWS) == Node()
     assert parallel_launch(plan_for(tensor_parallel_size=8), Node()) == ([], {})
-    assert multinode.DIST_PORT == DIST_PORT == 29500
+    # the operator reads it from the seam (its only way into the engine)
+    assert multinode.DIST_PORT == DIST_PORT == seam.DIST_PORT == 29500
 
 
 def test_rank_and_leader_come_from_leaderworkerset():

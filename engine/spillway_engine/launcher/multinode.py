@@ -31,10 +31,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from spillway_engine.planner.plan import Plan
+from spillway_engine.seam import DIST_PORT  # the operator's container port (the seam)
 
-#: torch.distributed's rendezvous on the leader (``--master-port``), and the
-#: data-parallel RPC port across nodes: the leader pod's container port.
-DIST_PORT = 29500
 #: What LeaderWorkerSet's pod webhook injects into every pod of a group.
 ENV_LEADER_ADDRESS = "LWS_LEADER_ADDRESS"
 ENV_GROUP_SIZE = "LWS_GROUP_SIZE"
