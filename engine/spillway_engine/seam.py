@@ -154,6 +154,12 @@ PROTECTED_FLAGS: dict[str, str] = {
     "--cp-kv-cache-interleave-size": _PARALLEL,
     "--distributed-executor-backend": _PARALLEL,
     "--nnodes": _PARALLEL,
+    "--node-rank": _PARALLEL,
+    "--master-addr": _PARALLEL,
+    "--master-port": _PARALLEL,
+    "--data-parallel-address": _PARALLEL,
+    "--data-parallel-rpc-port": _PARALLEL,
+    "--data-parallel-start-rank": _PARALLEL,
     "--max-model-len": _GEOMETRY,
     "--kv-cache-dtype": _GEOMETRY,
     "--kv-cache-dtype-skip-layers": _GEOMETRY,
@@ -196,6 +202,11 @@ PROTECTED_SHORT_FLAGS: dict[str, str] = {
     "-dpl": "--data-parallel-size-local",
     "-dcp": "--decode-context-parallel-size",
     "-pcp": "--prefill-context-parallel-size",
+    "-n": "--nnodes",
+    "-r": "--node-rank",
+    "-dpa": "--data-parallel-address",
+    "-dpp": "--data-parallel-rpc-port",
+    "-dpr": "--data-parallel-start-rank",
 }
 
 

@@ -132,16 +132,17 @@ def test_a_planner_crash_is_refused_as_an_invalid_config(monkeypatch, caplog):
     assert "TypeError" in message and "\n" not in message
 
 
-def test_pipeline_parallelism_is_refused_with_the_field_until_pods_serve_it(monkeypatch):
-    """The planner plans stages, but a pod cannot serve one yet: the operator refuses
-    the spec (a condition, no pods) rather than start engines that fail their check."""
+def test_pipeline_stages_sharing_a_node_are_refused_with_the_field(monkeypatch):
+    """Stages are served one per node (each node maps its stage's offload region): a
+    spec that would put two stages in one pod is refused before planning, no pods."""
     monkeypatch.setattr(reconciler, "make_plan", lambda *a: pytest.fail("planned"))
     spec = InferenceDeploymentSpec(model={"name": "a/b"},
                                    engine={"pipelineParallelSize": 2})  # fmt: skip
     with pytest.raises(reconciler.PlanRefused) as info:
         reconciler.make_plan_safely({}, spec)
     _, message, outcome = reconciler.plan_failure(info.value)
-    assert outcome == "refused" and "spec.engine.pipelineParallelSize" in message
+    assert outcome == "refused" and "spec.engine.nodes" in message
+    assert "pipelineParallelSize (2)" in message
 
 
 def test_a_body_no_apply_could_take_is_never_posted():

@@ -276,3 +276,20 @@ def test_a_restarting_group_is_a_degraded_condition():
     degraded = next(c for c in conditions_for(obs) if c.type == "Degraded")
     assert degraded.status is True and degraded.reason == "GroupRestarting"
     assert "group(s) 0" in degraded.message
+
+
+def test_pipeline_stages_one_per_node_are_served():
+    """TP 8 x PP 2 on 8-GPU nodes: two pods, each a stage; each pod is sized for the
+    largest stage's region (DeepSeek-V3's 61 layers split 31 + 30)."""
+    spec = spec_of({"tensorParallelSize": 8, "pipelineParallelSize": 2})
+    assert spec.nodes == 2 and spec.placement_refusal() is None
+    plan = make_plan_safely(DEEPSEEK, spec)
+    assert [s.num_cache_layers for s in plan.stages] == [31, 30]
+    assert plan.pod.pool_bytes_per_engine == max(s.region_bytes for s in plan.stages)
+    lws = render.engine_workload(OWNER, spec, plan)
+    assert lws["spec"]["leaderWorkerTemplate"]["size"] == 2
+    # two stages in one pod (or four on two nodes) share a node's region: refused
+    for engine in ({"tensorParallelSize": 4, "pipelineParallelSize": 2},
+                   {"tensorParallelSize": 4, "pipelineParallelSize": 4, "nodes": 2}):
+        refusal = spec_of(engine).placement_refusal()
+        assert refusal is not None and refusal.startswith("spec.engine.nodes")

@@ -612,7 +612,9 @@ def _make_plan(
         )
         chosen = _chosen_offload(request.offloader, upstream, spillway)
     stages, stage_notes = _stages(model_layout, request, cpu_bytes, workers, max_len)
-    pod = _sized_pod(chosen.region_bytes, local, dp, limit, chosen.host_keys)
+    # Each stage's workers map their own region: a pod holds a stage's, the largest.
+    region = max([chosen.region_bytes, *(s["region_bytes"] for s in stages)])
+    pod = _sized_pod(region, local, dp, limit, chosen.host_keys)
     disk = _disk_tier(request, layout, spillway, workers, dp, max_len)
     # One validation of nested dicts (pydantic's core walks them) instead of a model
     # per group and chunk: a tenth of a millisecond on many-group models.

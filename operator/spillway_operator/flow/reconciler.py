@@ -188,14 +188,6 @@ def make_plan_safely(
     """make_plan, with any exception it does not foresee turned into PlanCrashed."""
     if refusal := spec.placement_refusal():
         raise PlanRefused(refusal)
-    if spec.engine.pipeline_parallel_size > 1:
-        # The planner plans each stage (``spillway plan`` shows them), but no pod can
-        # serve one yet: the engine's start-up check compares the whole model's groups
-        # and one pod would have to hold every stage. Refuse rather than start pods
-        # that fail their plan check.
-        raise PlanRefused("spec.engine.pipelineParallelSize: pipeline parallelism is "
-                          "planned (spillway plan -pp N shows each stage) but not served "
-                          "yet; use 1")
     try:
         return make_plan(config, spec.plan_request(), draft_config)
     except PlanRefused:

@@ -13,11 +13,11 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from spillway_engine.launcher.multinode import DIST_PORT  # the leader's rendezvous port
 from spillway_engine.planner.plan import Plan
 from spillway_engine.quantity import format_bytes, parse_bytes
 from spillway_engine.seam import (
     DISK_TIER_MOUNT,
+    DIST_PORT,
     ENGINE_OPTIONS_FILE,
     PLAN_FILE,
     READY_PATH,

@@ -757,6 +757,12 @@ class InferenceDeploymentSpec(_Model):
     def placement_refusal(self) -> str | None:
         """Why the replica cannot be split over its nodes as vLLM runs it, or None."""
         e, nodes = self.engine, self.nodes
+        if e.pipeline_parallel_size > 1 and nodes != e.pipeline_parallel_size:
+            # vLLM maps one offload region per instance on each node; stages sharing a node
+            # would share it with different row strides (unchecked): one stage per node.
+            return (f"spec.engine.nodes: pipeline stages are served one per node; set "
+                    f"engine.nodes to pipelineParallelSize ({e.pipeline_parallel_size}), "
+                    f"not {nodes}")
         if nodes == 1:
             return None
         if e.data_parallel_size > 1:
