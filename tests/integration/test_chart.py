@@ -61,6 +61,9 @@ NAMESPACED_RULES = {
     ("", "persistentvolumeclaims", "get"),  # a shared disk tier's claim, checked
     ("", "events", "create"),
     *{("monitoring.coreos.com", "servicemonitors", v) for v in ("get", "patch", "create")},
+    # A replica across nodes: its LeaderWorkerSet, applied and read (no list, watch or
+    # delete: a change of node count scales it to 0 by a patch).
+    *{("leaderworkerset.x-k8s.io", "leaderworkersets", v) for v in ("get", "patch", "create")},
 }
 CRD_READS = {("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("list", "watch")}
 # Leader election (operator/spillway_operator/plumbing/leader.py): read, create and update the one
@@ -517,6 +520,8 @@ def test_operator_runs_as_the_chart_service_account(helm, cluster, api, namespac
                ["create", "events", "-n", work], ["get", "secrets", "-n", work],
                ["patch", "pods", "-n", work],
                ["patch", "poddisruptionbudgets.policy", "-n", work],
+               *[[v, "leaderworkersets.leaderworkerset.x-k8s.io", "-n", work]
+                 for v in ("get", "patch", "create")],
                ["watch", "customresourcedefinitions.apiextensions.k8s.io"],
                ["list", "namespaces"], ["watch", "namespaces"],
                ["get", "persistentvolumeclaims", "-n", work],
@@ -528,6 +533,8 @@ def test_operator_runs_as_the_chart_service_account(helm, cluster, api, namespac
               ["delete", "poddisruptionbudgets.policy", "-n", work],
               ["deletecollection", "poddisruptionbudgets.policy", "-n", work],
               ["update", "deployments.apps", "-n", work],
+              *[[v, "leaderworkersets.leaderworkerset.x-k8s.io", "-n", work]
+                for v in ("list", "watch", "delete", "update")],
               ["create", "pods", "-n", work], ["delete", "pods", "-n", work],
               ["get", "pods", "-n", work], ["update", "pods", "-n", work],
               ["patch", "pods", "-n", work, "--subresource", "status"],
@@ -642,6 +649,23 @@ def test_operator_runs_as_the_chart_service_account(helm, cluster, api, namespac
         for kind in ("Deployment", "Service", "ConfigMap", "PodDisruptionBudget"):
             assert (f'spillway_operator_child_writes_total{{action="created",kind="{kind}"}} 1.0'
                     in metrics), metrics
+
+        if not namespaced:
+            # A replica of 16 GPUs on 8-GPU nodes: a LeaderWorkerSet group, made and read
+            # with the ServiceAccount's token (two free nodes: gemma's one GPU is on a third).
+            model_configmap(core, work, "llama", "llama-3.2-1b.json")
+            big = infdep("big")
+            big["spec"]["model"] = {"name": "meta-llama/Llama-3.2-1B",
+                                    "configMapRef": {"name": "llama"}}
+            big["spec"]["engine"] = {"tensorParallelSize": 16}
+            custom.create_namespaced_custom_object(GROUP, VERSION, work, PLURAL, big)
+            obj = wait_for(lambda: (o := custom.get_namespaced_custom_object(
+                GROUP, VERSION, work, PLURAL, "big")).get("status", {}).get(
+                    "readyReplicas") == 1 and o, 90, f"big's group Ready (operator log: {log})")
+            lws = custom.get_namespaced_custom_object("leaderworkerset.x-k8s.io", "v1", work,
+                                                      "leaderworkersets", "big")
+            assert lws["spec"]["leaderWorkerTemplate"]["size"] == 2
+            custom.delete_namespaced_custom_object(GROUP, VERSION, work, PLURAL, "big")
     finally:
         proc.terminate()
         try:

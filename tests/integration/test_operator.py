@@ -197,9 +197,11 @@ def test_editing_tensor_parallel_rolls_out_new_gpu_count_and_plan(env):
 
 
 def test_more_gpus_than_any_node_is_reported_unschedulable(env):
-    # Llama-3.2-1B has 32 heads, so TP=16 is a valid plan; no node has 16 GPUs.
+    # Llama-3.2-1B has 32 heads, so TP=16 is a valid plan; no node has 16 GPUs. One pod
+    # of them (engine.nodes 1; by default the replica would span two nodes).
     model_configmap(env.core, env.ns, "llama", "llama-3.2-1b.json")
-    env.create(infdep("huge", tp=16, config_map="llama"))
+    env.create(infdep("huge", config_map="llama", engine={"tensorParallelSize": 16,
+                                                           "nodes": 1}))
     c = env.wait_condition("huge", "Available", "False", "InsufficientGPUCapacity", timeout=90)
     assert "nvidia.com/gpu" in c["message"]
     assert env.condition("huge", "Degraded")["status"] == "True"

@@ -15,7 +15,12 @@ from spillway_operator.flow import render
 from spillway_operator.flow.crd import spec_schema
 from spillway_operator.flow.reconciler import Reconciler, make_plan_safely
 from spillway_operator.flow.spec import InferenceDeploymentSpec
-from spillway_operator.flow.status import Observed, conditions_for, group_restarts
+from spillway_operator.flow.status import (
+    Observed,
+    conditions_for,
+    group_restarts,
+    with_group_status,
+)
 from spillway_operator.names import LWS_GROUP_INDEX, LWS_REVISION
 from spillway_router.kube import backend_from_pod, deployment_from_configmap
 from tests.unit.test_operator_status import MODELS, FakeKube
@@ -157,6 +162,23 @@ class GroupKube(FakeKube):
             live["status"] = {"replicas": n, "readyReplicas": n, "updatedReplicas": n}
         return action, live
 
+    def watched_deployment(self, namespace: str, name: str) -> dict | None:
+        return self.get_deployment(namespace, name)
+
+    def owned_pods(self, owner: tuple[str, str], selector: str,
+                   deployment: dict | None) -> list[dict]:
+        """Every group of the LWS whole and Ready, on its template's plan."""
+        lws = self.children.get("LeaderWorkerSet")
+        if deployment is None or lws is None:
+            return []
+        template = lws["spec"]["leaderWorkerTemplate"]
+        notes = template["workerTemplate"]["metadata"]["annotations"]
+        return [{"metadata": {"name": f"big-{g}-{i}", "uid": f"u{g}{i}", "annotations": notes,
+                              "labels": {LWS_GROUP_INDEX: str(g), render.LWS_WORKER_INDEX: str(i),
+                                         LWS_REVISION: "r1"}},
+                 "status": {"conditions": [{"type": "Ready", "status": "True"}]}}
+                for g in range(lws["spec"]["replicas"]) for i in range(template["size"])]
+
     def scale_to_zero(self, api_version: str, kind: str, namespace: str, name: str,
                       live: dict | None) -> bool:
         if live is None or not live["spec"]["replicas"]:
@@ -293,3 +315,21 @@ def test_pipeline_stages_one_per_node_are_served():
                    {"tensorParallelSize": 4, "pipelineParallelSize": 4, "nodes": 2}):
         refusal = spec_of(engine).placement_refusal()
         assert refusal is not None and refusal.startswith("spec.engine.nodes")
+
+
+def test_groups_are_counted_from_their_pods():
+    spec = spec_of(replicas=2)
+    lws = render.engine_workload(OWNER, spec, make_plan_safely(DEEPSEEK, spec))
+    want = lws["spec"]["leaderWorkerTemplate"]["workerTemplate"]["metadata"]["annotations"]
+    old = {"spillway.dev/plan-hash": "old"}
+
+    def pod(group, index, ready=True, notes=want):
+        p = group_pod(group, index, f"u{group}{index}", ready)
+        p["metadata"]["annotations"] = notes
+        return p
+
+    pods = [pod("0", "0"), pod("0", "1"),  # whole, ready, current plan
+            pod("1", "0", notes=old), pod("1", "1", notes=old),  # whole, ready, old plan
+            pod("2", "0", ready=False)]  # a leader whose worker is not made yet
+    status = with_group_status(lws, pods)["status"]
+    assert status == {"replicas": 3, "readyReplicas": 2, "updatedReplicas": 1}

@@ -46,6 +46,7 @@ from spillway_operator.flow.status import (
     read_status,
     to_wire,
     transitions,
+    with_group_status,
 )
 from spillway_operator.names import LWS_API, LWS_KIND
 from spillway_operator.plumbing import metrics
@@ -405,6 +406,12 @@ class Reconciler:
         return children
 
     def _pods(self, owner: render.Owner, deployment: dict[str, Any]) -> list[dict[str, Any]]:
+        if deployment.get("kind") == LWS_KIND:
+            # The watch's pods stand when they number the groups' pods asked for.
+            spec = deployment.get("spec") or {}
+            pods = int(spec.get("replicas") or 0) * int(
+                spec["leaderWorkerTemplate"].get("size") or 1)
+            deployment = {"status": {"replicas": pods}}
         return self.kube.owned_pods((owner.namespace, owner.name),
                                     render.selector_string(owner), deployment)
 
@@ -444,7 +451,7 @@ class Reconciler:
         ns, name = owner.namespace, owner.name
         if groups:
             kind = ("apps/v1", "Deployment")
-            live = self.kube.get_deployment(ns, name)
+            live = self.kube.watched_deployment(ns, name)
         elif old_nodes > 1:
             kind = (LWS_API, LWS_KIND)
             live = self.kube.get_leader_worker_set(ns, name)
@@ -513,6 +520,9 @@ class Reconciler:
         if obs.deployment is not None:
             obs.pods = self._pods(owner, obs.deployment)
             if obs.deployment.get("kind") == LWS_KIND:
+                # Groups counted from their pods, whose events wake this reconcile (no
+                # watch tells it when LWS's own status catches up).
+                obs.deployment = with_group_status(obs.deployment, obs.pods)
                 size = int(obs.deployment["spec"]["leaderWorkerTemplate"].get("size") or 1)
                 key = (owner.namespace, owner.name)
                 obs.restarting_groups, self._groups[key] = group_restarts(

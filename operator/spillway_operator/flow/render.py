@@ -508,17 +508,17 @@ def engine_workload(owner: Owner, spec: InferenceDeploymentSpec, plan: Plan,
     return deployment(owner, spec, plan, strategy)
 
 
-def _group_affinity(affinity: dict[str, Any]) -> dict[str, Any]:
+def _group_affinity(owner: Owner, affinity: dict[str, Any]) -> dict[str, Any]:
     """A group's pods on one zone where the cluster labels zones (preferred: the ranks
-    talk every step; the group-key label is LWS's, one value per group)."""
+    talk every step; the group-key label is LWS's, one value per group, and the API
+    server refuses a key in both matchLabelKeys and the selector)."""
     affinity = json.loads(json.dumps(affinity))
     affinity.setdefault("podAffinity", {}).setdefault(
         "preferredDuringSchedulingIgnoredDuringExecution", []).append({
             "weight": 100,
             "podAffinityTerm": {
                 "topologyKey": "topology.kubernetes.io/zone",
-                "labelSelector": {"matchExpressions": [
-                    {"key": LWS_GROUP_KEY, "operator": "Exists"}]},
+                "labelSelector": {"matchLabels": selector_labels(owner)},
                 "matchLabelKeys": [LWS_GROUP_KEY],
             }})
     return affinity
@@ -530,7 +530,7 @@ def leader_worker_set(owner: Owner, spec: InferenceDeploymentSpec,
     nodes - 1 workers (headless ranks), from one pod template; LWS's webhook gives each
     pod its rank and the leader's address (LWS_WORKER_INDEX, LWS_LEADER_ADDRESS)."""
     template = _pod_template(owner, spec, plan)
-    template["spec"]["affinity"] = _group_affinity(template["spec"]["affinity"])
+    template["spec"]["affinity"] = _group_affinity(owner, template["spec"]["affinity"])
     return {
         "apiVersion": LWS_API,
         "kind": LWS_KIND,

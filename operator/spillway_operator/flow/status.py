@@ -27,7 +27,7 @@ from spillway_operator.flow.spec import (
     PlanSummary,
     Routing,
 )
-from spillway_operator.names import LWS_GROUP_INDEX, LWS_KIND, LWS_REVISION, LWS_WORKER_INDEX
+from spillway_operator.names import GROUP, LWS_GROUP_INDEX, LWS_KIND, LWS_REVISION, LWS_WORKER_INDEX
 from spillway_operator.plumbing.kube import now_rfc3339
 
 log = logging.getLogger("spillway.status")
@@ -250,6 +250,7 @@ class Rollout:
         return cls(int(status.get("readyReplicas") or 0), updated, complete)
 
 
+PLAN_HASH = f"{GROUP}/plan-hash"
 #: A group as last seen whole and ready: (its leader pod's uid, its template revision)
 GroupSeen = tuple[str, str]
 
@@ -283,6 +284,32 @@ def group_restarts(pods: list[dict[str, Any]], size: int, seen: dict[str, GroupS
             restarting.append(index)
             now_seen[index] = seen[index]
     return restarting, now_seen
+
+
+def with_group_status(lws: dict[str, Any], pods: list[dict[str, Any]]) -> dict[str, Any]:
+    """The LeaderWorkerSet with its status counted from its pods, in groups: replicas
+    (groups with a leader), readyReplicas (groups with every pod Ready) and
+    updatedReplicas (groups whose every pod runs the template's plan)."""
+    template = lws["spec"]["leaderWorkerTemplate"]
+    size = int(template.get("size") or 1)
+    want = ((template["workerTemplate"].get("metadata") or {}).get("annotations") or {}).get(
+        PLAN_HASH)
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for pod in pods:
+        meta = pod["metadata"]
+        index = (meta.get("labels") or {}).get(LWS_GROUP_INDEX)
+        if index is not None and not meta.get("deletionTimestamp"):
+            groups.setdefault(index, []).append(pod)
+    led = [m for m in groups.values() if any(
+        (p["metadata"].get("labels") or {}).get(LWS_WORKER_INDEX) == "0" for p in m)]
+    whole = [m for m in led if len(m) == size]
+    status = {
+        "replicas": len(led),
+        "readyReplicas": sum(1 for m in whole if all(map(_pod_ready, m))),
+        "updatedReplicas": sum(1 for m in whole if all(
+            ((p["metadata"].get("annotations") or {}).get(PLAN_HASH)) == want for p in m)),
+    }
+    return {**lws, "status": {**(lws.get("status") or {}), **status}}
 
 
 def _plan_ready(obs: Observed) -> Cond:

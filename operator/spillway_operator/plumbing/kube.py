@@ -544,6 +544,14 @@ class Kube:
             self.cache.remember(patched)
         return True
 
+    def watched_deployment(self, namespace: str, name: str) -> dict | None:
+        """The Deployment as the watch holds it (None: the watch has none); read only
+        without watches. For checks that must not GET a Deployment that is usually
+        absent (a multi-node replica's) on every tick."""
+        if self.cache is not None:
+            return self._cached("apps/v1", "Deployment", namespace, name)
+        return self.get_deployment(namespace, name)
+
     def get_deployment(self, namespace: str, name: str) -> dict | None:
         return self._cached("apps/v1", "Deployment", namespace, name) or self._read(
             resource_path("apps/v1", "Deployment", namespace, name))
@@ -594,7 +602,7 @@ class Kube:
     def pods_of(self, namespace: str, name: str, selector: str) -> list[dict]:
         """owned_pods, with the Deployment the watches hold (the autoscaler's tick)."""
         return self.owned_pods((namespace, name), selector,
-                               self.get_deployment(namespace, name))
+                               self.watched_deployment(namespace, name))
 
     def annotate_pod(self, namespace: str, name: str, annotations: dict[str, str | None]) -> None:
         """Merge-patch a pod's annotations (None removes one): the autoscaler's
