@@ -72,10 +72,11 @@ def test_each_pod_is_sized_for_its_own_node():
     two = make_plan(DEEPSEEK, spec_of().plan_request())
     assert two.parallelism.nodes == 2 and two.parallelism.world_size == 16
     one = make_plan(DEEPSEEK, spec_of({"tensorParallelSize": 16, "nodes": 1}).plan_request())
-    # the same pool, eight fewer GPU worker processes on each pod
-    assert one.pod.pool_bytes_per_engine == two.pod.pool_bytes_per_engine
-    assert one.pod.process_overhead_bytes - two.pod.process_overhead_bytes == (
-        8 * WORKER_PROCESS_BYTES)
+    # the same pool (to a row: across nodes a row holds every rank's copy), eight fewer
+    # GPU worker processes on each pod
+    assert abs(one.pod.pool_bytes_per_engine - two.pod.pool_bytes_per_engine) < two.row_bytes
+    fewer = one.pod.process_overhead_bytes - two.pod.process_overhead_bytes
+    assert 0 <= fewer - 8 * WORKER_PROCESS_BYTES < 64 * 2**20  # (the manager's keys differ)
     with pytest.raises(PlanRefused, match="do not divide"):
         make_plan(DEEPSEEK, spec_of({"tensorParallelSize": 16, "nodes": 3}).plan_request())
 
@@ -333,3 +334,13 @@ def test_groups_are_counted_from_their_pods():
             pod("2", "0", ready=False)]  # a leader whose worker is not made yet
     status = with_group_status(lws, pods)["status"]
     assert status == {"replicas": 3, "readyReplicas": 2, "updatedReplicas": 1}
+
+
+def test_replicated_mla_rows_are_per_node_only():
+    """vLLM 0.33 keeps one copy of a TP-replicated MLA row only in a single node's
+    /dev/shm (build_offloading_config: nnodes_within_dp == 1): across two nodes every
+    row holds each rank's copy, so the same pool holds a sixteenth of the tokens."""
+    one = make_plan(DEEPSEEK, spec_of({"tensorParallelSize": 16, "nodes": 1}).plan_request())
+    two = make_plan(DEEPSEEK, spec_of().plan_request())
+    assert one.spillway.copies == 1 and two.spillway.copies == 16
+    assert 15 * two.capacity_tokens < one.capacity_tokens <= 16 * two.capacity_tokens + 4096

@@ -809,6 +809,8 @@ def _offload_request(
         blocks_per_chunk=request.blocks_per_chunk,
         chunk_block_size_tokens=request.chunk_block_size_tokens,
         pipeline_parallel_size=request.pipeline_parallel_size,
+        # vLLM dedups TP-replicated MLA rows only within one node's /dev/shm
+        single_node=request.nodes == 1,
     )
 
 
