@@ -602,6 +602,7 @@ def test_operator_runs_as_the_chart_service_account(helm, cluster, api, namespac
         core, apps = client.CoreV1Api(api), client.AppsV1Api(api)
         custom = client.CustomObjectsApi(api)
         model_configmap(core, work, "model", "gemma-3-1b-it.json")
+        model_configmap(core, work, "llama", "llama-3.2-1b.json")  # the multi-node replica's
         fence()  # from here on, only the chart's ServiceAccount can write the results
         # Namespaced: with the autoscaler on, so its writes (scale subresource, status) run
         # with the ServiceAccount too; two replicas that idle simulators let it scale down.
@@ -653,7 +654,6 @@ def test_operator_runs_as_the_chart_service_account(helm, cluster, api, namespac
         if not namespaced:
             # A replica of 16 GPUs on 8-GPU nodes: a LeaderWorkerSet group, made and read
             # with the ServiceAccount's token (two free nodes: gemma's one GPU is on a third).
-            model_configmap(core, work, "llama", "llama-3.2-1b.json")
             big = infdep("big")
             big["spec"]["model"] = {"name": "meta-llama/Llama-3.2-1B",
                                     "configMapRef": {"name": "llama"}}
