@@ -270,6 +270,21 @@ def _disk_lines(plan: Plan) -> list[str]:
     ]
 
 
+def _nodes_text(par: Any) -> str:
+    """How the replica's ranks sit on its nodes: one engine's ranks split evenly, or
+    (data parallelism across nodes) whole engines a node."""
+    if par.nodes == 1:
+        return ""
+    if par.data_parallel_size > 1:
+        local = par.data_parallel_size // par.nodes
+        return (f", {par.nodes} nodes of {local} DP ranks (node r holds DP ranks "
+                f"{local}r..{local}r+{local - 1}, each engine's {par.world_size} GPU(s) on "
+                "its node)")
+    local = par.world_size // par.nodes
+    return (f", {par.nodes} nodes of {local} ranks "
+            f"(node r holds ranks {local}r..{local}r+{local - 1})")
+
+
 def render_table(plan: Plan) -> str:
     """A plan for people: groups, chunk geometry, pool, capacity, pod memory."""
     m, par = plan.model, plan.parallelism
@@ -279,10 +294,7 @@ def render_table(plan: Plan) -> str:
         f"engine     vLLM {plan.vllm_version} on {plan.gpu.name} ({plan.gpu.generation}, "
         f"{plan.gpu.attention_backend or 'no attention'}), TP {par.tensor_parallel_size} "
         f"x PP {par.pipeline_parallel_size}, DP {par.data_parallel_size}"
-        + ("" if par.nodes == 1 else
-           f", {par.nodes} nodes of {par.world_size // par.nodes} ranks "
-           f"(node r holds ranks {par.world_size // par.nodes}r.."
-           f"{par.world_size // par.nodes}r+{par.world_size // par.nodes - 1})"),
+        + _nodes_text(par),
         f"kv cache   {plan.kv_cache_dtype}, block size {plan.block_size}, "
         f"max_model_len {plan.max_model_len}, hash unit {plan.tokens_per_hash} tokens, "
         f"{human_bytes(plan.worker_bytes_per_block)} per block per rank",

@@ -257,3 +257,16 @@ def test_plan_with_a_draft_model_from_its_config(capsys):
     # --draft-config without a separate drafter is a mistake, said so
     code, out, _ = run(capsys, *args, "--draft-config", str(MODELS / "llama-3.2-1b.json"))
     assert code == 2 and "--draft-config is for" in json.loads(out)["error"]
+
+
+def test_data_parallel_over_nodes_table(capsys):
+    """`spillway plan --nodes 2 -dp 16`: whole engines a node, each node's figures."""
+    deepseek = str(MODELS / "deepseek-v3.json")
+    code, out, _ = run(capsys, "--model-config", deepseek, "-tp", "1", "-dp", "16", "--nodes",
+                       "2", "--cpu-memory", "64Gi", "--gpu", "h200")
+    assert code == 0
+    assert "DP 16, 2 nodes of 8 DP ranks (node r holds DP ranks 8r..8r+7" in out
+    assert "8 engine(s) per pod" in out and "Each node  /dev/shm" in out
+    code, _, err = run(capsys, "--model-config", deepseek, "-dp", "3", "--nodes", "2",
+                       "--cpu-memory", "64Gi")
+    assert code != 0 and "data parallel size 3 does not split over 2 nodes" in err

@@ -52,13 +52,13 @@ def _mib(n: int) -> str:
 
 
 def _engines(plan: Plan) -> str:
-    dp = plan.parallelism.data_parallel_size
+    dp = plan.pod.engines  # this pod's: data_parallel_size / nodes across nodes
     return f"{dp} engine{'s' if dp > 1 else ''}"
 
 
 def shm_needed(plan: Plan) -> tuple[int, int, int]:
     """(needed, regions, queues): the plan's shm size and its two parts."""
-    regions = plan.parallelism.data_parallel_size * plan.pod.pool_bytes_per_engine
+    regions = plan.pod.engines * plan.pod.pool_bytes_per_engine
     return plan.pod.shm_bytes, regions, plan.pod.shm_bytes - regions
 
 

@@ -80,12 +80,19 @@ class PlanRequest(_Model):
         description="VLLM_PP_LAYER_PARTITION: decoder layers per pipeline stage; null: "
         "vLLM's own split.",
     )
-    data_parallel_size: int = Field(1, ge=1, description="Engines per pod, each with a pool.")
+    data_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="Data-parallel engines of a replica, each with a pool: all in the pod on "
+        "one node, data_parallel_size / nodes a pod across nodes.",
+    )
     nodes: int = Field(
         1,
         ge=1,
-        description="Nodes (pods) one engine's workers span: vLLM's --nnodes, tensor and "
-        "pipeline ranks split evenly; each node maps the whole host pool region.",
+        description="Nodes (pods) one replica spans: vLLM's --nnodes. Data-parallel size "
+        "1: the engine's tensor and pipeline ranks split evenly, each node maps the whole "
+        "host pool region. Above 1: each node holds data_parallel_size / nodes whole "
+        "engines (vLLM's --data-parallel-size-local), each with its own pool.",
     )
     dtype: Literal["auto", "bfloat16", "float16"] = Field("auto", description="vLLM --dtype.")
     kv_cache_dtype: str = Field("auto", description="vLLM --kv-cache-dtype.")
@@ -170,7 +177,9 @@ class Parallelism(_Model):
         None, description="VLLM_PP_LAYER_PARTITION the engine sets, or null (vLLM's split)."
     )
     nodes: int = Field(
-        1, description="Nodes (pods) the engine spans (vLLM --nnodes); pod figures are per node."
+        1,
+        description="Nodes (pods) the replica spans: one engine's ranks (vLLM --nnodes), or "
+        "data_parallel_size / nodes whole engines a node; pod figures are per node.",
     )
 
 
@@ -585,14 +594,15 @@ def _make_plan(
     layout = model_layout.stages[0].layout if model_layout.stages else model_layout
     workers = request.tensor_parallel_size * request.pipeline_parallel_size
     dp = request.data_parallel_size
-    # The workers one pod holds: pod memory and the pool that fits it are per node.
-    local = _workers_per_node(request, workers, dp)
+    # The workers of each engine one pod holds and the engines it holds: pod memory and
+    # the pool that fits it are per node.
+    local, engines = _per_node(request, workers, dp)
     if model_layout.stages and request.disk_bytes is not None:
         raise PlanRefused(
             "offload.disk.size (--disk) with pipeline parallelism: the disk tier is not "
             "modelled for pipeline stages"
         )
-    cpu_bytes = _pool_bytes(request, local, dp)
+    cpu_bytes = _pool_bytes(request, local, engines)
     upstream, upstream_refusal, spillway = _geometries(
         layout, request, cpu_bytes, workers, max_len
     )
@@ -601,12 +611,12 @@ def _make_plan(
     for _ in range(4 if request.cpu_memory_bytes is None else 0):
         # the pool filled the limit before its units (and the manager's bytes per
         # key) were known: give those bytes back from the pool (a row may round)
-        needed = size_pod(chosen.region_bytes, local, dp, chosen.host_keys).memory_limit_bytes
+        needed = size_pod(chosen.region_bytes, local, engines, chosen.host_keys).memory_limit_bytes
         if limit is None or needed <= limit:
             break
         # from the region, not the budget: a budget short of a whole row above it
         # would give back bytes the region never held and change nothing
-        cpu_bytes = min(cpu_bytes, chosen.region_bytes) - -(-(needed - limit) // dp)
+        cpu_bytes = min(cpu_bytes, chosen.region_bytes) - -(-(needed - limit) // engines)
         upstream, upstream_refusal, spillway = _geometries(
             layout, request, cpu_bytes, workers, max_len
         )
@@ -614,8 +624,8 @@ def _make_plan(
     stages, stage_notes = _stages(model_layout, request, cpu_bytes, workers, max_len)
     # Each stage's workers map their own region: a pod holds a stage's, the largest.
     region = max([chosen.region_bytes, *(s["region_bytes"] for s in stages)])
-    pod = _sized_pod(region, local, dp, limit, chosen.host_keys)
-    disk = _disk_tier(request, layout, spillway, workers, dp, max_len)
+    pod = _sized_pod(region, local, engines, limit, chosen.host_keys)
+    disk = _disk_tier(request, layout, spillway, workers, engines, max_len)
     # One validation of nested dicts (pydantic's core walks them) instead of a model
     # per group and chunk: a tenth of a millisecond on many-group models.
     return Plan.model_validate(dict(
@@ -661,8 +671,8 @@ def _make_plan(
             memory_request_bytes=pod.memory_request_bytes,
             memory_limit_bytes=pod.memory_limit_bytes,
             pool_bytes_per_engine=pod.pool_bytes_per_engine,
-            engines=dp,
-            pool_bytes_per_pod=dp * pod.pool_bytes_per_engine,
+            engines=engines,
+            pool_bytes_per_pod=engines * pod.pool_bytes_per_engine,
             host_memory_scope=request.host_memory_scope,
             process_overhead_bytes=pod.process_overhead_bytes,
             headroom_bytes=pod.headroom_bytes,
@@ -810,27 +820,44 @@ def _offload_request(
         chunk_block_size_tokens=request.chunk_block_size_tokens,
         pipeline_parallel_size=request.pipeline_parallel_size,
         # vLLM dedups TP-replicated MLA rows only within one node's /dev/shm
-        single_node=request.nodes == 1,
+        # (build_offloading_config: parallel_config.nnodes_within_dp == 1)
+        single_node=_nodes_per_engine(request) == 1,
     )
 
 
-def _workers_per_node(request: PlanRequest, workers: int, dp: int) -> int:
-    """GPU workers per node when an engine spans ``request.nodes`` nodes (vLLM's
-    --nnodes: its tensor x pipeline ranks split evenly, no data parallelism)."""
+def _nodes_per_engine(request: PlanRequest) -> int:
+    """vLLM's ``nnodes_within_dp``: the nodes one engine's ranks span. With data
+    parallelism across nodes each node holds whole engines (``_per_node``), so 1:
+    ``nnodes // (data_parallel_size // data_parallel_size_local)`` = N // N."""
+    return 1 if request.data_parallel_size > 1 else request.nodes
+
+
+def _per_node(request: PlanRequest, workers: int, dp: int) -> tuple[int, int]:
+    """(GPU workers of each engine on one node, engines on one node) when the replica
+    spans ``request.nodes`` nodes (vLLM's --nnodes). Data-parallel size 1: the engine's
+    tensor x pipeline ranks split evenly. Above 1 (DP attention, e.g. DP x EP MoE): each
+    node holds DP / nodes whole engines (vLLM's --data-parallel-size-local), each
+    engine's ranks on one node, as vLLM runs them (``nnodes_within_dp`` 1)."""
     nodes = request.nodes
     if nodes == 1:
-        return workers
+        return workers, dp
     if dp > 1:
-        raise PlanRefused("data parallelism across nodes is not planned: with nodes above 1 "
-                          "the data-parallel size must be 1")
+        if dp % nodes:
+            raise PlanRefused(
+                f"data parallel size {dp} does not split over {nodes} nodes: each node "
+                "holds whole data-parallel engines (data_parallel_size / nodes), so the "
+                "data-parallel size must be a multiple of the nodes"
+            )
+        return workers, dp // nodes
     if workers % nodes:
         raise PlanRefused(f"{nodes} nodes do not divide the engine's {workers} workers "
                           "(tensor x pipeline parallel) evenly")
-    return workers // nodes
+    return workers // nodes, 1
 
 
 def _pool_bytes(request: PlanRequest, workers: int, dp: int) -> int:
-    """The host pool per engine: as asked, or the largest the memory limit allows."""
+    """The host pool per engine: as asked, or the largest the memory limit allows
+    (``workers`` and ``dp``: each engine's workers and the engines of one pod)."""
     cpu_bytes = request.cpu_memory_bytes
     if cpu_bytes is not None and request.host_memory_scope == "pod":
         cpu_bytes //= dp  # the pod's budget, one share per engine

@@ -438,7 +438,7 @@ def transitions(old: list[Condition], new: list[Condition]) -> Iterator[Conditio
 
 def plan_summary(plan: Plan, gpus_per_pod: int, digest: str) -> PlanSummary:
     """The status.plan block: the figures people ask for first."""
-    pool = plan.cpu_memory_bytes * plan.parallelism.data_parallel_size
+    pool = plan.cpu_memory_bytes * plan.pod.engines  # the pod's engines (DP / nodes)
     return PlanSummary(
         offloader=plan.offloader,
         gpu=plan.gpu.name,
