@@ -51,7 +51,9 @@ def test_sixteen_gpus_on_eight_gpu_nodes_span_two_nodes():
 
 @pytest.mark.parametrize("engine, gpus_per_node, field", [
     ({"tensorParallelSize": 16, "nodes": 3}, 8, "spec.engine.nodes"),  # 16 / 3
-    ({"tensorParallelSize": 8, "dataParallelSize": 2}, 8, "spec.engine.dataParallelSize"),
+    # data parallelism across nodes: whole engines a node (see the DP x EP tests below)
+    ({"tensorParallelSize": 4, "dataParallelSize": 3, "nodes": 2}, 8,
+     "spec.engine.dataParallelSize"),
     ({"tensorParallelSize": 16, "nodes": 1}, 8, None),  # one pod of 16: allowed, as asked
     ({"tensorParallelSize": 32, "nodes": 2}, 8, "spec.engine.nodes"),  # 16 a node > 8
 ])
@@ -344,3 +346,84 @@ def test_replicated_mla_rows_are_per_node_only():
     two = make_plan(DEEPSEEK, spec_of().plan_request())
     assert one.spillway.copies == 1 and two.spillway.copies == 16
     assert 15 * two.capacity_tokens < one.capacity_tokens <= 16 * two.capacity_tokens + 4096
+
+
+# ------------------------------------------------------------------ DP x EP across nodes
+
+
+def dp_ep_spec(dp: int = 16, tp: int = 1, **engine: Any) -> InferenceDeploymentSpec:
+    """DeepSeek-V3 as run with DP attention: DP engines of TP GPUs, experts over all of
+    them (vLLM's --enable-expert-parallel, through extraArgs)."""
+    return spec_of({"tensorParallelSize": tp, "dataParallelSize": dp,
+                    "extraArgs": ["--enable-expert-parallel"], **engine},
+                   resources={"gpuProduct": "H200", "gpusPerNode": 8})
+
+
+def test_dp16_ep_over_two_nodes_is_one_group_of_two_pods_with_eight_engines_each():
+    spec = dp_ep_spec()
+    assert (spec.nodes, spec.gpus_per_pod, spec.placement_refusal()) == (2, 8, None)
+    plan = make_plan_safely(DEEPSEEK, spec)
+    par = plan.parallelism
+    assert (par.nodes, par.data_parallel_size, par.world_size) == (2, 16, 1)
+    assert plan.pod.engines == 8  # DP / nodes engines a pod, each with its own pool
+    assert plan.cpu_memory_bytes == 64 * 2**30
+    assert plan.pod.pool_bytes_per_pod == 8 * plan.pod.pool_bytes_per_engine
+    assert plan.pod.shm_bytes >= 8 * plan.pod.pool_bytes_per_engine
+    # the pod is the same as the one-node pod of 8 engines of TP 1 (DP 8): per node
+    one_node = make_plan_safely(DEEPSEEK, dp_ep_spec(dp=8))
+    assert one_node.parallelism.nodes == 1 and one_node.pod.engines == 8
+    assert plan.pod == one_node.pod
+    assert (plan.kv_groups, plan.spillway) == (one_node.kv_groups, one_node.spillway)
+    lws = render.engine_workload(OWNER, spec, plan)
+    assert lws["kind"] == "LeaderWorkerSet"
+    t = lws["spec"]["leaderWorkerTemplate"]
+    assert t["size"] == 2
+    c = t["workerTemplate"]["spec"]["containers"][0]
+    assert c["args"][c["args"].index("--nnodes") + 1] == "2"
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "8"
+    assert parse_bytes(c["resources"]["limits"]["memory"]) == plan.pod.memory_limit_bytes
+    shm = [v for v in t["workerTemplate"]["spec"]["volumes"] if v.get("emptyDir", {}).get(
+        "medium") == "Memory"]
+    assert [parse_bytes(v["emptyDir"]["sizeLimit"]) for v in shm] == [plan.pod.shm_bytes]
+
+
+def test_dp_with_tp2_replicates_mla_rows_per_engine():
+    """Each DP engine's ranks sit on one node (vLLM's nnodes_within_dp is 1), so a TP 2
+    engine keeps vLLM's replicated MLA rows (one copy a row), unlike TP 16 over nodes."""
+    plan = make_plan_safely(DEEPSEEK, dp_ep_spec(dp=8, tp=2))
+    assert (plan.parallelism.nodes, plan.pod.engines) == (2, 4)
+    assert plan.spillway.copies == 1
+    assert plan.upstream is not None and plan.upstream.replicated_layout
+
+
+@pytest.mark.parametrize("engine, field", [
+    ({"dataParallelSize": 3, "nodes": 2}, "spec.engine.dataParallelSize"),
+    ({"dataParallelSize": 9}, "spec.engine.dataParallelSize"),  # 9 GPUs: 2 nodes
+    ({"dataParallelSize": 2, "pipelineParallelSize": 2, "tensorParallelSize": 4},
+     "spec.engine.pipelineParallelSize"),  # 16 GPUs, 2 nodes, stages sharing one
+    ({"dataParallelSize": 2, "tensorParallelSize": 8, "nodes": 2,
+      "pipelineParallelSize": 1}, None),
+])
+def test_dp_across_nodes_needs_whole_engines_a_node(engine, field):
+    spec = dp_ep_spec(**engine)
+    refusal = spec.placement_refusal()
+    if field is None:
+        assert refusal is None and spec.gpus_per_pod == 8
+        return
+    assert refusal is not None and refusal.startswith(field), refusal
+    with pytest.raises(PlanRefused, match=field):
+        make_plan_safely(DEEPSEEK, spec)
+
+
+def test_dp_engines_more_than_a_node_holds_are_refused():
+    spec = spec_of({"tensorParallelSize": 4, "dataParallelSize": 4, "nodes": 2},
+                   resources={"gpusPerNode": 4})  # 2 engines of 4 GPUs a node > 4
+    refusal = spec.placement_refusal()
+    assert refusal is not None and refusal.startswith("spec.engine.nodes")
+    assert "resources.gpusPerNode (4)" in refusal
+
+
+def test_the_planner_refuses_dp_that_does_not_divide_the_nodes():
+    request = dp_ep_spec(dp=3, nodes=2).plan_request()
+    with pytest.raises(PlanRefused, match="data parallel size 3 does not split over 2 nodes"):
+        make_plan(DEEPSEEK, request)

@@ -757,6 +757,8 @@ class InferenceDeploymentSpec(_Model):
     def placement_refusal(self) -> str | None:
         """Why the replica cannot be split over its nodes as vLLM runs it, or None."""
         e, nodes = self.engine, self.nodes
+        if nodes > 1 and e.data_parallel_size > 1:
+            return self._data_parallel_refusal()
         if e.pipeline_parallel_size > 1 and nodes != e.pipeline_parallel_size:
             # vLLM maps one offload region per instance on each node; stages sharing a node
             # would share it with different row strides (unchecked): one stage per node.
@@ -765,10 +767,6 @@ class InferenceDeploymentSpec(_Model):
                     f"not {nodes}")
         if nodes == 1:
             return None
-        if e.data_parallel_size > 1:
-            return ("spec.engine.dataParallelSize: data parallelism across nodes is not "
-                    "served yet; with engine.nodes above 1 use dataParallelSize 1 (tensor "
-                    "and pipeline parallelism span the nodes)")
         if self.gpus_per_replica % nodes:
             return (f"spec.engine.nodes: {nodes} nodes do not divide the replica's "
                     f"{self.gpus_per_replica} GPUs (tensorParallelSize x "
@@ -776,6 +774,27 @@ class InferenceDeploymentSpec(_Model):
         if self.gpus_per_pod > self.resources.gpus_per_node:
             return (f"spec.engine.nodes: {self.gpus_per_pod} GPUs per node are more than "
                     f"resources.gpusPerNode ({self.resources.gpus_per_node})")
+        return None
+
+    def _data_parallel_refusal(self) -> str | None:
+        """Data parallelism across nodes (DP attention, e.g. DP x EP MoE): every node
+        holds dataParallelSize / nodes whole engines, each engine's GPUs on its node, as
+        vLLM's --data-parallel-size-local runs them."""
+        e, nodes = self.engine, self.nodes
+        dp, per_node = e.data_parallel_size, self.resources.gpus_per_node
+        if dp % nodes:
+            return (f"spec.engine.dataParallelSize: {dp} data-parallel engines do not split "
+                    f"over {nodes} nodes; each node holds whole engines, so "
+                    "dataParallelSize must be a multiple of engine.nodes")
+        if e.pipeline_parallel_size > 1:
+            return ("spec.engine.pipelineParallelSize: with dataParallelSize above 1 across "
+                    "nodes each engine runs on one node, where its pipeline stages would "
+                    "share one offload region; use pipelineParallelSize 1")
+        engine_gpus = e.tensor_parallel_size * e.pipeline_parallel_size
+        if engine_gpus * (dp // nodes) > per_node:
+            return (f"spec.engine.nodes: {dp // nodes} engines of {engine_gpus} GPUs on each "
+                    f"of {nodes} nodes are {engine_gpus * (dp // nodes)} GPUs a node, more "
+                    f"than resources.gpusPerNode ({per_node})")
         return None
 
     @property
