@@ -349,7 +349,8 @@ class EngineSpec(_Model):
     tensor_parallel_size: Annotated[int, Field(ge=1, le=64, description="GPUs per engine")] = 1
     pipeline_parallel_size: Annotated[int, Field(ge=1, le=16, description="pipeline stages")] = 1
     data_parallel_size: Annotated[
-        int, Field(ge=1, le=64, description="engines per pod; each gets its own host pool")
+        int, Field(ge=1, le=64, description="data-parallel engines of a replica, each with "
+                   "its own host pool: all in one pod, or dataParallelSize / nodes a pod")
     ] = 1
     nodes: Annotated[
         int | None,
