@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import socket
 import sys
 import threading
 import urllib.error
@@ -357,3 +358,46 @@ def test_headless_run_answers_while_the_child_lives(tmp_path):
     code = headless.run_headless([sys.executable, "-c", "import sys; sys.exit(3)"], {},
                                  "127.0.0.1", 0)
     assert code == 3
+
+
+# ------------------------------------------------------------------ reaching the leader
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_a_worker_waits_for_its_leaders_port():
+    clock, tries = FakeClock(), []
+
+    def connect(host: str, port: int, timeout: float) -> None:
+        tries.append((host, port))
+        if len(tries) < 4:  # refused while the leader's engine starts
+            raise ConnectionRefusedError(111, "Connection refused")
+
+    worker = multinode.Node(nnodes=2, rank=1, master_addr="big-0.big.ns", master_port=29500)
+    waited = multinode.wait_for_leader(worker, 60, connect=connect, sleep=clock.sleep,
+                                       clock=clock)
+    assert waited == 6.0 and tries == [("big-0.big.ns", 29500)] * 4
+
+
+def test_a_worker_that_cannot_reach_its_leader_says_where_and_what_to_check():
+    clock = FakeClock()
+
+    def connect(host: str, port: int, timeout: float) -> None:
+        raise socket.gaierror(-2, "Name or service not known")
+
+    worker = multinode.Node(nnodes=2, rank=1, master_addr="big-0.big.ns", master_port=29500)
+    with pytest.raises(multinode.MultiNodeError) as info:
+        multinode.wait_for_leader(worker, 30, connect=connect, sleep=clock.sleep, clock=clock)
+    message = str(info.value)
+    assert "node rank 1 cannot reach its leader at big-0.big.ns:29500 after 30 s" in message
+    assert "Name or service not known" in message and "LWS_LEADER_ADDRESS" in message
+    assert "port 29500" in message and "NetworkPolicy" in message

@@ -20,6 +20,10 @@ into a :class:`Node`, and :func:`parallel_launch` -- pure -- into vLLM's own fla
   > 0 ``--headless --data-parallel-start-rank r * DP/N`` (the leader gives no start
   rank: vLLM would read one as hybrid load balancing and serve only its local ranks).
 
+A headless rank first waits until the leader's address resolves and its port takes a
+TCP connection (:func:`wait_for_leader`); one that cannot reach it stops with a line
+naming the address, the port and what to check, which the operator shows.
+
 GPUs per node are ``TP x PP x DP / N`` and must be a whole number. With a
 ``pipeline_layer_partition`` in the plan ``VLLM_PP_LAYER_PARTITION`` is exported (one
 node or many), so every stage builds the layers the plan's stages hold.
@@ -27,7 +31,9 @@ node or many), so every stage builds the layers the plan's stages hold.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import socket
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from spillway_engine.planner.plan import Plan
@@ -166,3 +172,45 @@ def parallel_launch(plan: Plan, node: Node) -> tuple[list[str], dict[str, str]]:
     if node.headless:
         args.append("--headless")
     return args, env
+
+
+#: How long a headless rank waits for its leader's port: the leader binds it when its
+#: engine starts, after the API server's start-up and the model config's download.
+LEADER_WAIT_S = 900.0
+
+
+def _tcp_connect(host: str, port: int, timeout: float) -> None:
+    socket.create_connection((host, port), timeout=timeout).close()
+
+
+def wait_for_leader(
+    node: Node,
+    timeout_s: float = LEADER_WAIT_S,
+    *,
+    connect: Callable[[str, int, float], None] = _tcp_connect,
+    sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
+    interval_s: float = 2.0,
+) -> float:
+    """Block until the leader's rendezvous port takes a TCP connection; the seconds
+    waited. :class:`MultiNodeError` after ``timeout_s``: a worker that cannot reach its
+    leader would otherwise hang in torch.distributed's rendezvous for good."""
+    assert node.master_addr is not None
+    start = clock()
+    last = "no attempt"
+    while True:
+        try:
+            connect(node.master_addr, node.master_port, min(5.0, interval_s * 2))
+            return clock() - start
+        except OSError as e:  # not resolvable yet, refused, unreachable
+            last = f"{type(e).__name__}: {e}"
+        waited = clock() - start
+        if waited >= timeout_s:
+            raise MultiNodeError(
+                f"node rank {node.rank} cannot reach its leader at "
+                f"{node.master_addr}:{node.master_port} after {waited:.0f} s ({last}): the "
+                f"group's pods must reach each other on port {node.master_port} (container "
+                f"port 'dist'; a NetworkPolicy must allow it) and {ENV_LEADER_ADDRESS} must "
+                "resolve (LeaderWorkerSet's headless Service)"
+            )
+        sleep(interval_s)

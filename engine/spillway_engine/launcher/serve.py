@@ -529,6 +529,10 @@ def serve_parser() -> argparse.ArgumentParser:
         "--master-addr", metavar="HOST",
         help=f"the leader's address (default: ${multinode.ENV_LEADER_ADDRESS})")
     nodes.add_argument(
+        "--leader-timeout", type=float, default=multinode.LEADER_WAIT_S, metavar="SECONDS",
+        help="how long a worker (node rank > 0) waits for the leader's port before it "
+        f"stops with the reason (default {multinode.LEADER_WAIT_S:.0f})")
+    nodes.add_argument(
         "--master-port", type=_port, default=multinode.DIST_PORT, metavar="PORT",
         help="torch.distributed's rendezvous (and data-parallel RPC) port on the leader "
         f"(default {multinode.DIST_PORT})")
@@ -627,6 +631,12 @@ def serve_main(argv: Sequence[str], parser: argparse.ArgumentParser | None = Non
     env.update(spread_env)
     env.update(overlay.env)
     if node.headless:
+        try:
+            waited = multinode.wait_for_leader(node, args.leader_timeout)
+        except multinode.MultiNodeError as e:
+            raise EngineCliError(str(e)) from None
+        print(f"{PROG}: leader {node.master_addr}:{node.master_port} reached after "
+              f"{waited:.0f} s", file=sys.stderr)
         try:
             return headless.run_headless(_argv(cmd, env), env, args.host, args.port)
         except OSError as e:
