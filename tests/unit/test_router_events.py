@@ -63,3 +63,21 @@ def test_endpoints_from_kv_event_sources() -> None:
     assert event_endpoints({}, "h") == []
     with pytest.raises(ValueError):
         event_endpoints([], "h")
+
+
+def test_a_leader_lists_the_data_parallel_ranks_of_its_whole_group() -> None:
+    """DP across nodes: the leader's front-end learns every rank's publisher from the
+    engines' handshakes, and each rank binds its own pod's IP (tcp://*:0 with
+    VLLM_HOST_IP = SPILLWAY_POD_IP), so the worker pod's ranks keep their address and
+    the router follows all of them under the leader's name."""
+    from spillway_router.events import event_endpoints
+
+    def rank(ip: str, port: int) -> dict:
+        return {"enable_kv_cache_events": True, "publisher": "zmq",
+                "endpoint": f"tcp://{ip}:{port}"}
+
+    leader, worker = "10.1.0.7", "10.1.1.9"
+    sources = {str(r): rank(leader if r < 8 else worker, 41000 + r) for r in range(16)}
+    endpoints = event_endpoints(sources, leader)
+    assert len(endpoints) == 16
+    assert endpoints[8:] == [f"tcp://{worker}:{41000 + r}" for r in range(8, 16)]
