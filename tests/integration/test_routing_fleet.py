@@ -206,9 +206,16 @@ def test_prefixes_follow_the_pods_events_and_a_killed_pod_is_forgotten(
                     {"model": MODEL, "prompt": shared, "max_tokens": 8, "stream": True}
                 ).encode(), {"Content-Type": "application/json"})
             with urllib.request.urlopen(stream, timeout=120) as r:
+                kind = r.headers.get("Content-Type", "")
                 events = [line for line in r if line.startswith(b"data: ")]
-            assert events[-1].strip() == b"data: [DONE]" and len(events) >= 3
-            assert {json.loads(e[6:])["object"] for e in events[:-1]} == {"text_completion"}
+            # Server-sent events through the gateway, ended by [DONE]. How many chunks
+            # carry the 8 tokens is vLLM's: on a loaded machine its output loop merges
+            # tokens that arrive while it is busy (once, all 8 in one chunk).
+            assert kind.startswith("text/event-stream"), kind
+            assert events[-1].strip() == b"data: [DONE]" and len(events) >= 2
+            chunks = [json.loads(e[6:]) for e in events[:-1]]
+            assert {c["object"] for c in chunks} == {"text_completion"}
+            assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
             # the holder's engine is SIGKILLed in the middle of a run of such requests
             statuses: list[int] = []
