@@ -130,6 +130,20 @@ def planned_stages(plan: Plan) -> list[tuple[int, Any, Any, int]]:
     return [(0, plan.upstream, plan.spillway, plan.worker_bytes_per_block)]
 
 
+def assert_connector_geometry(sw: Any, stage: Any, copies: int, where: str) -> None:
+    """Spillway's connector (``build_geometry``) on vLLM's config of one rank lays out
+    the host pool as the plan's ``sw`` (its Spillway geometry) says, with ``copies``."""
+    vc = with_extra_config(stage.vllm_config, dict(sw.kv_connector_extra_config))
+    layout = build_geometry(vc, stage.kv_cache_config).layout
+    assert layout.copies == copies, where
+    assert (sw.copies, sw.unit_bytes, sw.num_units) == (
+        layout.copies, layout.unit_bytes, layout.num_units
+    ), where
+    assert [g.chunk_bytes for g in sw.groups] == [
+        g.chunk_bytes * layout.copies for g in layout.groups
+    ], where
+
+
 def expect_replicated(case: PPCase, nodes: int) -> bool:
     return case.model in MLA_MODELS and case.pp == 1 and nodes == 1
 
@@ -187,17 +201,9 @@ def test_spillway_pool_matches_the_connector(
             checked.add(stage)
             assert sw is not None
             vllm_stage = built.stages[stage]
-            vc = with_extra_config(vllm_stage.vllm_config, dict(sw.kv_connector_extra_config))
-            layout = build_geometry(vc, vllm_stage.kv_cache_config).layout
             where = f"stage {stage} on node {node.rank} of {nodes}"
             expected_copies = 1 if expect_replicated(case, nodes) else case.tp * case.pp
-            assert layout.copies == expected_copies, where
-            assert (sw.copies, sw.unit_bytes, sw.num_units) == (
-                layout.copies, layout.unit_bytes, layout.num_units
-            ), where
-            assert [g.chunk_bytes for g in sw.groups] == [
-                g.chunk_bytes * layout.copies for g in layout.groups
-            ], where
+            assert_connector_geometry(sw, vllm_stage, expected_copies, where)
     assert checked == set(range(case.pp))
 
 

@@ -36,13 +36,12 @@ from vllm.engine.arg_utils import EngineArgs
 from spillway_engine.launcher.multinode import Node as LaunchNode
 from spillway_engine.launcher.multinode import parallel_launch
 from spillway_engine.offloader import geometry as geometry_module
-from spillway_engine.offloader.geometry import build_geometry, with_extra_config
 from spillway_engine.planner.plan import Plan, PlanRequest, make_plan
 
 from . import test_planner_pipeline as pipeline
 from . import vllm_harness as harness
 from .test_planner_frontier import STAND_IN
-from .test_planner_multinode import vllm_copies
+from .test_planner_multinode import assert_connector_geometry, vllm_copies
 from .test_planner_pipeline import MODELS, POOL, PPCase, VllmPipeline, as_vllm, stage_offload
 
 NODES = 2
@@ -235,15 +234,7 @@ def test_every_dp_rank_plans_as_the_plan_says(case: DPCase, form: str, dp_ranks:
         assert (up.row_bytes, up.num_chunks) == (off["row_bytes"], off["num_chunks"]), where
         assert [g.tokens_per_block for g in up.groups] == off["group_tokens_per_block"], where
         # Spillway's connector on the same rank
-        vc = with_extra_config(stage.vllm_config, dict(sw.kv_connector_extra_config))
-        layout = build_geometry(vc, stage.kv_cache_config).layout
-        assert layout.copies == (1 if replicated else case.tp), where
-        assert (sw.copies, sw.unit_bytes, sw.num_units) == (
-            layout.copies, layout.unit_bytes, layout.num_units
-        ), where
-        assert [g.chunk_bytes for g in sw.groups] == [
-            g.chunk_bytes * layout.copies for g in layout.groups
-        ], where
+        assert_connector_geometry(sw, stage, 1 if replicated else case.tp, where)
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
