@@ -27,9 +27,8 @@ Modelled (vLLM 0.33.0, CUDA, default settings):
     ``MultipleOf(16)``.
   - GDN prefill: Triton/FLA, no checkpoint grid.
 
-Blackwell (SM100) is deliberately absent: its default attention backend is FlashInfer
-with large-page kernels, MLA goes to FlashInfer-MLA/CUTLASS-MLA and GDN depends on the
-CUDA runtime; a plan for it would be a guess, so it is refused by name.
+Blackwell (SM100, SM103, SM120) is in the catalogue; its backend choice is being
+modelled, and until then a plan for it is refused by name.
 """
 
 from __future__ import annotations
@@ -115,9 +114,17 @@ class Gpu:
 
     name: str
     product: str
-    generation: Literal["ampere", "ada", "hopper"]
+    generation: Literal["ampere", "ada", "hopper", "blackwell"]
     compute_capability: tuple[int, int]
     memory_bytes: int
+    #: host <-> GPU bytes a second, per direction, theoretical
+    host_link_bytes_per_s: float
+    #: GPU Feature Discovery's ``nvidia.com/gpu.product`` values naming this GPU
+    gfd_products: tuple[str, ...]
+
+    @property
+    def blackwell(self) -> bool:
+        return self.generation == "blackwell"
 
     def attention_backend(self, *, mm_prefix: bool, kv_cache_dtype: str, sinks: bool) -> Backend:
         """The non-MLA attention backend vLLM selects (first that accepts the model).
@@ -222,15 +229,52 @@ class Gpu:
 
 
 _GIB = 2**30
+_GB = 10**9
 
+# Host link per direction: PCIe Gen4 x16 32 GB/s and Gen5 x16 63 GB/s theoretical
+# (16 GT/s and 32 GT/s a lane x 16 lanes x 128b/130b); Grace superchips reach their GPU
+# over NVLink-C2C, 900 GB/s both ways (450 a direction).
+PCIE_GEN4_X16 = 16 * 16 * (128 / 130) / 8 * _GB
+PCIE_GEN5_X16 = 32 * 16 * (128 / 130) / 8 * _GB
+NVLINK_C2C = 450 * _GB
+
+
+def _gpu(name, product, generation, cc, memory_gib, link, gfd_products) -> Gpu:
+    return Gpu(name, product, generation, cc, int(memory_gib * _GIB), link, tuple(gfd_products))
+
+
+#: Every GPU Spillway plans for. ``gfd_products`` are GPU Feature Discovery's
+#: ``nvidia.com/gpu.product`` values for it (nvidia-smi's name, spaces as dashes);
+#: ``memory_bytes`` what the driver reports as usable; the host link per direction.
 GPUS: dict[str, Gpu] = {
     gpu.name: gpu
     for gpu in (
-        Gpu("h100", "NVIDIA H100 80GB HBM3", "hopper", (9, 0), 80 * _GIB),
-        Gpu("h200", "NVIDIA H200 141GB HBM3e", "hopper", (9, 0), 141 * _GIB),
-        Gpu("a100", "NVIDIA A100 80GB", "ampere", (8, 0), 80 * _GIB),
-        Gpu("a100-40gb", "NVIDIA A100 40GB", "ampere", (8, 0), 40 * _GIB),
-        Gpu("l40s", "NVIDIA L40S 48GB", "ada", (8, 9), 48 * _GIB),
+        _gpu("h100", "NVIDIA H100 80GB HBM3", "hopper", (9, 0), 80, PCIE_GEN5_X16,
+             ["NVIDIA-H100-80GB-HBM3", "NVIDIA-H100-SXM5-80GB", "NVIDIA-H100-PCIe",
+              "NVIDIA-H100-NVL"]),
+        _gpu("h200", "NVIDIA H200 141GB HBM3e", "hopper", (9, 0), 141, PCIE_GEN5_X16,
+             ["NVIDIA-H200", "NVIDIA-H200-141GB-HBM3e", "NVIDIA-H200-NVL"]),
+        _gpu("h20", "NVIDIA H20 96GB HBM3", "hopper", (9, 0), 96, PCIE_GEN5_X16,
+             ["NVIDIA-H20"]),
+        _gpu("a100", "NVIDIA A100 80GB", "ampere", (8, 0), 80, PCIE_GEN4_X16,
+             ["NVIDIA-A100-SXM4-80GB", "NVIDIA-A100-80GB-PCIe"]),
+        _gpu("a100-40gb", "NVIDIA A100 40GB", "ampere", (8, 0), 40, PCIE_GEN4_X16,
+             ["NVIDIA-A100-SXM4-40GB", "NVIDIA-A100-PCIE-40GB"]),
+        _gpu("l40s", "NVIDIA L40S 48GB", "ada", (8, 9), 48, PCIE_GEN4_X16, ["NVIDIA-L40S"]),
+        _gpu("l4", "NVIDIA L4 24GB", "ada", (8, 9), 24, PCIE_GEN4_X16, ["NVIDIA-L4"]),
+        _gpu("b200", "NVIDIA B200 180GB HBM3e", "blackwell", (10, 0), 179, PCIE_GEN5_X16,
+             ["NVIDIA-B200"]),
+        _gpu("gb200", "NVIDIA GB200 186GB HBM3e (Grace Blackwell)", "blackwell", (10, 0),
+             184, NVLINK_C2C, ["NVIDIA-GB200"]),
+        _gpu("b300", "NVIDIA B300 288GB HBM3e (Blackwell Ultra)", "blackwell", (10, 3), 268,
+             PCIE_GEN5_X16, ["NVIDIA-B300-SXM6-AC", "NVIDIA-B300"]),
+        _gpu("gb300", "NVIDIA GB300 288GB HBM3e (Grace Blackwell Ultra)", "blackwell", (10, 3),
+             268, NVLINK_C2C, ["NVIDIA-GB300"]),
+        _gpu("rtx-pro-6000", "NVIDIA RTX PRO 6000 Blackwell 96GB GDDR7", "blackwell", (12, 0),
+             95, PCIE_GEN5_X16,
+             ["NVIDIA-RTX-PRO-6000-Blackwell-Server-Edition",
+              "NVIDIA-RTX-PRO-6000-Blackwell-Workstation-Edition",
+              "NVIDIA-RTX-PRO-6000-Blackwell-Max-Q-Workstation-Edition"]),
     )
 }
 
@@ -242,15 +286,9 @@ _ALIASES = {
     "h200-141gb": "h200",
     "a100-80gb": "a100",
     "ampere": "a100",
-}
-
-_NOT_MODELLED = {
-    "b200": "Blackwell (SM100)",
-    "b100": "Blackwell (SM100)",
-    "gb200": "Blackwell (SM100)",
-    "b300": "Blackwell Ultra (SM103)",
-    "blackwell": "Blackwell (SM100)",
-    "rtx-pro-6000": "Blackwell (SM120)",
+    "blackwell": "b200",
+    "rtx-pro-6000-blackwell": "rtx-pro-6000",
+    "rtxpro6000": "rtx-pro-6000",
 }
 
 DEFAULT_GPU = "h100"
@@ -261,15 +299,23 @@ class UnknownGpu(ValueError):
 
 
 def get_gpu(name: str) -> Gpu:
-    """The catalogue entry for ``name`` (case-insensitive; ``H100``, ``h200``, ``a100``...)."""
-    key = name.strip().lower().replace("_", "-").removeprefix("nvidia-")
+    """The catalogue entry for ``name`` (case-insensitive; ``H100``, ``b200``, ``RTX-PRO-6000``,
+    or a GFD product label such as ``NVIDIA-H100-80GB-HBM3``)."""
+    key = name.strip().lower().replace("_", "-").replace(" ", "-")
+    by_label = gpu_for_product_label(name)
+    if by_label is not None:
+        return by_label
+    key = key.removeprefix("nvidia-")
     key = _ALIASES.get(key, key)
     if key in GPUS:
         return GPUS[key]
-    if key in _NOT_MODELLED:
-        raise UnknownGpu(
-            f"GPU {name!r} ({_NOT_MODELLED[key]}) is not modelled: vLLM 0.33.0 picks "
-            "FlashInfer/CUTLASS-MLA kernels there whose block sizes Spillway does not "
-            f"reproduce yet; known GPUs: {', '.join(sorted(GPUS))}"
-        )
-    raise UnknownGpu(f"unknown GPU {name!r}; known GPUs: {', '.join(sorted(GPUS))}")
+    raise UnknownGpu(f"unknown GPU {name!r}; known GPUs: {', '.join(GPUS)}")
+
+
+def gpu_for_product_label(label: str) -> Gpu | None:
+    """The catalogue GPU GFD's ``nvidia.com/gpu.product`` value names, or None."""
+    wanted = label.strip().lower()
+    for gpu in GPUS.values():
+        if any(p.lower() == wanted for p in gpu.gfd_products):
+            return gpu
+    return None

@@ -235,6 +235,11 @@ def _backend(
 
 def compute_layout(shape: ModelShape, gpu: Gpu, request: LayoutRequest) -> KVLayout:
     """The KV-cache groups, hash unit and bytes per block vLLM 0.33.0 builds."""
+    if gpu.blackwell:
+        raise UnsupportedModel(
+            f"{gpu.name} (Blackwell, SM{gpu.compute_capability[0]}{gpu.compute_capability[1]}): "
+            "vLLM 0.33.0's backend choice there is not modelled yet"
+        )
     tp = request.tensor_parallel_size
     if tp < 1 or request.pipeline_parallel_size < 1:
         raise ValueError("parallel sizes must be at least 1")
