@@ -1,7 +1,10 @@
 """A vLLM 0.33.0 replica without a GPU: a virtual-time core plus an HTTP face.
 
-- :mod:`.core` — :class:`EngineCore`, the pure, synchronous engine model (GPU KV blocks,
-  host pool, scheduler, latency model; formulas in its docstring) and :func:`replay`.
+- :mod:`.core` — :class:`EngineCore`, the pure, synchronous engine model, and
+  :func:`replay`; its parts, each with its rules in its docstring: :mod:`.gpu_cache`
+  (GPU KV blocks), :mod:`.host_cache` and :mod:`.unit_pool` (the host pool),
+  :mod:`.scheduling` (one step), :mod:`.config` (latency model, scheduler limits),
+  :mod:`.counters`, :mod:`.request`.
 - :mod:`.plan_input` — reads a Spillway plan (``spillway plan --format json``).
 - :mod:`.prom` — ``/metrics`` with vLLM's metric names, types and labels.
 - :mod:`.server` — the aiohttp app (OpenAI-compatible endpoints).
