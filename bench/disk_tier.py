@@ -228,18 +228,20 @@ def engine_trace(seed: int = 7) -> list[list[int]]:
 
 def run_setup(base: Path, model: Path, replicas: int, disk: str | None,
               trace: list[list[int]]) -> tuple[dict[str, float], list[list[int]], int]:
-    from spillway_engine.launcher.serve import DISK_TIER_OPTIONS_ENV
-    from tests.contract.engine_process import (
+    from e2e.engine_process import (
+        DISK_TIER_TUNING,
         Server,
+        complete,
         free_port,
         kill_group,
         launch,
+        metrics,
+        output_ids,
         plan_for,
         wait_ready,
         write_plan,
     )
-    from tests.contract.test_disk_tier_engine import TUNING
-    from tests.contract.test_emulated_engine import complete, metrics, output_ids
+    from spillway_engine.launcher.serve import DISK_TIER_OPTIONS_ENV
 
     extra = {} if disk is None else {
         "disk_bytes": ENGINE_DISK_BYTES * (2 if disk == "shared" else 1),
@@ -256,7 +258,7 @@ def run_setup(base: Path, model: Path, replicas: int, disk: str | None,
                           env={"SPILLWAY_SHARED_REGION": "1",
                                # the engine tests' water marks: a slow VM disk
                                # sheds no store, so the four runs see one trace
-                               DISK_TIER_OPTIONS_ENV: TUNING},
+                               DISK_TIER_OPTIONS_ENV: DISK_TIER_TUNING},
                           serve_args=["--disk-dir", str(folder)])
             servers.append(Server(f"r{r}", proc, port, root / "engine.log", plan, 0.0))
         for server in servers:

@@ -49,13 +49,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "engine"), str(ROOT / "operator")]
 
 import aiohttp  # noqa: E402
 
-from spillway_engine.emulator.tiny import (  # noqa: E402
-    gemma3_config,
-    llama_config,
-    qwen3_next_config,
-    write_model,
-)
-from tests.contract.engine_process import (  # noqa: E402
+from e2e.engine_process import (  # noqa: E402
     Server,
     free_port,
     group_pids,
@@ -64,6 +58,12 @@ from tests.contract.engine_process import (  # noqa: E402
     plan_for,
     wait_ready,
     write_plan,
+)
+from spillway_engine.emulator.tiny import (  # noqa: E402
+    gemma3_config,
+    llama_config,
+    qwen3_next_config,
+    write_model,
 )
 
 MIB = 1 << 20

@@ -66,17 +66,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "engine"), str(ROOT / "operator")]
 
-from spillway_engine.emulator.tiny import (  # noqa: E402
-    deepseek_v2_config,
-    gemma3_config,
-    llama_config,
-    qwen3_next_config,
-    write_model,
-)
-from spillway_engine.planner import pod_sizing  # noqa: E402
-from spillway_engine.planner.plan import Plan  # noqa: E402
-from tests.contract import engine_process  # noqa: E402
-from tests.contract.engine_process import (  # noqa: E402
+from e2e import engine_process  # noqa: E402
+from e2e.engine_process import (  # noqa: E402
     Server,
     free_port,
     kill_group,
@@ -86,6 +77,15 @@ from tests.contract.engine_process import (  # noqa: E402
     wait_ready,
     write_plan,
 )
+from spillway_engine.emulator.tiny import (  # noqa: E402
+    deepseek_v2_config,
+    gemma3_config,
+    llama_config,
+    qwen3_next_config,
+    write_model,
+)
+from spillway_engine.planner import pod_sizing  # noqa: E402
+from spillway_engine.planner.plan import Plan  # noqa: E402
 
 MIB = 1 << 20
 CGROUP_V1 = Path("/sys/fs/cgroup/memory")

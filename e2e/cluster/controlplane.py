@@ -32,7 +32,9 @@ from pathlib import Path
 
 import yaml
 
+from e2e.cluster.errors import ClusterError
 from e2e.cluster.pki import ensure_client_cert, ensure_serving_cert, make_pki
+from e2e.processes import alive
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 VERSIONS_FILE = REPO_ROOT / "tools" / "versions.env"
@@ -50,10 +52,6 @@ COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-schedul
 LWS_COMPONENT = "lws-controller"
 #: The CRD LeaderWorkerSet's controller serves (leaderworkerset.x-k8s.io/v1).
 LWS_CRD = "leaderworkersets.leaderworkerset.x-k8s.io"
-
-
-class ClusterError(RuntimeError):
-    """The cluster cannot be started or checked; the message says what to do."""
 
 
 def read_versions(path: Path = VERSIONS_FILE) -> dict[str, str]:
@@ -314,20 +312,7 @@ class LocalCluster:
         }
         self.state_file.write_text(json.dumps(state, indent=2))
 
-    @staticmethod
-    def _alive(pid: int) -> bool:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        # A zombie child still answers kill(0); reap it if it is ours.
-        with contextlib.suppress(ChildProcessError):
-            done, _ = os.waitpid(pid, os.WNOHANG)
-            if done == pid:
-                return False
-        return True
+    _alive = staticmethod(alive)
 
     def components(self, lws: bool | None = None) -> tuple[str, ...]:
         """The processes of this cluster, in start order."""

@@ -64,9 +64,10 @@ from typing import TYPE_CHECKING
 
 import yaml
 
-from e2e.cluster.controlplane import ClusterError
+from e2e.cluster.errors import ClusterError
 from e2e.cluster.pki import ensure_client_cert
 from e2e.nodes import ociimage
+from e2e.processes import alive as _alive
 
 if TYPE_CHECKING:
     from e2e.cluster.controlplane import LocalCluster
@@ -226,23 +227,6 @@ def _run(cmd: list[str], step: str, *, check: bool = True, input: str | bytes | 
     if check and proc.returncode != 0:
         raise NodeError(f"{step}: {shlex.join(cmd)} failed ({proc.returncode}): {err.strip()}")
     return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    with contextlib.suppress(ChildProcessError):
-        done, _ = os.waitpid(pid, os.WNOHANG)
-        if done == pid:
-            return False
-    try:  # a zombie that is not our child
-        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def _exe_name(pid: int) -> str:

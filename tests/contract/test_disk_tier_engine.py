@@ -13,17 +13,14 @@ and MLA (DeepSeek).
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from spillway_engine.emulator.tiny import write_model
-from spillway_engine.launcher.serve import DISK_TIER_OPTIONS_ENV
-from spillway_engine.offloader.disk_tier import CHUNK_SUFFIX
-from tests.contract.engine_process import (
+from e2e.engine_process import (
+    DISK_TIER_TUNING,
     MIB,
     Server,
     free_port,
@@ -33,17 +30,15 @@ from tests.contract.engine_process import (
     wait_ready,
     write_plan,
 )
+from spillway_engine.emulator.tiny import write_model
+from spillway_engine.launcher.serve import DISK_TIER_OPTIONS_ENV
+from spillway_engine.offloader.disk_tier import CHUNK_SUFFIX
 from tests.contract.test_emulated_engine import complete, metrics, output_ids, prompt
 from tests.contract.test_simulator_vs_engine import POOL_BYTES, SIM_MODELS
 
 MODELS = ["llama", "gemma3", "qwen3_next", "deepseek"]
 #: the disk holds every prompt of the test many times over
 DISK_BYTES = 128 * MIB
-#: vLLM's back-pressure water marks assume NVMe; fsynced chunks on a busy CI disk are
-#: slower per MiB, and a shed store would leave nothing to load back
-TUNING = json.dumps({"backpressure": {"backpressure_cls": "EMABackpressureDetector",
-                                      "high_water_s": 1e6, "low_water_s": 1e5,
-                                      "failure_threshold": 3}})
 
 
 def start(root: Path, name: str, disk_dir: Path, disk_bytes: int = DISK_BYTES,
@@ -55,7 +50,7 @@ def start(root: Path, name: str, disk_dir: Path, disk_bytes: int = DISK_BYTES,
     port = free_port()
     disk_dir.mkdir(parents=True, exist_ok=True)
     proc = launch(plan_path, root / "engine.log", port, kv_bytes,
-                  env={"SPILLWAY_SHARED_REGION": "1", DISK_TIER_OPTIONS_ENV: TUNING},
+                  env={"SPILLWAY_SHARED_REGION": "1", DISK_TIER_OPTIONS_ENV: DISK_TIER_TUNING},
                   serve_args=["--disk-dir", str(disk_dir)])
     server = Server(name, proc, port, root / "engine.log", plan, 0.0)
     try:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import random
 import re
 import subprocess
 import sys
@@ -24,28 +23,30 @@ from typing import Any
 import numpy as np
 import pytest
 
+from e2e.engine_process import (
+    EXIT_TIMEOUT_S,
+    POOL_BYTES,
+    Server,
+    complete,
+    launch,
+    metrics,
+    output_ids,
+    prompt,
+)
+
+# The launch helpers under the names the other emulated-engine tests import from here.
+from e2e.engine_process import free_port as _free_port
+from e2e.engine_process import kill_group as _kill_group
+from e2e.engine_process import plan_for as _plan
+from e2e.engine_process import rss_mib as _rss_mib
+from e2e.engine_process import wait_ready as _wait_ready
+from e2e.engine_process import write_plan as _write_plan
 from spillway_engine.emulator.tiny import (
     deepseek_v2_config,
     gemma3_config,
     llama_config,
     write_model,
 )
-from tests.contract.engine_process import (
-    EXIT_TIMEOUT_S,
-    POOL_BYTES,
-    Server,
-    launch,
-)
-
-# The launch helpers under the names the other emulated-engine tests import from here.
-from tests.contract.engine_process import free_port as _free_port
-from tests.contract.engine_process import get as _get
-from tests.contract.engine_process import kill_group as _kill_group
-from tests.contract.engine_process import plan_for as _plan
-from tests.contract.engine_process import post as _post
-from tests.contract.engine_process import rss_mib as _rss_mib
-from tests.contract.engine_process import wait_ready as _wait_ready
-from tests.contract.engine_process import write_plan as _write_plan
 
 #: model -> (config.json, emulated GPU KV bytes). The budgets hold max_model_len and
 #: little more (80 blocks of 4096 or 36,864 bytes; 160 of 2048), so a few prompts
@@ -96,41 +97,6 @@ def server(request: pytest.FixtureRequest, models: dict[str, Path]) -> Iterator[
 
 
 # ------------------------------------------------------------------ the helpers
-
-
-def metrics(server: Server) -> dict[str, float]:
-    """``/metrics`` summed over label sets (``_created`` series dropped)."""
-    status, text = _get(server.url("/metrics"))
-    assert status == 200
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        m = re.match(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+(\S+)$", line)
-        if not m or m.group(1).endswith("_created"):
-            continue
-        key = m.group(1)
-        out[key] = out.get(key, 0.0) + float(m.group(3))
-    return out
-
-
-def prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 500) for _ in range(n)]  # 0-2 are the special tokens
-
-
-def complete(server: Server, tokens: list[int], max_tokens: int = 8) -> dict[str, Any]:
-    body = {
-        "model": "tiny",
-        "prompt": tokens,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "return_token_ids": True,
-    }
-    return _post(server.url("/v1/completions"), body)
-
-
-def output_ids(reply: dict[str, Any]) -> list[int]:
-    choice = reply["choices"][0]
-    return choice.get("token_ids") or choice["text"]
 
 
 # -------------------------------------------------------------------- the tests

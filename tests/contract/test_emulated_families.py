@@ -27,11 +27,11 @@ from typing import Any
 
 import pytest
 
+from e2e import engine_process as ep
 from spillway_engine.emulator.launch import default_emulated_kv_bytes
 from spillway_engine.emulator.refusals import REFUSED
 from spillway_engine.emulator.tiny import shrink_config, write_model
 from spillway_engine.planner.families import _ARCHITECTURES, SUPPORTED_ARCHITECTURES
-from tests.contract import engine_process as ep
 
 _TESTS = Path(__file__).resolve().parents[1]
 _SOURCES = (_TESTS / "contract" / "frontier_configs", _TESTS / "fixtures" / "models")

@@ -20,9 +20,7 @@ import time
 
 import pytest
 
-from spillway_engine.emulator.tiny import llama_config, write_model
-
-from .engine_process import (
+from e2e.engine_process import (
     ENGINE,
     EXIT_TIMEOUT_S,
     Server,
@@ -34,6 +32,7 @@ from .engine_process import (
     wait_ready,
     write_plan,
 )
+from spillway_engine.emulator.tiny import llama_config, write_model
 
 KV_BYTES = 80 * 4096
 MAX_TOKENS = 48

@@ -21,8 +21,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from spillway_engine.emulator.tiny import llama_config, write_model
-from tests.contract.engine_process import (
+from e2e.engine_process import (
     ENGINE,
     Server,
     free_port,
@@ -34,6 +33,7 @@ from tests.contract.engine_process import (
     wait_ready,
     write_plan,
 )
+from spillway_engine.emulator.tiny import llama_config, write_model
 from tests.contract.test_emulated_engine import complete, metrics, output_ids, prompt
 
 #: Each stage holds 2 of the 4 layers: 4096 bytes a block, 80 blocks per emulated GPU.

@@ -24,11 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from spillway_engine.emulator.tiny import llama_config, write_model
-from spillway_engine.launcher.preflight import check_shm
-from spillway_engine.planner.plan import Plan
-
-from .engine_process import (
+from e2e.engine_process import (
     ENGINE,
     EXIT_TIMEOUT_S,
     Server,
@@ -41,6 +37,9 @@ from .engine_process import (
     wait_ready,
     write_plan,
 )
+from spillway_engine.emulator.tiny import llama_config, write_model
+from spillway_engine.launcher.preflight import check_shm
+from spillway_engine.planner.plan import Plan
 
 KV_BYTES = 80 * 4096  # the emulated GPU's KV budget (as test_emulated_engine's llama)
 

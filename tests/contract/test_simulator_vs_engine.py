@@ -87,12 +87,12 @@ from collections.abc import Iterator
 
 import pytest
 
+from e2e.engine_process import MIB
 from spillway_engine.emulator.tiny import gemma3_config, qwen3_next_config, write_model
 from spillway_engine.planner.plan import read_plan
 from spillway_engine.simulator.core import EngineCore, LatencyModel, SchedulerConfig
 from spillway_engine.simulator.plan_input import parse_plan
 from tests.contract.conftest import load_model
-from tests.contract.engine_process import MIB
 from tests.contract.test_emulated_engine import (
     MODELS,
     Server,

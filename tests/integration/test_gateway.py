@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pytest
 
+from e2e.engine_process import free_port, kill_group
 from e2e.gateway import Envoy, GatewayConfig
-from tests.contract.engine_process import free_port, kill_group
 from tests.helpers import http_get, wait_for
 from tests.unit.simulator_support import LLAMA, PLANS
 

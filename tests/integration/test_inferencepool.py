@@ -275,9 +275,9 @@ def test_a_gateway_built_from_the_pool_follows_its_pods(plane, operator, envs, a
     import urllib.error
     import urllib.request
 
+    from e2e.engine_process import free_port, kill_group
     from e2e.gateway.pool import PoolGateway
     from e2e.simfleet import ENGINE_PORT, SimulatorFleet
-    from tests.contract.engine_process import free_port, kill_group
 
     env, _ = envs
     install_crd(plane, gie_crd)

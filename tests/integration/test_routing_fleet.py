@@ -34,12 +34,12 @@ from pathlib import Path
 import pytest
 from kubernetes import client
 
+from e2e.engine_process import free_port, kill_group
 from e2e.gateway import Envoy, GatewayConfig
 from e2e.simfleet import ENGINE_PORT, SimulatorFleet
 from spillway_engine.emulator.tiny import llama_config, write_model
 from spillway_router.hashing import BlockHasher, HashConfig
 from spillway_router.scoring import Ring, cold_key
-from tests.contract.engine_process import free_port, kill_group
 from tests.helpers import fresh_namespace, http_get, wait_for
 
 pytestmark = [pytest.mark.usefixtures("operator"), pytest.mark.local_only]

@@ -1,8 +1,11 @@
 """Launch, watch and stop ``spillway-engine serve --emulate-gpu`` as a real process.
 
-Shared by the emulated-engine tests (test_emulated_engine.py, test_engine_restart.py)
-and bench/pod_memory.py: a tiny model's plan on disk, the pod's launch in its own
-process group, readiness over HTTP, and a teardown that reaches the engine core too.
+Shared by the contract and integration tests (``tests/contract/test_emulated_engine.py``
+and its neighbours) and the benches that run real engines (``bench/pod_memory.py``,
+``bench/emulated_engine.py``, ``bench/disk_tier.py``), so it lives in the harness both
+may import: a tiny model's plan on disk, the pod's launch in its own process group,
+readiness over HTTP, a teardown that reaches the engine core too, and the few
+requests the tests and benches send (a completion, ``/metrics`` summed).
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -31,6 +35,11 @@ POOL_BYTES = 16 * MIB
 START_TIMEOUT_S = 300
 EXIT_TIMEOUT_S = 300
 REQUEST_TIMEOUT_S = 60
+#: vLLM's back-pressure water marks assume NVMe; fsynced chunks on a busy CI disk are
+#: slower per MiB, and a shed store would leave nothing to load back
+DISK_TIER_TUNING = json.dumps({"backpressure": {"backpressure_cls": "EMABackpressureDetector",
+                                      "high_water_s": 1e6, "low_water_s": 1e5,
+                                      "failure_threshold": 3}})
 # The pod's entry point (the console script of this environment).
 _SCRIPT = Path(sys.executable).with_name("spillway-engine")
 ENGINE = (
@@ -223,3 +232,41 @@ def wait_ready(server: Server) -> None:
     raise EngineNotReady(
         f"the engine did not serve within {START_TIMEOUT_S} s:\n{server.log_text()[-6000:]}"
     )
+
+
+# ---------------------------------------------------------- talking to a server
+
+
+def metrics(server: Server) -> dict[str, float]:
+    """``/metrics`` summed over label sets (``_created`` series dropped)."""
+    status, text = get(server.url("/metrics"))
+    assert status == 200
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = re.match(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+(\S+)$", line)
+        if not m or m.group(1).endswith("_created"):
+            continue
+        key = m.group(1)
+        out[key] = out.get(key, 0.0) + float(m.group(3))
+    return out
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 500) for _ in range(n)]  # 0-2 are the special tokens
+
+
+def complete(server: Server, tokens: list[int], max_tokens: int = 8) -> dict[str, Any]:
+    body = {
+        "model": "tiny",
+        "prompt": tokens,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "return_token_ids": True,
+    }
+    return post(server.url("/v1/completions"), body)
+
+
+def output_ids(reply: dict[str, Any]) -> list[int]:
+    choice = reply["choices"][0]
+    return choice.get("token_ids") or choice["text"]
