@@ -1,6 +1,9 @@
-"""The house's floors, checked: every import in the tree (at module level or inside a
-function, since a lazy import is a dependency all the same) goes to its own floor or
-one below, and no set of modules imports itself round in a circle.
+"""The house's floors, checked: every import in the tree -- the packages under
+``engine/`` and ``operator/``, and ``e2e/``, ``bench/`` and ``tests/`` -- at module level
+or inside a function (a lazy import is a dependency all the same) goes to its own floor
+or one below, and no set of modules imports itself round in a circle. An import under
+``if TYPE_CHECKING:`` never runs and only names a type for the reader (the real nodes
+name the ``LocalCluster`` that drives them); it is left out.
 
 Engine: base -> planner -> seam -> offloader -> launcher, the flow; the stand-ins for
 the GPU (emulator, simulator) beside it, importing the flow, never imported by it; the
@@ -8,6 +11,10 @@ the GPU (emulator, simulator) beside it, importing the flow, never imported by i
 server) -> flow (the steps and their loops) -> the process (kopf wiring, work queue).
 Across the seam the operator and the router import the engine's floors up to the seam
 only (the operator image has no vLLM); ``spillway`` (the user's command) may use all.
+The rest of the tree stands on top of the packages and may import any of them:
+e2e base -> real nodes -> control plane -> e2e harness (install, operator process,
+simulator fleet, gateway) -> demo -> contract harness (vLLM built on the CPU) ->
+bench -> device checks (``e2e/gpu``) -> tests. No package imports any of it.
 """
 
 from __future__ import annotations
@@ -41,6 +48,21 @@ OPERATOR_FLOORS = [
                  "spillway_operator.main", "spillway_operator.__main__"]),
 ]
 ROUTER_FLOORS = [("router", ["spillway_router"])]
+#: The rest of the tree (named from the repository root), lowest first.
+TREE_FLOORS = [
+    ("e2e base", ["e2e", "e2e.processes", "e2e.engine_process", "e2e.cluster.errors",
+                  "e2e.cluster.pki", "e2e.nodes.ociimage"]),
+    ("real nodes", ["e2e.nodes"]),
+    ("control plane", ["e2e.cluster"]),
+    ("e2e harness", ["e2e.install", "e2e.operator_process", "e2e.simfleet", "e2e.gateway"]),
+    ("demo", ["e2e.demo"]),
+    ("contract harness", ["tests.helpers", "tests.contract.conftest",
+                          "tests.contract.vllm_harness", "tests.contract.offload_loop"]),
+    ("bench", ["bench"]),
+    ("device checks", ["e2e.gpu"]),
+    ("tests", ["tests"]),
+]
+TREE = ("e2e", "bench", "tests")
 #: How high into the engine each operator-side package may reach.
 ENGINE_REACH = {"spillway_operator": "seam", "spillway_router": "seam",
                 "spillway_cli": "engine command"}
@@ -48,9 +70,11 @@ ENGINE_REACH = {"spillway_operator": "seam", "spillway_router": "seam",
 
 def modules() -> dict[str, Path]:
     found = {}
-    for package, base in PACKAGES.items():
-        for path in (ROOT / base / package).rglob("*.py"):
-            name = ".".join(path.relative_to(ROOT / base).with_suffix("").parts)
+    roots = [(ROOT / base / package, ROOT / base) for package, base in PACKAGES.items()]
+    roots += [(ROOT / top, ROOT) for top in TREE]
+    for where, base in roots:
+        for path in where.rglob("*.py"):
+            name = ".".join(path.relative_to(base).with_suffix("").parts)
             found[name.removesuffix(".__init__")] = path
     return found
 
@@ -64,12 +88,26 @@ def _resolve(name: str) -> str | None:
     return name or None
 
 
+def _type_only(tree: ast.Module) -> set[int]:
+    """ids of the import statements under ``if TYPE_CHECKING:`` (never run)."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            out |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+    return out
+
+
 def imports_of(module: str) -> set[str]:
-    """The project modules ``module`` imports, anywhere in its body."""
+    """The project modules ``module`` imports, anywhere in its body (type-only ones
+    left out)."""
     path = MODULES[module]
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    type_only = _type_only(tree)
+    for node in ast.walk(tree):
+        if id(node) in type_only:
+            continue
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -96,7 +134,8 @@ def floor_of(module: str) -> tuple[str, int, str]:
     """(side, floor index, floor name) of a module: the longest listed prefix wins."""
     best: tuple[int, str, int, str] | None = None
     for side, floors in (("engine", ENGINE_FLOORS), ("operator", OPERATOR_FLOORS),
-                         ("router", ROUTER_FLOORS), ("cli", [("spillway", ["spillway_cli"])])):
+                         ("router", ROUTER_FLOORS), ("cli", [("spillway", ["spillway_cli"])]),
+                         ("tree", TREE_FLOORS)):
         for index, (name, prefixes) in enumerate(floors):
             for prefix in prefixes:
                 on = module == prefix or module.startswith(prefix + ".")
@@ -115,6 +154,10 @@ def upward(src: str, dst: str) -> str | None:
     dside, dindex, dname = floor_of(dst)
     if side == dside:
         return None if dindex <= index else f"{name} -> {dname}"
+    if side == "tree":
+        return None  # e2e, bench and tests stand on every package
+    if dside == "tree":
+        return f"{name} ({side}) -> {dname}: a package imports the harness or the tests"
     if dside == "engine" and side != "engine":
         reach = engine_index(ENGINE_REACH[src.split(".")[0]])
         return None if dindex <= reach else f"{name} reaches the engine's {dname}"
@@ -184,6 +227,20 @@ def test_the_checks_can_fail():
     assert upward("spillway_engine.planner.plan", "spillway_operator.flow.spec")
     assert not upward("spillway_engine.emulator.platform", "spillway_engine.launcher.plugin")
     assert not upward("spillway_cli.main", "spillway_engine.simulator.core")
+    assert upward("e2e.nodes.realnodes", "e2e.cluster.controlplane")
+    assert upward("bench.disk_tier", "tests.contract.test_emulated_engine")
+    assert upward("spillway_engine.simulator.core", "bench.simulator")
+    assert not upward("tests.unit.test_bench_disk_tier", "bench.disk_tier")
+    assert not upward("bench.pod_memory", "e2e.engine_process")
+    tree = ast.parse("from typing import TYPE_CHECKING\n"
+                     "if TYPE_CHECKING:\n    import a\nimport b\n")
+    assert len(_type_only(tree)) == 2  # the statement and its alias, not ``import b``
+
+
+def test_the_tree_is_covered():
+    """The walk reaches past the packages: e2e, bench and tests are in the graph."""
+    assert {m.split(".")[0] for m in MODULES} >= set(TREE)
+    assert "e2e.cluster.controlplane" in GRAPH["e2e.nodes"] | GRAPH["e2e.install"]
 
 
 def test_the_operator_side_runs_without_vllm():
