@@ -7,6 +7,12 @@ own watches (``watch.Reflector``: the API server filters them by label, and no k
 bookkeeping per event). Every change of a child re-reconciles its owner, so drift is
 repaired and status follows the pods; each body is kept in the watch cache first, so
 the reconcile reads none of them again.
+
+What the process holds while it runs (the controller, the watch cache, the watches,
+the leader election) is one :class:`Running` record, made by ``startup`` and taken
+apart by ``cleanup``; it lives in kopf's operator memo, which kopf hands to every
+handler (each object's memo is a shallow copy of it, taken after startup), so the
+module keeps no state of its own.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import itertools
 import logging
 import os
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
@@ -37,7 +44,23 @@ MANAGED_BY = "app.kubernetes.io/managed-by"
 # What the own watches ask the API server for: managed by Spillway, with an owner.
 MANAGED_SELECTOR = f"{MANAGED_BY}={FIELD_MANAGER},{OWNER_LABEL}"
 
-_state: dict[str, Any] = {}
+
+
+@dataclass
+class Running:
+    """One operator process's runtime state, from ``startup`` to ``cleanup``."""
+
+    controller: Controller
+    cache: WatchCache
+    watches: list[watch.Reflector] = field(default_factory=list)
+    #: the Lease loop and its task, with leader election only
+    elector: LeaderElector | None = None
+    election: asyncio.Task[None] | None = None
+
+
+def running(memo: Any) -> Running | None:
+    """The process's record in kopf's memo (None before startup and after cleanup)."""
+    return getattr(memo, "running", None)
 
 
 def _api_client(connections: int | None = None) -> client.ApiClient:
@@ -161,10 +184,10 @@ async def startup(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
                  "cluster serves inference.networking.k8s.io/v1 InferencePools", picker,
                  f" in {picker.namespace}" if picker.namespace else "")
     kube.hold_events = lambda: controller.bursting
-    _state["controller"], _state["cache"] = controller, cache
-    _state["watches"] = start_watches(getattr(memo, "namespaces", None),
-                                      asyncio.get_running_loop(),
-                                      settings.watching.server_timeout or 300, kube)
+    state = memo.running = Running(controller, cache)
+    state.watches = start_watches(getattr(memo, "namespaces", None),
+                                  asyncio.get_running_loop(),
+                                  settings.watching.server_timeout or 300, kube, state)
     if election is None:
         metrics.LEADER.set(1)  # the only replica: it always writes
         controller.start()
@@ -174,8 +197,8 @@ async def startup(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
     # autoscaling and every write wait for the Lease (Kube asks the elector's gate).
     elector = make_elector(election, controller)
     kube.may_write = elector.may_write
-    _state["elector"] = elector
-    _state["election"] = asyncio.create_task(elector.run())
+    state.elector = elector
+    state.election = asyncio.create_task(elector.run())
     log.info("spillway operator started; candidate %s for lease %s/%s (duration %gs, "
              "renew deadline %gs, retry period %gs)", election.identity, election.namespace,
              election.name, election.timing.lease_duration, election.timing.renew_deadline,
@@ -183,69 +206,69 @@ async def startup(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
 
 
 @kopf.on.cleanup()
-async def cleanup(**_: Any) -> None:
-    for reflector in _state.pop("watches", ()):
+async def cleanup(memo: Any, **_: Any) -> None:
+    state = running(memo)
+    if state is None:
+        return
+    memo.running = None
+    for reflector in state.watches:
         reflector.stop()
-    controller = _state.pop("controller", None)
-    elector: LeaderElector | None = _state.pop("elector", None)
-    task = _state.pop("election", None)
-    if task:
-        task.cancel()
-    if controller:
-        controller.pause()  # stop writing first, then hand the Lease over
-        await controller.stop()
-    if elector:
-        await elector.release()
+    if state.election:
+        state.election.cancel()
+    state.controller.pause()  # stop writing first, then hand the Lease over
+    await state.controller.stop()
+    if state.elector:
+        await state.elector.release()
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)
-async def on_inference_deployment(body: kopf.Body, type: str | None, **_: Any) -> None:
-    controller: Controller | None = _state.get("controller")
-    if controller is not None:
-        controller.observe(dict(body), type)
-    cache: WatchCache | None = _state.get("cache")
-    if cache is not None and type == "DELETED":
-        cache.forget_reader((body["metadata"]["namespace"], body["metadata"]["name"]))
+async def on_inference_deployment(body: kopf.Body, type: str | None, memo: Any,
+                                   **_: Any) -> None:
+    state = running(memo)
+    if state is None:
+        return
+    state.controller.observe(dict(body), type)
+    if type == "DELETED":
+        state.cache.forget_reader((body["metadata"]["namespace"], body["metadata"]["name"]))
 
 
-def _owner_changed(namespace: str | None, labels: Mapping[str, str],
+def _owner_changed(controller: Controller, namespace: str | None, labels: Mapping[str, str],
                    meta: Mapping[str, Any] | None = None) -> None:
-    controller: Controller | None = _state.get("controller")
     key = owner_key(namespace, labels, (meta or {}).get("ownerReferences"))
-    if controller is not None and key is not None and key in controller.objects:
+    if key is not None and key in controller.objects:
         controller.enqueue(key)
 
 
-def _child_changed(body: Mapping[str, Any], type: str | None, namespace: str | None,
-                   labels: Mapping[str, str], meta: Mapping[str, Any]) -> None:
+def _child_changed(state: Running, body: Mapping[str, Any], type: str | None,
+                   namespace: str | None, labels: Mapping[str, str],
+                   meta: Mapping[str, Any]) -> None:
     """Keep the body, then queue its owner (in that order: the reconcile must see it)
     if the event tells it anything new."""
-    cache: WatchCache | None = _state.get("cache")
-    if cache is None or cache.observe(dict(body), type):
-        _owner_changed(namespace, labels, meta)
+    if state.cache.observe(dict(body), type):
+        _owner_changed(state.controller, namespace, labels, meta)
 
 
 WATCHED = (watch.DEPLOYMENTS, watch.SERVICES, watch.POD_DISRUPTION_BUDGETS, watch.PODS)
 
 
 def start_watches(namespaces: list[str] | None, loop: asyncio.AbstractEventLoop,
-                  timeout: int, kube: Kube) -> list[watch.Reflector]:
+                  timeout: int, kube: Kube, state: Running) -> list[watch.Reflector]:
     """The children's and pods' watches (``namespaces`` None: cluster-wide). They
     keep the cache on their own threads, in stream order, and queue the owner on
     ``loop``, where the controller lives. And the namespaces' watch, which tells
     ``kube`` which ones are being deleted before their contents go."""
-    cache: WatchCache = _state["cache"]
+    cache, controller = state.cache, state.controller
 
     def child(event_type: str, body: dict[str, Any]) -> None:
         if cache.observe(body, event_type):
             meta = body.get("metadata") or {}
-            loop.call_soon_threadsafe(_owner_changed, meta.get("namespace"),
+            loop.call_soon_threadsafe(_owner_changed, controller, meta.get("namespace"),
                                       meta.get("labels") or {}, meta)
 
     def pod(event_type: str, body: dict[str, Any]) -> None:
         cache.observe_pod(body, event_type)
         meta = body.get("metadata") or {}
-        loop.call_soon_threadsafe(_owner_changed, meta.get("namespace"),
+        loop.call_soon_threadsafe(_owner_changed, controller, meta.get("namespace"),
                                   meta.get("labels") or {})
 
     api = _api_client(len(WATCHED) * len(namespaces or [None]) + 1)  # one connection each
@@ -260,17 +283,18 @@ def start_watches(namespaces: list[str] | None, loop: asyncio.AbstractEventLoop,
 
 @kopf.on.event("", "v1", "configmaps")
 async def on_configmap(body: kopf.Body, type: str | None, namespace: str | None,
-                       labels: kopf.Labels, meta: kopf.Meta, **_: Any) -> None:
+                       labels: kopf.Labels, meta: kopf.Meta, memo: Any, **_: Any) -> None:
     """A plan ConfigMap (a child), or a model ConfigMap a spec names (its readers
     re-plan); any other ConfigMap is ignored."""
-    if is_child(labels, meta):
-        _child_changed(body, type, namespace, labels, meta)
+    state = running(memo)
+    if state is None:
         return
-    cache: WatchCache | None = _state.get("cache")
-    controller: Controller | None = _state.get("controller")
-    readers = cache.readers(namespace or "", meta.get("name", "")) if cache else set()
-    if not readers or cache is None or not cache.observe(dict(body), type):
+    if is_child(labels, meta):
+        _child_changed(state, body, type, namespace, labels, meta)
+        return
+    readers = state.cache.readers(namespace or "", meta.get("name", ""))
+    if not readers or not state.cache.observe(dict(body), type):
         return
     for key in readers:
-        if controller is not None and key in controller.objects:
-            controller.enqueue(key)
+        if key in state.controller.objects:
+            state.controller.enqueue(key)

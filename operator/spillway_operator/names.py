@@ -1,7 +1,7 @@
 """The names the operator gives things in the API: the custom resource's group,
-version, kind and plural, and the server-side-apply field manager (DESIGN.md, Names).
+version, kind and plural, and the server-side-apply field manager (docs/design.md, Names).
 
-The bottom floor of the operator: every room imports it, it imports nothing."""
+The bottom floor of the operator: any room may import it; it imports nothing."""
 
 GROUP = "spillway.dev"
 VERSION = "v1alpha1"

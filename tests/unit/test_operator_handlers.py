@@ -156,3 +156,35 @@ def test_a_burst_of_new_objects_gets_its_children_before_its_statuses():
     asyncio.run(scenario())
     # a and b deferred while others waited; c had nobody behind it; then the statuses.
     assert calls == [("a", True), ("b", True), ("c", False), ("a", False), ("b", False)]
+
+
+def test_the_handlers_keep_the_process_state_in_one_record_in_kopfs_memo():
+    """No module-level state: the controller and the cache reach the handlers through
+    the Running record startup puts in kopf's memo; before startup and after cleanup
+    the handlers do nothing."""
+    import asyncio
+
+    from spillway_operator import handlers
+    from spillway_operator.plumbing.cache import WatchCache
+
+    mutable = [name for name, value in vars(handlers).items()
+               if isinstance(value, (dict, list, set)) and not name.startswith("__")]
+    assert mutable == []
+
+    deployment = kopf.Body({"apiVersion": "spillway.dev/v1alpha1", "kind": "InferenceDeployment",
+                            "metadata": {"namespace": "ns", "name": "chat", "generation": 1}})
+
+    async def scenario():
+        memo = kopf.Memo()
+        await handlers.on_inference_deployment(body=deployment, type="ADDED", memo=memo)
+        state = handlers.Running(make_controller(Kube(None), {}), WatchCache(OWNER_LABEL))
+        memo.running = state
+        await handlers.on_inference_deployment(body=deployment, type="ADDED", memo=memo)
+        assert ("ns", "chat") in state.controller.objects
+        await handlers.on_inference_deployment(body=deployment, type="DELETED", memo=memo)
+        assert ("ns", "chat") not in state.controller.objects
+        await handlers.cleanup(memo=memo)
+        assert handlers.running(memo) is None
+        await handlers.cleanup(memo=memo)  # a second cleanup finds nothing to stop
+
+    asyncio.run(scenario())
