@@ -28,7 +28,7 @@ from spillway_engine.quantity import parse_bytes
 from spillway_operator.flow import render
 from spillway_operator.flow.spec import InferenceDeploymentSpec
 from tests.images.conftest import FIGURES, ROOT, Images, wait_until
-from tests.unit.test_layers import MODULES
+from tests.unit.tree.test_layers import MODULES
 
 MODEL_FIXTURE = ROOT / "tests" / "fixtures" / "models" / "llama-3.2-1b.json"
 WEIGHTS = "/models/tiny-llama"

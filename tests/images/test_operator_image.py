@@ -9,9 +9,9 @@ import ast
 import json
 import sys
 
-from tests.unit.test_layers import GRAPH, MODULES, PACKAGES
+from tests.unit.tree.test_layers import GRAPH, MODULES, PACKAGES
 
-#: What the image must not have (the engine's; tests/unit/test_layers.py keeps the
+#: What the image must not have (the engine's; tests/unit/tree/test_layers.py keeps the
 #: operator side working without them).
 ABSENT = ("vllm", "torch")
 #: Imports the code guards and the image leaves out on purpose.

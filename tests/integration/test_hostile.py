@@ -181,7 +181,8 @@ def _llama() -> dict:
     (json.dumps({**_llama(), "rope_scaling": {"rope_type": "dynamic", "factor": [2]}}),
      "OffloadPlanInvalid", "not a number", 0),
     # Once a planner crash (float overflow, caught only by the reconciler's catch-all,
-    # which tests/unit/test_operator_hostile.py covers); now refused by name, no traceback.
+    # which tests/unit/operator/flow/test_operator_hostile.py covers); now refused by name,
+    # no traceback.
     (json.dumps({**_llama(), "rope_scaling": {"rope_type": "dynamic", "factor": 1e308}}),
      "OffloadPlanInvalid", "rope factor", 0),
 ], ids=["nested-brackets", "huge-layers", "huge-head-dim", "wrong-type-deep", "absurd-rope"])

@@ -35,7 +35,12 @@ from spillway_operator.flow.imageref import (
 from spillway_operator.flow.spec import GROUP, PLURAL, VERSION
 from tests.integration.test_hostile import kubectl_apply
 from tests.integration.test_operator import Env, infdep, model_configmap
-from tests.unit.test_imageref import SHA256, any_references, hostile_references, references
+from tests.unit.operator.flow.test_imageref import (
+    SHA256,
+    any_references,
+    hostile_references,
+    references,
+)
 
 IMAGEREF_ENV = "SPILLWAY_IMAGEREF"
 

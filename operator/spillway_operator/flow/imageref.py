@@ -21,7 +21,7 @@ registry) is at most 255 characters, the part before the tag must be lower case,
 ``tests/integration/test_image_reference.py`` drives this module and the Go parser
 itself (tools/imageref) with the same generated inputs and asserts they agree. The
 CRD's CEL rules on spec.engine.image (``CEL_CHECKS``) are built here from the same
-pieces; ``tests/unit/test_imageref.py`` checks they agree with this parser too.
+pieces; ``tests/unit/operator/flow/test_imageref.py`` checks they agree with this parser too.
 """
 
 from __future__ import annotations

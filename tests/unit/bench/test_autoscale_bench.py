@@ -1,0 +1,196 @@
+"""bench/autoscale: its traces are pure functions of the seed with the shapes they claim,
+its baselines follow the algorithms they name, and the sweep report picks each policy's
+best-tuned target the way the README reads it."""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT))
+
+from bench import autoscale as bench  # noqa: E402
+from bench import autoscale_traces as traces  # noqa: E402
+from spillway_operator.flow.pressure import Sample  # noqa: E402
+
+
+def _arrivals_in(items, lo, hi):
+    return sum(1 for it in items if lo <= it.arrival < hi)
+
+
+@pytest.mark.parametrize("build, kw", [
+    (traces.bursty, {"duration": 300.0}),
+    (traces.diurnal, {"duration": 300.0}),
+    (traces.multitenant, {"duration": 300.0}),
+    (traces.flash, {"duration": 300.0, "start": 100.0, "rise": 20.0, "hold": 100.0}),
+])  # fmt: skip
+def test_a_trace_is_a_pure_function_of_its_seed(build, kw):
+    a, b, c = build(1, **kw), build(1, **kw), build(2, **kw)
+    assert [(i.arrival, list(i.prompt), i.session) for i in a.items] == [
+        (i.arrival, list(i.prompt), i.session) for i in b.items]
+    assert [i.arrival for i in a.items] != [i.arrival for i in c.items]
+    assert [i.rid for i in a.items] == list(range(len(a.items)))
+    assert all(0 <= i.arrival <= a.duration for i in a.items)
+    assert a.phases[0][1] == 0.0 and a.phases[-1][2] == a.duration
+
+
+def test_the_flash_crowd_multiplies_the_load_by_five_within_a_minute():
+    sc = traces.flash(0, duration=900.0, start=300.0, rise=60.0, hold=300.0)
+    before = _arrivals_in(sc.items, 0, 300) / 300
+    crowd = _arrivals_in(sc.items, 360, 660) / 300
+    assert 4.0 < crowd / before < 6.0, (before, crowd)
+    assert sc.rate(300.0) == pytest.approx(2.0) and sc.rate(360.0) == pytest.approx(10.0)
+
+
+def test_the_diurnal_day_goes_ten_times_up_and_back():
+    sc = traces.diurnal(0, duration=1200.0)
+    night = _arrivals_in(sc.items, 0, 120) + _arrivals_in(sc.items, 1080, 1200)
+    noon = _arrivals_in(sc.items, 540, 660)
+    assert noon / (night / 2) > 5.0, (night, noon)
+    assert sc.rate(0.0) == pytest.approx(1.2) and sc.rate(600.0) == pytest.approx(12.0)
+
+
+def test_multitenant_conversations_share_their_tenants_system_prompt():
+    sc = traces.multitenant(3, duration=600.0)
+    spec = traces.Tenants()
+    heads = {tuple(i.prompt[: spec.system_tokens]) for i in sc.items}
+    assert 1 < len(heads) <= spec.tenants
+    by_session: dict[str, list] = {}
+    for it in sc.items:
+        by_session.setdefault(it.session, []).append(it.prompt)
+    turns = max(len(v) for v in by_session.values())
+    assert 1 < turns <= spec.turns
+    for prompts in by_session.values():  # each turn re-sends the conversation so far
+        for a, b in itertools.pairwise(prompts):
+            assert list(b[: len(a) - 1]) == list(a[:-1])
+    assert sc.plan_file == traces.GEMMA_PLAN
+
+
+def _texts(**values):
+    lines = []
+    names = {"gpu_kv": "vllm:kv_cache_usage_perc", "waiting": "vllm:num_requests_waiting",
+             "running": "vllm:num_requests_running"}  # fmt: skip
+    for key, v in values.items():
+        lines += [f"# TYPE {names[key]} gauge", f'{names[key]}{{engine="0"}} {v}']
+    return "\n".join(lines) + "\n"
+
+
+def test_the_hpa_baseline_follows_kubernetes_rules():
+    hpa = bench.make_policy("hpa-kv", 0.6)
+    two = {"a": _texts(gpu_kv=0.9), "b": _texts(gpu_kv=0.9)}
+    assert hpa.tick(15, two, 2, 0).replicas == 3  # ceil(2 * 0.9 / 0.6)
+    same = {"a": _texts(gpu_kv=0.62), "b": _texts(gpu_kv=0.58)}
+    assert hpa.tick(30, same, 3, 0).replicas == 3  # within tolerance
+    idle = {"a": _texts(gpu_kv=0.1), "b": _texts(gpu_kv=0.1), "c": _texts(gpu_kv=0.1)}
+    assert hpa.tick(45, idle, 3, 0).replicas == 3  # the 300 s window holds the 3
+    assert hpa.tick(400, idle, 3, 0).replicas == 1
+    keda = bench.make_policy("keda", 8.0)
+    busy = {"a": _texts(running=12, waiting=4)}
+    assert keda.tick(15, busy, 1, 0).replicas == 2  # ceil(16 / 8)
+
+
+def test_the_dynamo_baseline_moves_one_replica_per_adjustment_and_brakes_when_cold():
+    dyn = bench.DynamoPolicy(0.7)
+    hot = {"a": _texts(gpu_kv=0.9, waiting=0, running=4)}
+    assert dyn.tick(15, hot, 1, 0).replicas == 2
+    assert dyn.tick(30, hot, 2, 0).replicas == 2  # within the 60 s adjustment interval
+    assert dyn.tick(90, hot, 2, 1).replicas == 2  # a replica is starting
+    assert dyn.tick(90, hot, 2, 0).replicas == 3
+    dyn.hit_mean = 0.9
+    cold = ("# TYPE vllm:prompt_tokens counter\nvllm:prompt_tokens_total{engine=\"0\"} %d\n"
+            + _texts(gpu_kv=0.1, waiting=0, running=1))  # fmt: skip
+    dyn.prev = {"a": bench.parse_metrics(cold % 0, 150)}
+    assert dyn.tick(165, {"a": cold % 1000}, 3, 0).replicas == 3  # hit rate 0: no scale-down
+    dyn.prev, dyn.hit_mean = {}, None
+    assert dyn.tick(240, {"a": cold % 2000}, 3, 0).replicas == 2
+    assert isinstance(dyn.prev["a"], Sample)
+
+
+@pytest.mark.parametrize("name", list(bench.SWEEP_TARGETS))
+def test_every_policy_runs_a_short_trace(name):
+    sc = traces.bursty(0, duration=240.0)
+    res = bench.run_policy(bench.make_policy(name, bench.DEFAULT_TARGET[name]), sc, 0)
+    s = bench.summarize(res, 2.0)
+    assert 0 < s["rm"] <= bench.MAX_REPLICAS * 240 / 60
+    assert 0.0 <= s["met"] <= 1.0 and res.offered == len(sc.items)
+    assert len(res.ticks) == 240 // bench.INTERVAL
+
+
+def test_the_report_takes_each_policys_cheapest_target_at_the_median():
+    rows = []
+    for seed, (m1, m2) in enumerate([(0.999, 0.95), (0.991, 0.995), (0.97, 0.999)]):
+        rows += [
+            {"trace": "t", "policy": "hpa-kv", "target": 0.5, "seed": seed, "rm": 80 + seed,
+             "met": m1},
+            {"trace": "t", "policy": "hpa-kv", "target": 0.7, "seed": seed, "rm": 60 + seed,
+             "met": m2},
+            {"trace": "t", "policy": "spillway", "target": bench.DEFAULT_TARGET["spillway"],
+             "seed": seed, "rm": 70.0, "met": 0.996},
+        ]  # fmt: skip
+    pts = bench.points(rows, "t")
+    assert pts[("hpa-kv", 0.5)] == {"rm": 81, "met": 0.991, "worst": 0.97, "seeds": 3}
+    assert bench.cheapest(pts, "hpa-kv", 0.99)[0] == 0.7  # median 0.995 at 61
+    assert bench.cheapest(pts, "hpa-kv", 0.999) is None
+    report = "\n".join(bench.frontier_report(rows, ["t"]))
+    assert "at >= 99.0%: best tuned baseline hpa-kv [0.7] 61.0; spillway default: " \
+        "+9.0 replica-minutes vs hpa-kv" in report
+    assert "at >= 99.9%" not in report  # nobody reached it
+
+
+def test_one_setting_for_all_traces_needs_the_level_on_every_trace():
+    """The HPA wins each trace with another target; with one target for both it must
+    take the one that holds on both, and pays the sum."""
+    rows = [
+        {"trace": tr, "policy": p, "target": t, "seed": 0, "rm": rm, "met": met}
+        for tr, p, t, rm, met in [
+            ("a", "hpa-kv", 0.5, 90.0, 0.999), ("a", "hpa-kv", 0.8, 60.0, 0.995),
+            ("b", "hpa-kv", 0.5, 95.0, 0.999), ("b", "hpa-kv", 0.8, 55.0, 0.90),
+            ("a", "spillway", 1.0, 70.0, 0.995), ("b", "spillway", 1.0, 72.0, 0.992),
+        ]
+    ]  # fmt: skip
+    report = bench.one_setting_report(rows, ["a", "b"])
+    [hpa] = [ln for ln in report if ln.strip().startswith("hpa-kv")]
+    [ours] = [ln for ln in report if ln.strip().startswith("spillway")]
+    assert hpa.split()[1:5] == ["185.0", "[0.5]", "185.0", "[0.5]"]  # 0.8 fails trace b
+    assert ours.split()[1:5] == ["142.0", "[1]", "142.0", "[1]"] and ours.split()[-1] == "-"
+    assert bench.one_setting_report(rows, ["a"]) == []
+
+
+def test_the_fleet_replay_trace_fits_the_tiny_model_and_its_sides_agree_on_the_plan():
+    """bench/autoscale_replay: the trace it plays on real engines is seeded, inside the
+    tiny tokenizer's ids and the engines' max_model_len (a request vLLM rejects would
+    miss on the fleet and in the simulator alike, telling nothing), keeps shared
+    prefixes shared, and its simulator side runs the plan the operator makes."""
+    from bench import autoscale_replay as replay
+
+    a, b = replay.fleet_trace(1, 300.0), replay.fleet_trace(1, 300.0)
+    assert [list(i.prompt) for i in a] == [list(i.prompt) for i in b]
+    lo, hi = replay.VOCAB
+    assert all(lo <= t < hi for i in a for t in i.prompt)
+    limit = replay.SPEC["engine"]["maxModelLen"]
+    assert max(len(i.prompt) + i.max_tokens for i in a) <= limit
+    shared = [i for i in a if i.session and i.session.startswith("sp/")]
+    by_prefix: dict[str, set[tuple[int, ...]]] = {}
+    for i in shared:
+        by_prefix.setdefault(i.session, set()).add(tuple(i.prompt[:512]))
+    assert shared and all(len(v) == 1 for v in by_prefix.values())
+    _, plan = replay.planned()
+    assert len(plan.kv_groups) == 4 and plan.offloader == "spillway"
+    sim = replay.simulate(a, plan.model_dump_json(), duration=300.0, load_delay=30.0,
+                          overhead_s=0.005, scheduler=bench.SchedulerConfig(max_model_len=limit),
+                          seed=1)
+    assert len(sim.ttfts) == len(a) and sim.replica_minutes >= 5.0
+
+
+def test_the_replay_reads_the_engines_scheduler_limits_from_vllms_log():
+    from bench import autoscale_replay as replay
+
+    log = ("INFO ... Chunked prefill is enabled with max_num_batched_tokens=2048.\n"
+           "INFO ... max_num_seqs=64 ...")
+    got = replay._scheduler(log, 1024)
+    assert (got.max_num_batched_tokens, got.max_num_seqs, got.max_model_len) == (2048, 64, 1024)
+    assert replay._scheduler("", 512).max_num_batched_tokens == 8192
