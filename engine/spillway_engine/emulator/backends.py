@@ -27,6 +27,7 @@ from vllm.v1.worker.utils import customize_attention_spec
 DEFAULT_BACKEND = "FLASH_ATTN"
 MLA_BACKENDS = (
     "FLASH_ATTN_MLA",
+    "FLASHINFER_MLA",
     "TRITON_MLA",
     "FLASHMLA",
     "FLASH_ATTN_MLA_SPARSE",
@@ -37,9 +38,8 @@ MLA_BACKENDS = (
 #: class's ``backend_cls``, CUDA's and the CPU variant's with the same kernel pages and
 #: layouts): the layers keep them, as the planner's contract test builds them.
 MODEL_DRIVEN_BACKENDS = ("FLASHMLA_SPARSE_DSV4", "FLASHINFER_MLA_SPARSE_DSV4")
-#: GPUs whose FlashInfer GDN prefill kernel checkpoints every 64 tokens (SM90).
-_GDN_64_GPUS = ("h100", "h200")
-_SM90_GPUS = ("h100", "h200")
+#: GPUs whose FlashAttention is FA3/FA4 on SM90 (the head-512 FP8 page rule below)
+_SM90_GPUS = ("h100", "h200", "h20")
 
 
 class FlashMLAStandIn(TritonMLABackend):
@@ -88,6 +88,40 @@ class FlashAttentionSm90StandIn(FlashAttentionBackend):
         return 64 if fp8 and head_size == 512 else None
 
 
+class FlashInferMLAStandIn(TritonMLABackend):
+    """FlashInfer MLA's kernel pages (32 or 64 tokens: 16 is refused, 32 preferred) on a
+    class that constructs on a CPU; its TRT-LLM kernels are SM10x only."""
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec: Any = None) -> list[Any]:
+        return [32, 64]
+
+    @classmethod
+    def supports_block_size(cls, block_size: int | None) -> bool:
+        return block_size is None or block_size % 32 == 0
+
+    @staticmethod
+    def get_name() -> str:
+        return "FLASHINFER_MLA"
+
+
+class TritonFlashInferStandIn(FlashAttentionBackend):
+    """The Triton+FlashInfer prefix-LM composite's exactly-64-token pages (SM10x), with
+    FlashAttention's cache layout, which the emulated worker allocates."""
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec: Any = None) -> list[Any]:
+        return [64]
+
+    @classmethod
+    def supports_block_size(cls, block_size: int | None) -> bool:
+        return block_size is None or block_size % 64 == 0
+
+    @staticmethod
+    def get_name() -> str:
+        return "TRITON_FLASHINFER"
+
+
 # The planner's backend names -> the vLLM class whose kernel block rule stands in for
 # it on a CPU (FlashAttention-MLA needs CUDA to import; Triton-MLA shares its
 # MultipleOf(16) rule; Triton and FlashAttention share MultipleOf(16)).
@@ -96,12 +130,18 @@ _BACKENDS = {
     "TRITON_FLASH_ATTN": AttentionBackendEnum.FLASH_ATTN,
     # vLLM forces Triton attention for Gemma 4 off Hopper: the same MultipleOf(16) rule
     "TRITON_ATTN": AttentionBackendEnum.FLASH_ATTN,
+    # FlashInfer (SM10x first; sinks, FP8 elsewhere) runs 16, 32 or 64-token kernel
+    # pages, preferring 16: FlashAttention's MultipleOf(16) gives the same blocks, and
+    # its cache layout is the one the emulated worker allocates
+    "FLASHINFER": AttentionBackendEnum.FLASH_ATTN,
     "FLASH_ATTN_MLA": AttentionBackendEnum.TRITON_MLA,
     "TRITON_MLA": AttentionBackendEnum.TRITON_MLA,
 }
 BACKEND_PATHS: Mapping[str, str] = {
     **{name: backend.get_path() for name, backend in _BACKENDS.items()},
     "FLASHMLA": f"{__name__}.FlashMLAStandIn",
+    "FLASHINFER_MLA": f"{__name__}.FlashInferMLAStandIn",
+    "TRITON_FLASHINFER": f"{__name__}.TritonFlashInferStandIn",
     # Sparse MLA: FlashMLA's sparse backend imports on a CPU (FlashAttention's needs
     # CUDA); both run MultipleOf(64) blocks and align 16-bit blocks to whole rows.
     "FLASHMLA_SPARSE": AttentionBackendEnum.FLASHMLA_SPARSE.get_path(),
@@ -146,6 +186,7 @@ def give_planned_backends(
     attention_backend: str | None,
     gpu: str,
     enable_prefix_caching: bool,
+    gdn_prefill_kernel: str | None,
 ) -> None:
     """Tell each built layer it runs the planned GPU's kernels (block rules, grids)."""
     if attention_backend in MODEL_DRIVEN_BACKENDS:
@@ -157,11 +198,11 @@ def give_planned_backends(
         backend = layer.get_attn_backend()
         if backend.is_ssm():
             if (
-                gpu in _GDN_64_GPUS
+                gdn_prefill_kernel == "flashinfer"
                 and enable_prefix_caching
                 and hasattr(layer, "_checkpoint_alignment")
             ):
-                layer._checkpoint_alignment = 64  # FlashInfer GDN prefill on SM90
+                layer._checkpoint_alignment = 64  # FlashInfer's GDN prefill (SM90, SM10x/12x)
             continue
         layer.attn_backend = cls
 

@@ -51,6 +51,7 @@ def planned_gpu() -> dict[str, Any]:
         "compute_capability": "9.0",
         "attention_backend": os.environ.get(ENV_BACKEND) or None,
         "enable_prefix_caching": True,
+        "gdn_prefill_kernel": None,
     }
     path = os.environ.get(ENV_PLAN)
     if path:
@@ -61,6 +62,7 @@ def planned_gpu() -> dict[str, Any]:
             compute_capability=plan.gpu.compute_capability,
             attention_backend=plan.gpu.attention_backend or facts["attention_backend"],
             enable_prefix_caching=plan.enable_prefix_caching,
+            gdn_prefill_kernel=plan.gpu.gdn_prefill_kernel,
         )
     if os.environ.get(ENV_BACKEND):
         facts["attention_backend"] = os.environ[ENV_BACKEND]
@@ -100,7 +102,10 @@ class EmulatedGpuPlatform(Platform):
     def num_compute_units(cls, device_id: int = 0) -> int:
         # Kernel set-up code asks for it (Triton MLA's split count); only its size
         # matters: the planned GPU's SMs (132 on H100/H200 SXM; 108 on A100).
-        return {"a100": 108, "l40s": 142}.get(planned_gpu()["name"], 132)
+        # SMs of each catalogue GPU (its datasheet); others count as an H100's
+        return {"a100": 108, "a100-40gb": 108, "l40s": 142, "l4": 58, "h20": 78,
+                "b200": 148, "gb200": 152, "b300": 160, "gb300": 160,
+                "rtx-pro-6000": 188}.get(planned_gpu()["name"], 132)
 
     @classmethod
     def get_device_total_memory(cls, device_id: int = 0) -> int:

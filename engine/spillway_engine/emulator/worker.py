@@ -232,6 +232,7 @@ class EmulatedGpuWorker(WorkerBase):
             gpu["attention_backend"],
             gpu["name"],
             bool(vc.cache_config.enable_prefix_caching),
+            gpu["gdn_prefill_kernel"],
         )
         self._vocab = vc.model_config.get_vocab_size()
         eos = getattr(vc.model_config.hf_text_config, "eos_token_id", None)

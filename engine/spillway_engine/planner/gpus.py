@@ -70,6 +70,13 @@ class Backend:
 FLASH_ATTN = Backend("FLASH_ATTN", KernelBlocks(16))
 TRITON_FLASH_ATTN = Backend("TRITON_FLASH_ATTN", KernelBlocks(16))
 FLASHINFER = Backend("FLASHINFER", KernelBlocks(16))
+#: Blackwell (SM10x) for multimodal prefix-LM models: Triton for the image masks beside
+#: FlashInfer, whose composite runs exactly 64-token kernel pages (triton_flashinfer.py)
+TRITON_FLASHINFER = Backend("TRITON_FLASHINFER", KernelBlocks(64, fixed=True))
+TRITON_ATTN = Backend("TRITON_ATTN", KernelBlocks(16))
+#: FlashInfer's MLA (TRT-LLM gen kernels, SM10x): kernel pages of 32 or 64 tokens, so
+#: 16 is not accepted and 32 is preferred (flashinfer_mla.py)
+FLASHINFER_MLA = Backend("FLASHINFER_MLA", KernelBlocks(32))
 FLASH_ATTN_MLA = Backend("FLASH_ATTN_MLA", KernelBlocks(16))
 FLASHMLA = Backend("FLASHMLA", KernelBlocks(64, fixed=True))
 TRITON_MLA = Backend("TRITON_MLA", KernelBlocks(16))
@@ -107,6 +114,18 @@ FLASHINFER_GDN_CHECKPOINT_ALIGNMENT = 64
 
 _FP8_KV = ("fp8", "fp8_e4m3", "fp8_e5m2")
 
+#: head sizes of FlashInfer's attention (flashinfer.py ``get_supported_head_sizes``), of
+#: the prefix-LM composites (triton_flash_attn.py, triton_flashinfer.py), of FlashInfer's
+#: MLA (latent + RoPE), and those FA4 runs on Blackwell (fa_utils: not 192 or 512, TMEM)
+_FLASHINFER_HEADS = (64, 128, 256, 512)
+_COMPOSITE_HEADS = (256, 512)
+_FLASHINFER_MLA_HEADS = (320, 512, 576)
+_FA4_BLACKWELL_HEADS = (64, 80, 96, 128)
+
+#: CUDA runtime of vLLM 0.33.0's CUDA image and PyPI wheel (torch 2.14.0+cu13x); a CUDA 12
+#: build changes Blackwell's GDN prefill kernel, so it is an input of the plan
+DEFAULT_CUDA_MAJOR = 13
+
 
 @dataclass(frozen=True)
 class Gpu:
@@ -126,23 +145,56 @@ class Gpu:
     def blackwell(self) -> bool:
         return self.generation == "blackwell"
 
-    def attention_backend(self, *, mm_prefix: bool, kv_cache_dtype: str, sinks: bool) -> Backend:
-        """The non-MLA attention backend vLLM selects (first that accepts the model).
-
-        Every candidate runs 16-token kernel blocks, so a forced ``--block-size`` does
-        not change the choice as long as it is a multiple of 16.
+    def attention_backend(
+        self, *, mm_prefix: bool, kv_cache_dtype: str, sinks: bool, head_size: int = 128
+    ) -> Backend:
+        """The non-MLA attention backend vLLM selects: the first of its priority list for
+        the GPU's capability (platforms/cuda.py ``_get_backend_priorities``) whose
+        ``validate_configuration`` takes the model (head size, prefix-LM masks, sinks,
+        an FP8 cache). Every candidate but TRITON_FLASHINFER runs 16-token kernel blocks.
         """
-        if self.compute_capability[0] == 9:
-            return TRITON_FLASH_ATTN if mm_prefix else FLASH_ATTN
-        # FA2 has neither sinks nor an FP8 KV cache; FlashInfer takes those on SM8x.
-        if sinks or kv_cache_dtype in _FP8_KV:
-            return FLASHINFER
+        major = self.compute_capability[0]
+        if major == 9:
+            if mm_prefix:
+                # the Triton+FlashAttention composite takes heads 256 and 512 only; FA3 has
+                # no prefix-LM path and FA4 none at the other heads; FlashInfer has none
+                return TRITON_FLASH_ATTN if head_size in _COMPOSITE_HEADS else TRITON_ATTN
+            return FLASH_ATTN
+        if major == 10:
+            # SM10x lists FlashInfer (TRT-LLM kernels: sinks, FP8) first, after the
+            # Triton+FlashInfer composite for prefix-LM models; FlashAttention (FA4) serves
+            # the heads FlashInfer lacks, and prefix-LM masks up to head 128
+            if mm_prefix:
+                if head_size in _COMPOSITE_HEADS:
+                    return TRITON_FLASHINFER
+                return FLASH_ATTN if head_size in _FA4_BLACKWELL_HEADS else TRITON_ATTN
+            return FLASHINFER if head_size in _FLASHINFER_HEADS else FLASH_ATTN
+        if mm_prefix:
+            # FlashAttention's prefix-LM path needs FA4 (not on SM8x/SM12x), FlashInfer
+            # has none: Triton, the next in the list
+            return TRITON_ATTN
+        # FA2 (SM8x, and SM12x where FA3/FA4 do not run) stops at head 256 and has
+        # neither sinks nor an FP8 KV cache; FlashInfer, next in the list, takes those.
+        if sinks or kv_cache_dtype in _FP8_KV or head_size > 256:
+            return FLASHINFER if head_size in _FLASHINFER_HEADS else TRITON_ATTN
         return FLASH_ATTN
 
-    def mla_backend(self, *, kv_cache_dtype: str, block_size: int | None = None) -> Backend:
+    def mla_backend(
+        self, *, kv_cache_dtype: str, block_size: int | None = None, head_size: int = 576
+    ) -> Backend:
         """The MLA backend: the first in vLLM's SM90 order that takes the dtype and a
         forced ``--block-size`` (the selector passes user block sizes)."""
-        if self.compute_capability[0] != 9:
+        major = self.compute_capability[0]
+        if major == 10:
+            # FLASHINFER_MLA first on SM10x, for 16-bit and FP8 latents; a forced block it
+            # does not take falls past TOKENSPEED/CUTLASS (R1 FP8 only / 128-token pages),
+            # FlashAttention's and FlashMLA's dense MLA (SM90 only) to Triton
+            if head_size in _FLASHINFER_MLA_HEADS and (
+                block_size is None or FLASHINFER_MLA.blocks.accepts(block_size)
+            ):
+                return FLASHINFER_MLA
+            return TRITON_MLA
+        if major != 9:
             return TRITON_MLA
         if kv_cache_dtype not in _FP8_KV:
             return FLASH_ATTN_MLA
@@ -155,6 +207,17 @@ class Gpu:
     ) -> Backend:
         """The sparse-MLA backend (platforms/cuda.py ``_get_backend_priorities``); a forced
         ``--block-size`` reaches the selector (``user_specified_block_size``)."""
+        if self.blackwell:
+            # SM10x: FA4's sparse MLA at <= 16 heads a rank, else FlashMLA's, FlashInfer's
+            # TRT-LLM kernel first for FP8 (32-token pages, its own latent format); SM12x:
+            # FlashInfer's SM120 kernel. Their page formats are not reproduced yet.
+            raise UnsupportedModel(
+                f"sparse MLA on {self.name} (SM{self.compute_capability[0]}"
+                f"{self.compute_capability[1]}) is not modelled: vLLM 0.33.0 runs it on "
+                "FLASH_ATTN_MLA_SPARSE_FA4, FLASHMLA_SPARSE or FLASHINFER_MLA_SPARSE there "
+                "(FLASHINFER_MLA_SPARSE_SM120 on SM12x), whose cache page formats Spillway "
+                "does not reproduce yet; plan it for a Hopper pool"
+            )
         if self.compute_capability[0] != 9:
             # Every sparse-MLA backend in the SM8x list needs SM90 (or SM100): the
             # selector finds none and vLLM stops.
@@ -199,6 +262,13 @@ class Gpu:
     def compressed_sparse_mla_backend(self, *, kv_cache_dtype: str) -> Backend:
         """DeepSeek-V4's attention backend (models/deepseek_v4/nvidia/model.py
         ``_select_dsv4_attn_cls``: FlashMLA's V4 kernels except on SM12x)."""
+        if self.blackwell:
+            raise UnsupportedModel(
+                f"DeepSeek-V4 on {self.name} (SM{self.compute_capability[0]}"
+                f"{self.compute_capability[1]}) is not modelled: vLLM 0.33.0 runs its own "
+                "V4 kernels there (FlashMLA's on SM10x, FlashInfer's on SM12x), whose pages "
+                "Spillway does not reproduce yet; plan it for a Hopper pool"
+            )
         if self.compute_capability[0] != 9:
             # FlashMLA's V4 kernels are SM90/SM100 only; vLLM does not ask the selector
             # for these layers, so it fails on the GPU rather than at start-up.
@@ -216,16 +286,21 @@ class Gpu:
             )
         return FLASHMLA_SPARSE_DSV4
 
-    @property
-    def gdn_prefill_kernel(self) -> GdnKernel:
-        return "flashinfer" if self.compute_capability[0] == 9 else "triton"
+    def gdn_prefill_kernel(self, head_k_dim: int = 128, cuda_major: int = DEFAULT_CUDA_MAJOR
+                           ) -> GdnKernel:
+        """GDN prefill kernel (``_resolve_gdn_prefill_backend``): FlashInfer's on SM90
+        always, on SM10x/SM12x for 128-wide key heads with a CUDA 13 runtime; else Triton's."""
+        major = self.compute_capability[0]
+        if major == 9:
+            return "flashinfer"
+        if major in (10, 12) and head_k_dim == 128 and cuda_major >= 13:
+            return "flashinfer"
+        return "triton"
 
-    @property
-    def gdn_checkpoint_alignment(self) -> int | None:
-        """Token grid align-mode GDN blocks must sit on, or None (no constraint)."""
-        if self.gdn_prefill_kernel == "flashinfer":
-            return FLASHINFER_GDN_CHECKPOINT_ALIGNMENT
-        return None
+
+def gdn_checkpoint_alignment(kernel: GdnKernel | None) -> int | None:
+    """Token grid align-mode GDN blocks must sit on, or None (no constraint)."""
+    return FLASHINFER_GDN_CHECKPOINT_ALIGNMENT if kernel == "flashinfer" else None
 
 
 _GIB = 2**30

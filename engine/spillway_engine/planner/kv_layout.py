@@ -30,14 +30,17 @@ from typing import Literal
 
 from spillway_engine.arith import cdiv, round_up
 from spillway_engine.planner.gpus import (
+    DEFAULT_CUDA_MAJOR,
     FLASH_ATTN,
     FLASH_ATTN_SM90_FP8_HD512,
     FLASHINFER_MLA_SPARSE_SM90,
     FLASHMLA_SPARSE,
     FP8_DS_MLA_BYTES_PER_TOKEN,
+    TRITON_ATTN,
     Backend,
+    GdnKernel,
     Gpu,
-    KernelBlocks,
+    gdn_checkpoint_alignment,
 )
 from spillway_engine.planner.shape import (
     DTYPE_BYTES,
@@ -72,6 +75,8 @@ class LayoutRequest:
     #: ``VLLM_PP_LAYER_PARTITION``: decoder layers per pipeline stage; None: vLLM's
     #: own split (``get_pp_indices``)
     pp_layer_partition: tuple[int, ...] | None = None
+    #: the engine image's CUDA runtime major (Blackwell's GDN prefill kernel needs 13)
+    cuda_major: int = DEFAULT_CUDA_MAJOR
 
 
 @dataclass(frozen=True)
@@ -152,6 +157,8 @@ class KVLayout:
     #: pipeline stages (empty without pipeline parallelism): each stage's workers hold
     #: the same groups with only the stage's layers
     stages: tuple[Stage, ...] = ()
+    #: the GDN prefill kernel of a GDN hybrid (None: no GDN layers)
+    gdn_prefill_kernel: GdnKernel | None = None
 
     @property
     def replicated_mla(self) -> bool:
@@ -187,8 +194,6 @@ def _kv_dtype(shape: ModelShape, kv_cache_dtype: str) -> tuple[str, int]:
     return resolved, DTYPE_BYTES[resolved]
 
 
-#: Gemma4Config forces it for per-layer head sizes where FA4 is missing (Ampere, Ada).
-TRITON_ATTN = Backend("TRITON_ATTN", KernelBlocks(16))
 
 
 def _backend(
@@ -201,9 +206,18 @@ def _backend(
             kv_cache_dtype=kv_cache_dtype, head_size=shape.head_size, block_size=block_size
         )
     if shape.mla_latent:
-        return gpu.mla_backend(kv_cache_dtype=kv_cache_dtype, block_size=block_size)
+        return gpu.mla_backend(
+            kv_cache_dtype=kv_cache_dtype, block_size=block_size, head_size=shape.head_size
+        )
     if any(layer.head_size not in (None, shape.head_size) for layer in shape.layers):
+        if gpu.compute_capability[0] == 10:
+            raise UnsupportedModel(
+                f"{shape.architecture} with per-layer head sizes on {gpu.name}: vLLM 0.33.0's "
+                "Gemma4Config asks for FA4 there and lets FlashInfer take the layers it "
+                "runs; that mix is not modelled yet; plan it for a Hopper pool"
+            )
         if gpu.generation != "hopper":
+            # Gemma4Config: FA4 does not run on SM8x/SM12x, so it forces Triton
             return TRITON_ATTN
         # Gemma4Config on SM90: FA4 (shipped with vLLM's FlashAttention) for every layer,
         # MultipleOf(16) pages (its 128-token hd256 pages are SM100 only)...
@@ -229,17 +243,15 @@ def _backend(
             )
         return FLASH_ATTN_SM90_FP8_HD512
     return gpu.attention_backend(
-        mm_prefix=shape.mm_prefix, kv_cache_dtype=kv_cache_dtype, sinks=shape.sinks
+        mm_prefix=shape.mm_prefix,
+        kv_cache_dtype=kv_cache_dtype,
+        sinks=shape.sinks,
+        head_size=shape.head_size,
     )
 
 
 def compute_layout(shape: ModelShape, gpu: Gpu, request: LayoutRequest) -> KVLayout:
     """The KV-cache groups, hash unit and bytes per block vLLM 0.33.0 builds."""
-    if gpu.blackwell:
-        raise UnsupportedModel(
-            f"{gpu.name} (Blackwell, SM{gpu.compute_capability[0]}{gpu.compute_capability[1]}): "
-            "vLLM 0.33.0's backend choice there is not modelled yet"
-        )
     tp = request.tensor_parallel_size
     if tp < 1 or request.pipeline_parallel_size < 1:
         raise ValueError("parallel sizes must be at least 1")
@@ -335,6 +347,9 @@ def compute_layout(shape: ModelShape, gpu: Gpu, request: LayoutRequest) -> KVLay
     else:
         block = backend.blocks.preferred() if backend is not None else 16
 
+    gdn_kernel: GdnKernel | None = (
+        gpu.gdn_prefill_kernel(shape.gdn_head_k_dim, request.cuda_major) if shape.gdn else None
+    )
     # Phase 2: attention+Mamba hybrids (Platform._align_hybrid_block_size).
     mamba_mode: Literal["align", "none"] | None = None
     mamba_page = mamba_padded = None
@@ -347,8 +362,9 @@ def compute_layout(shape: ModelShape, gpu: Gpu, request: LayoutRequest) -> KVLay
         align = max(backend.blocks.base, block)
         if shape.mla_latent:
             align = max(align, 128)  # MLA decode kernels need 128-aligned block counts
-        if mamba_mode == "align" and shape.gdn and gpu.gdn_checkpoint_alignment:
-            align = math.lcm(align, gpu.gdn_checkpoint_alignment)
+        gdn_grid = gdn_checkpoint_alignment(gdn_kernel)
+        if mamba_mode == "align" and gdn_grid:
+            align = math.lcm(align, gdn_grid)
         checkpoint = shape.mamba.checkpoint_alignment
         checkpoint = checkpoint and checkpoint(gpu.compute_capability[0], shape.dtype)
         if mamba_mode == "align" and checkpoint:
@@ -437,6 +453,7 @@ def compute_layout(shape: ModelShape, gpu: Gpu, request: LayoutRequest) -> KVLay
         notes=tuple(notes),
         draft_layers=len(shape.layers) - own_layers,
         block_outer=block_outer,
+        gdn_prefill_kernel=gdn_kernel,
     )
     return _with_stages(layout, own_layers, specs, request)
 
@@ -1084,7 +1101,7 @@ def _with_stages(
                     "pipeline_layer_partition (VLLM_PP_LAYER_PARTITION) a split that puts "
                     "an attention layer on every stage"
                 )
-            gdn_grid = layout.gpu.gdn_checkpoint_alignment
+            gdn_grid = gdn_checkpoint_alignment(layout.gdn_prefill_kernel)
             if (
                 shape.gdn
                 and gdn_grid

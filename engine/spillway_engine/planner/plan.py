@@ -30,7 +30,7 @@ from spillway_engine import __version__
 from spillway_engine.planner.families import model_shape
 from spillway_engine.planner.families.dense import ARCHITECTURES as DENSE_ARCHITECTURES
 from spillway_engine.planner.families.eagle3 import LLAMA_EAGLE3, eagle3_shape
-from spillway_engine.planner.gpus import DEFAULT_GPU, UnknownGpu, get_gpu
+from spillway_engine.planner.gpus import DEFAULT_CUDA_MAJOR, DEFAULT_GPU, UnknownGpu, get_gpu
 from spillway_engine.planner.kv_layout import KVLayout, LayoutRequest, compute_layout
 from spillway_engine.planner.offload_geometry import (
     OffloadRefused,
@@ -134,6 +134,13 @@ class PlanRequest(_Model):
         description="Pods writing one shared disk volume (at most): each keeps its share.",
     )
     gpu: str = Field(DEFAULT_GPU, description="GPU model (see spillway_engine.planner.gpus).")
+    cuda_major: int = Field(
+        DEFAULT_CUDA_MAJOR,
+        ge=12,
+        le=13,
+        description="CUDA runtime major of the engine image (vLLM 0.33.0's is 13); on "
+        "Blackwell a CUDA 12 build runs Triton's GDN prefill kernel, not FlashInfer's.",
+    )
     speculative_method: Literal["mtp", "draft_model", "eagle3"] | None = Field(
         None,
         description="vLLM --speculative-config method: mtp (the model's MTP heads), "
@@ -566,6 +573,7 @@ def _layout(
             speculative_method=request.speculative_method,
             num_speculative_tokens=request.num_speculative_tokens,
             drafter=drafter,
+            cuda_major=request.cuda_major,
         ),
     )
     return layout, max_len
@@ -958,7 +966,7 @@ def _gpu_info(layout: KVLayout) -> dict[str, Any]:
         generation=gpu.generation,
         compute_capability=f"{gpu.compute_capability[0]}.{gpu.compute_capability[1]}",
         attention_backend=layout.attention_backend,
-        gdn_prefill_kernel=gpu.gdn_prefill_kernel,
+        gdn_prefill_kernel=layout.gdn_prefill_kernel or gpu.gdn_prefill_kernel(),
     )
 
 

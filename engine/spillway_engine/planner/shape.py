@@ -110,6 +110,8 @@ class ModelShape:
     block_alignment: int = 1
     mamba: MambaState | None = None
     gdn: bool = False
+    #: GDN key head width (``linear_key_head_dim``): Blackwell's FlashInfer GDN needs 128
+    gdn_head_k_dim: int = 0
     sinks: bool = False
     mm_prefix: bool = False
     #: the cache-holding layers an MTP drafter (``--speculative-config method=mtp``) adds

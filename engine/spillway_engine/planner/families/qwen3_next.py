@@ -66,6 +66,7 @@ def _qwen3_next(config: dict[str, Any], arch: str) -> ModelShape:
         tuple(layers),
         mamba=MambaState("gdn", states),
         gdn=True,
+        gdn_head_k_dim=k_dim,
         # qwen3_next_mtp.py / qwen3_5_mtp.py: full-attention MTP layers
         mtp_layers=(attention,) * mtp,
     )

@@ -217,12 +217,51 @@ def test_bad_configs(config, error, match):
 
 
 def test_unknown_gpu():
-    with pytest.raises(UnknownGpu, match="not modelled"):
-        get_gpu("b200")
-    with pytest.raises(UnknownGpu, match="known GPUs"):
+    with pytest.raises(UnknownGpu, match=r"unknown GPU 'tpu'; known GPUs: h100, .*b200"):
         get_gpu("tpu")
     assert get_gpu("H200").name == "h200"
     assert get_gpu("NVIDIA_A100-80GB").name == "a100"
+
+
+@pytest.mark.parametrize(
+    ("name", "catalogue"),
+    [
+        ("b200", "b200"), ("B300", "b300"), ("GB200", "gb200"), ("gb300", "gb300"),
+        ("RTX-PRO-6000", "rtx-pro-6000"), ("blackwell", "b200"), ("h20", "h20"), ("L4", "l4"),
+        # GPU Feature Discovery's nvidia.com/gpu.product values
+        ("NVIDIA-B200", "b200"), ("NVIDIA-H100-80GB-HBM3", "h100"), ("NVIDIA-L4", "l4"),
+        ("NVIDIA-RTX-PRO-6000-Blackwell-Server-Edition", "rtx-pro-6000"),
+        ("NVIDIA-A100-SXM4-40GB", "a100-40gb"),
+    ],
+)
+def test_catalogue_names_and_gfd_labels(name: str, catalogue: str):
+    assert get_gpu(name).name == catalogue
+
+
+def test_catalogue_facts():
+    from spillway_engine.planner.gpus import GPUS, NVLINK_C2C, PCIE_GEN5_X16
+
+    caps = {g.name: g.compute_capability for g in GPUS.values()}
+    assert caps["b200"] == caps["gb200"] == (10, 0)
+    assert caps["b300"] == caps["gb300"] == (10, 3)
+    assert caps["rtx-pro-6000"] == (12, 0) and caps["l4"] == (8, 9) and caps["h20"] == (9, 0)
+    assert GPUS["gb200"].host_link_bytes_per_s == NVLINK_C2C > 7 * PCIE_GEN5_X16
+    labels = [label for g in GPUS.values() for label in g.gfd_products]
+    assert len(labels) == len(set(labels)), "a GFD label names one catalogue GPU"
+    assert all(g.blackwell == (g.compute_capability[0] >= 10) for g in GPUS.values())
+
+
+@pytest.mark.parametrize(
+    ("gpu", "head_k_dim", "cuda_major", "kernel"),
+    [
+        ("h100", 128, 12, "flashinfer"), ("h100", 64, 13, "flashinfer"),
+        ("b200", 128, 13, "flashinfer"), ("b200", 128, 12, "triton"),
+        ("b200", 64, 13, "triton"), ("rtx-pro-6000", 128, 13, "flashinfer"),
+        ("a100", 128, 13, "triton"), ("l40s", 128, 13, "triton"),
+    ],
+)
+def test_gdn_prefill_kernel(gpu: str, head_k_dim: int, cuda_major: int, kernel: str):
+    assert get_gpu(gpu).gdn_prefill_kernel(head_k_dim, cuda_major) == kernel
 
 
 def test_pipeline_parallel_with_more_stages_than_layers_refused():
