@@ -254,7 +254,10 @@ def _stage_specs(vc: Any, case: PPCase, rank: int, backend: str | None) -> dict[
         if vc.speculative_config is not None and rank == case.pp - 1:
             harness._build_drafter(vc)  # GPUModelRunner: the drafter on the last rank
         layers = get_layers_from_vllm_config(vc, AttentionLayerBase)
-        give_planned_backends(layers, backend, case.gpu, True)
+        give_planned_backends(
+            layers, backend, case.gpu, True,
+            harness.gdn_kernel_on(case.gpu, vc.model_config.hf_text_config.to_dict()),
+        )
         Platform.update_block_size_for_backend(vc)
         return layer_kv_cache_specs(vc, layers)
 

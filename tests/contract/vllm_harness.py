@@ -112,6 +112,8 @@ class Case:
     num_speculative_tokens: int = 0
     #: fixture name of the drafter's config.json (draft model or EAGLE head), for the record
     draft_model: str | None = None
+    #: the engine image's CUDA runtime major (Blackwell's GDN prefill kernel needs 13)
+    cuda_major: int = 13
 
     def __str__(self) -> str:
         extra = "" if self.kv_cache_dtype == "auto" else f"-{self.kv_cache_dtype}"
@@ -122,6 +124,7 @@ class Case:
             extra += f"-{self.speculative_method}{self.num_speculative_tokens}"
         if self.draft_model:
             extra += f"-{self.draft_model}"
+        extra += "" if self.cuda_major == 13 else f"-cuda{self.cuda_major}"
         return f"{self.model}-tp{self.tensor_parallel_size}-{self.gpu}{extra}"
 
 
@@ -134,6 +137,9 @@ class VllmLayout:
     layer_names: list[str]
     groups: list[dict[str, Any]]
     block_size: int
+    #: the attention backend vLLM's CUDA selector picks on the case's GPU for each
+    #: distinct selector config the layers asked with (``tests/contract/cuda_selector``)
+    cuda_selected: tuple[str, ...] = ()
 
     def offload(self, extra: dict[str, Any]) -> dict[str, Any]:
         """build_offloading_config + CPUOffloadingSpec for one kv_connector_extra_config."""
@@ -179,11 +185,14 @@ CPUOffloadingSpec._uses_shared_region = _uses_shared_region_on_cuda  # type: ign
 _distributed_ready = False
 _construct_backend_path: str | None = None
 _cpu_attn_backend_cls = type(current_platform).get_attn_backend_cls
+#: every (selector config, heads) the model's layers asked the platform for while built
+_asked: list[tuple[Any, Any]] = []
 
 
 def _attn_backend_cls(
     cls: Any, selected_backend: Any, attn_selector_config: Any, num_heads: Any = None
 ) -> str:
+    _asked.append((attn_selector_config, num_heads))
     # CPU backends refuse an FP8 KV cache at construction; the GPU ones take it.
     if _construct_backend_path is not None:
         return _construct_backend_path
@@ -324,12 +333,20 @@ def build_layout(
         tp_group.world_size = case.tensor_parallel_size
         tp_group.rank_in_group = 0
         model_cls, _ = get_model_architecture(vc.model_config)
+        _asked.clear()
+        from vllm.v1.attention.selector import _cached_get_attn_backend
+
+        _cached_get_attn_backend.cache_clear()  # ask the platform for every layer kind
         with torch.device("meta"), cuda_streams_stood_in():
             model_cls(vllm_config=vc, prefix="")
         if vc.speculative_config is not None:
             _build_drafter(vc)
+        cuda_selected = _select_on_cuda(case.gpu, vc)
         layers = get_layers_from_vllm_config(vc, AttentionLayerBase)
-        give_planned_backends(layers, attention_backend, case.gpu, case.enable_prefix_caching)
+        give_planned_backends(
+            layers, attention_backend, case.gpu, case.enable_prefix_caching,
+            gdn_kernel_on(case.gpu, config, case.cuda_major),
+        )
         Platform.update_block_size_for_backend(vc)
         specs = layer_kv_cache_specs(vc, layers)
 
@@ -354,7 +371,68 @@ def build_layout(
                 "sliding_window": getattr(spec, "sliding_window", None),
             }
         )
-    return VllmLayout(vc, kv_cfg, names, described, vc.cache_config.block_size)
+    return VllmLayout(vc, kv_cfg, names, described, vc.cache_config.block_size, cuda_selected)
+
+
+_selector: Any = None
+
+
+def _select_on_cuda(gpu: str, vc: Any) -> tuple[str, ...]:
+    """vLLM's CUDA selection on ``gpu`` for each selector config the layers asked with,
+    in a process of its own (``cuda_selector`` stands in for CUDA libraries there); a
+    refusal is returned as text."""
+    import concurrent.futures
+    import importlib
+    import multiprocessing
+
+    from spillway_engine.planner.gpus import get_gpu
+
+    global _selector
+    if _selector is None:
+        # the worker imports the selector first: its stand-ins must precede vLLM's imports
+        _selector = concurrent.futures.ProcessPoolExecutor(
+            1,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=importlib.import_module,
+            initargs=("tests.contract.cuda_selector",),
+        )
+    # vLLM's loader builds the model under the model's dtype (set_default_torch_dtype),
+    # which the layers ask with; here it is built under the CPU's default
+    dtype = None if vc is None else vc.model_config.dtype
+    if vc is None:
+        return ()
+    asked = list(dict.fromkeys(
+        (c._replace(dtype=dtype, use_kv_connector=True), h) for c, h in _asked
+    ))
+    capability = get_gpu(gpu).compute_capability
+    names = _selector.submit(_select_names, capability, asked).result(timeout=600)
+    return tuple(dict.fromkeys(names))
+
+
+def gdn_kernel_on(gpu: str, config: dict[str, Any], cuda_major: int = 13) -> str | None:
+    """vLLM's GDN prefill kernel on ``gpu`` for a GDN model's config (None without GDN
+    layers), asked of vLLM's own rule in the selector's process."""
+    if "linear_key_head_dim" not in config or "linear_num_key_heads" not in config:
+        return None
+    _select_on_cuda(gpu, None)  # starts the worker
+    from spillway_engine.planner.gpus import get_gpu
+
+    return _selector.submit(
+        _gdn_kernel, get_gpu(gpu).compute_capability, int(config["linear_key_head_dim"]),
+        int(config.get("linear_value_head_dim", config["linear_key_head_dim"])), cuda_major,
+    ).result(timeout=600)
+
+
+def _gdn_kernel(*args: Any) -> str:
+    from tests.contract.cuda_selector import gdn_prefill_kernel
+
+    return gdn_prefill_kernel(*args)
+
+
+def _select_names(capability: tuple[int, int], asked: list[tuple[Any, Any]]) -> list[str]:
+    from tests.contract.cuda_selector import select_names
+
+    return select_names(capability, asked)
 
 
 def kernel_block_sizes(built: VllmLayout) -> list[int]:
