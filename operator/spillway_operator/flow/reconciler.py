@@ -27,15 +27,13 @@ from spillway_engine.planner.model_config import (
 )
 from spillway_engine.planner.plan import Plan, PlanRefused, make_plan
 from spillway_operator.flow import render, rollout, routing
+from spillway_operator.flow.placement import placement_refusal
 from spillway_operator.flow.routing import EndpointPicker
 from spillway_operator.flow.spec import (
-    Condition,
-    ConditionType,
     DiskVolume,
     DraftModelSpec,
     InferenceDeploymentSpec,
     ModelSpec,
-    Routing,
 )
 from spillway_operator.flow.status import (
     Observed,
@@ -48,6 +46,7 @@ from spillway_operator.flow.status import (
     transitions,
     with_group_status,
 )
+from spillway_operator.flow.status_model import Condition, ConditionType, Routing
 from spillway_operator.names import LWS_API, LWS_KIND
 from spillway_operator.plumbing import metrics
 from spillway_operator.plumbing.cache import Memo
@@ -187,7 +186,7 @@ def make_plan_safely(
     draft_config: dict[str, Any] | None = None,
 ) -> Plan:
     """make_plan, with any exception it does not foresee turned into PlanCrashed."""
-    if refusal := spec.placement_refusal():
+    if refusal := placement_refusal(spec):
         raise PlanRefused(refusal)
     try:
         return make_plan(config, spec.plan_request(), draft_config)

@@ -50,8 +50,9 @@ from spillway_operator.flow.pressure import (
     stale_marks,
     startup_seconds,
 )
-from spillway_operator.flow.spec import AutoscalingStatus, InferenceDeploymentSpec
+from spillway_operator.flow.spec import InferenceDeploymentSpec
 from spillway_operator.flow.status import merge_patch, read_status, to_wire
+from spillway_operator.flow.status_model import AutoscalingStatus
 from spillway_operator.plumbing import metrics
 from spillway_operator.plumbing.kube import Kube, NamespaceTerminating, TemporaryError, now_rfc3339
 

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ValidationError
 
 from spillway_engine.planner.plan import Plan
 from spillway_engine.quantity import human_bytes
-from spillway_operator.flow.spec import (
+from spillway_operator.flow.status_model import (
     AutoscalingStatus,
     Condition,
     ConditionType,
