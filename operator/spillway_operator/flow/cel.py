@@ -173,6 +173,19 @@ CEL_RULES: dict[str, list[dict[str, str]]] = {
     "spec.resources": [
         _quantity_bound_rule("cpu", MAX_CPU),
         _quantity_bound_rule("extraMemory", MAX_MEMORY),
+        cel(
+            "!has(self.gpuPools) || self.gpuPools.all(p, "
+            "self.gpuPools.exists_one(q, q.name == p.name))",
+            "resources.gpuPools: each pool needs a name of its own (its workload's suffix)",
+            ".gpuPools",
+        ),
+    ],
+    "spec.resources.gpuPools[]": [
+        cel(
+            "self.minReplicas <= self.maxReplicas",
+            "resources.gpuPools[].minReplicas must not exceed maxReplicas",
+            ".minReplicas",
+        ),
     ],
     "spec.offload": [
         _quantity_bound_rule("hostMemory", MAX_MEMORY),

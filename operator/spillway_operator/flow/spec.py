@@ -16,6 +16,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
+from spillway_engine.planner.gpus import GPUS, UnknownGpu, get_gpu
 from spillway_engine.planner.plan import PlanRequest
 from spillway_engine.quantity import parse_bytes
 from spillway_engine.seam import extra_args_refusal
@@ -25,6 +26,7 @@ from spillway_operator.flow.spec_input import (
     CPU_PATTERN,
     DISK_CLAIM_MESSAGE,
     DISK_CLASS_MESSAGE,
+    DNS_LABEL_PATTERN,
     MAX_CPU,
     MAX_MEMORY,
     MODEL_ID_PART_MAX,
@@ -329,13 +331,42 @@ class EngineSpec(_Model):
         return args
 
 
-class GPUProduct(StrEnum):
-    """GPUs the planner models; each selects nodes by GFD's nvidia.com/gpu.product."""
+#: A GPU product as written in the spec: a catalogue name (``h100``, ``b200``), an alias
+#: or a GFD ``nvidia.com/gpu.product`` label; the catalogue (``planner.gpus``) decides
+#: which it names, and one it does not know is PlanReady=False listing the known ones.
+GPU_PRODUCT_PATTERN = r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,62}[A-Za-z0-9])?$"
+_GPU_PRODUCT_HELP = ("GPU model, from the planner's catalogue (" + ", ".join(GPUS) + "; "
+                     "case-insensitive, or a GFD nvidia.com/gpu.product label): sets vLLM's "
+                     "kernels/block sizes and the nodes (GFD's nvidia.com/gpu.product)")
 
-    A100 = "A100"
-    H100 = "H100"
-    H200 = "H200"
-    L40S = "L40S"
+
+def gpu_product_name(product: str) -> str:
+    """The catalogue name of a spec's GPU product (the planner's ``gpu``), or the
+    product lower-cased when the catalogue does not know it (the planner refuses it)."""
+    try:
+        return get_gpu(product).name
+    except UnknownGpu:
+        return product.lower()
+
+
+class GpuPoolSpec(_Model):
+    """One GPU node pool the object serves on: its own workload, plan and pod size."""
+
+    name: Annotated[str, Field(min_length=1, max_length=20, pattern=DNS_LABEL_PATTERN,
+                               description="the pool's name: its workload is "
+                               "<object>-<name>, its pods labelled spillway.dev/gpu-pool")]
+    gpu_product: Annotated[str, Field(max_length=64, pattern=GPU_PRODUCT_PATTERN,
+                                      description=_GPU_PRODUCT_HELP)]
+    node_selector: Annotated[
+        dict[str, str] | None, Field(description="this pool's nodes, added to "
+                                     "resources.nodeSelector and the GPU product selection")
+    ] = None
+    min_replicas: Annotated[int, Field(ge=0, le=1000, description="replicas this pool gets "
+                                       "first, before the rest is split by weight")] = 0
+    max_replicas: Annotated[int, Field(ge=0, le=1000, description="the most this pool "
+                                       "runs; replicas beyond every pool's max are not run")] = 1000
+    weight: Annotated[int, Field(ge=1, le=1000, description="share of the replicas beyond "
+                                 "the pools' minReplicas")] = 1
 
 
 class ResourcesSpec(_Model):
@@ -348,8 +379,14 @@ class ResourcesSpec(_Model):
         ),
     ] = "nvidia.com/gpu"
     gpu_product: Annotated[
-        GPUProduct, Field(description="GPU model: sets vLLM's kernels/block sizes and node choice")
-    ] = GPUProduct.H100
+        str, Field(max_length=64, pattern=GPU_PRODUCT_PATTERN, description=_GPU_PRODUCT_HELP)
+    ] = "H100"
+    gpu_pools: Annotated[
+        list[GpuPoolSpec] | None,
+        Field(min_length=1, max_length=8, description="serve on several GPU node pools, one "
+              "workload and plan each (gpuProduct above is then unused); spec.replicas is "
+              "split over them: each its minReplicas, the rest by weight up to maxReplicas"),
+    ] = None
     gpus_per_node: Annotated[
         int, Field(ge=1, le=64, description="GPUs of one node: a replica needing more spans "
                    "several nodes (engine.nodes)")
@@ -714,7 +751,7 @@ class InferenceDeploymentSpec(_Model):
             offloader=off.offloader.value,
             disk_bytes=None if off.disk is None else off.disk.size_bytes,
             disk_writers=self.disk_writers,
-            gpu=self.resources.gpu_product.value.lower(),
+            gpu=gpu_product_name(self.resources.gpu_product),
             **({} if speculative is None else {
                 "speculative_method": speculative.method.value,
                 "num_speculative_tokens": speculative.num_speculative_tokens,

@@ -16,6 +16,9 @@ class ConditionType(StrEnum):
     AVAILABLE = "Available"
     PROGRESSING = "Progressing"
     DEGRADED = "Degraded"
+    #: a GPU pool's nodeSelector matches nodes of other GPU products (present only when
+    #: a pool has a nodeSelector and the operator may list nodes)
+    MIXED_GPU_PRODUCTS = "MixedGPUProducts"
 
 
 class Condition(_Model):
@@ -66,6 +69,17 @@ class PlanSummary(_Model):
     hash: Annotated[str | None, Field(description="digest of the plan the pods run")] = None
 
 
+class PoolStatus(_Model):
+    """One GPU pool of spec.resources.gpuPools: its share of the replicas and its plan."""
+
+    name: str
+    gpu_product: str
+    workload: Annotated[str, Field(description="its Deployment or LeaderWorkerSet")]
+    replicas: Annotated[int, Field(description="its share of spec.replicas")] = 0
+    ready_replicas: int = 0
+    plan: PlanSummary | None = None
+
+
 class AutoscalingStatus(_Model):
     pressure: float | None = None
     components: Annotated[
@@ -97,7 +111,10 @@ class InferenceDeploymentStatus(_Model):
     ready_replicas: int = 0
     selector: Annotated[str | None, Field(description="label selector of the pods (scale)")] = None
     conditions: list[Condition] = Field(default_factory=list)
-    plan: PlanSummary | None = None
+    plan: Annotated[PlanSummary | None, Field(description="the plan (with gpuPools: the "
+                                              "first pool's; each is in pools)")] = None
+    pools: Annotated[list[PoolStatus] | None, Field(
+        description="spec.resources.gpuPools: each pool's replicas and plan")] = None
     autoscaling: AutoscalingStatus | None = None
     routing: Annotated[
         Routing | None,
