@@ -134,6 +134,8 @@ def pool_spec(**fields: Any) -> GpuPoolSpec:
     (2, [{"minReplicas": 2}, {"minReplicas": 2}], [2, 0]),  # minimums in order
     (6, [{"maxReplicas": 1}, {}], [1, 5]),
     (0, [{"minReplicas": 1}, {}], [0, 0]),
+    (5, [{"minReplicas": 1, "weight": 2}, {"maxReplicas": 4}], [3, 2]),  # the README's
+    (9, [{"weight": 2}, {"weight": 1}], [6, 3]),
 ])
 def test_replicas_split_minimums_first_then_by_weight_within_maximums(total, spec, want):
     assert split_replicas(total, [pool_spec(**s) for s in spec]) == want

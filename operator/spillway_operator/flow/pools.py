@@ -42,8 +42,8 @@ class PoolView:
 def split_replicas(total: int, pools: Iterable[GpuPoolSpec]) -> list[int]:
     """spec.replicas over the pools: each pool its minReplicas first (in order, while
     replicas last), then one at a time to the pool furthest below its weight's share
-    (ties to the first), none beyond its maxReplicas. Replicas beyond every pool's
-    maxReplicas are not run (``unplaced``)."""
+    (Sainte-Lague's highest averages; ties to the first), none beyond its maxReplicas.
+    Replicas beyond every pool's maxReplicas are not run (``unplaced``)."""
     pools = list(pools)
     counts = [0] * len(pools)
     left = total
@@ -54,7 +54,8 @@ def split_replicas(total: int, pools: Iterable[GpuPoolSpec]) -> list[int]:
         open_ = [i for i, p in enumerate(pools) if counts[i] < p.max_replicas]
         if not open_:
             break
-        i = min(open_, key=lambda j: ((counts[j] + 1) / pools[j].weight, j))
+        # Sainte-Lague: the pool whose share, one more replica counted half, is lowest
+        i = min(open_, key=lambda j: ((2 * counts[j] + 1) / pools[j].weight, j))
         counts[i] += 1
         left -= 1
     return counts
