@@ -304,3 +304,54 @@ def test_nodes_the_operator_may_not_list_leave_the_condition_out():
     kube.list_nodes = denied
     assert Reconciler(kube).reconcile(obj).outcome == "ok"
     assert "MixedGPUProducts" not in {c["type"] for c in obj["status"]["conditions"]}
+
+
+# ------------------------------------------------------------------ the autoscaler
+
+
+def test_a_scale_down_takes_replicas_from_the_pools_whose_share_shrinks():
+    from spillway_operator.flow.pools import removals
+
+    spec = InferenceDeploymentSpec.model_validate({
+        "model": {"name": "google/gemma-3-1b-it"},
+        "resources": {"gpuPools": pools({"gpuProduct": "h100", "weight": 2},
+                                        {"gpuProduct": SECOND})}})
+    assert split_replicas(6, spec.resources.gpu_pools) == [4, 2]
+    assert removals(spec, 6, 5) == {"h100": 1}
+    assert removals(spec, 6, 3) == {"h100": 2, SECOND: 1}
+    assert removals(spec, 3, 6) == {}
+
+
+def test_the_autoscaler_marks_pods_of_the_shrinking_pool_only():
+    """A scale-down marks (draining, lowest deletion cost) the pods the pools' own
+    Deployments will remove: a mark on another pool's pod would stop the router
+    sending to a pod no Deployment removes."""
+    import asyncio
+
+    from spillway_operator.flow.scaler import Autoscaler
+
+    class Marks:
+        def __init__(self):
+            self.marked: list[str] = []
+
+        def annotate_pod(self, namespace, name, annotations):
+            self.marked.append(name)
+
+    spec = InferenceDeploymentSpec.model_validate({
+        "model": {"name": "google/gemma-3-1b-it"},
+        "resources": {"gpuPools": pools({"gpuProduct": "h100", "weight": 2},
+                                        {"gpuProduct": SECOND})}})
+
+    def pod(name: str, pool: str, second: int) -> dict[str, Any]:
+        return {"metadata": {"name": name, "labels": {POOL_LABEL: pool},
+                             "creationTimestamp": f"2026-01-01T00:00:0{second}Z"},
+                "status": {"podIP": "10.0.0.1"}}
+
+    # The second pool's pods are the newest: the one the object would give up first
+    # without pools.
+    live = [pod("s-0", SECOND, 8), pod("s-1", SECOND, 9)] + [
+        pod(f"h-{i}", "h100", i) for i in range(4)]
+    kube = Marks()
+    scaler = Autoscaler(kube)
+    marked = asyncio.run(scaler._mark_pools(("ns", "chat"), spec, live, live, 6, 5))
+    assert marked == kube.marked and len(marked) == 1 and marked[0].startswith("h-")

@@ -67,6 +67,15 @@ def unplaced(spec: InferenceDeploymentSpec) -> int:
     return 0 if not pools else spec.replicas - sum(split_replicas(spec.replicas, pools))
 
 
+def removals(spec: InferenceDeploymentSpec, current: int, desired: int) -> dict[str, int]:
+    """A scale-down from ``current`` to ``desired`` replicas: the replicas each pool's
+    workload gives up (the pools whose share shrinks), for the autoscaler to mark
+    pods of those pools only."""
+    pools = spec.resources.gpu_pools or []
+    before, after = split_replicas(current, pools), split_replicas(desired, pools)
+    return {p.name: b - a for p, b, a in zip(pools, before, after, strict=True) if b > a}
+
+
 def pool_views(spec: InferenceDeploymentSpec) -> list[PoolView]:
     """The object's workloads: itself, or one per pool with its share of the replicas."""
     pools = spec.resources.gpu_pools
