@@ -127,3 +127,21 @@ def test_a_pool_over_nodes_of_two_products_keeps_to_its_own_and_names_the_other(
     assert _node_product(core, pod.spec.node_name) in GPUS["h100"].gfd_products
     events = core.list_namespaced_event(namespace, field_selector="reason=MixedGPUProducts")
     assert [e.type for e in events.items] == ["Warning"]
+
+
+@pytest.mark.parametrize(("resources", "says"), [
+    ({"gpuProduct": "H100; rm -rf /"}, "spec.resources.gpuProduct"),
+    ({"gpuPools": [{"name": "a", "gpuProduct": "h100"}, {"name": "a", "gpuProduct": "l40s"}]},
+     "each pool needs a name of its own"),
+    ({"gpuPools": [{"name": "a", "gpuProduct": "h100", "minReplicas": 3, "maxReplicas": 2}]},
+     "minReplicas must not exceed maxReplicas"),
+    ({"gpuPools": [{"name": "Not_A_Label", "gpuProduct": "h100"}]}, "gpuPools[0].name"),
+])
+def test_the_api_server_refuses_garbage_gpu_input_at_apply(api, namespace, resources, says):
+    custom = client.CustomObjectsApi(api)
+    spec = {"model": {"name": "google/gemma-3-1b-it"}, "resources": resources}
+    with pytest.raises(client.ApiException) as refused:
+        custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, {
+            "apiVersion": f"{GROUP}/{VERSION}", "kind": "InferenceDeployment",
+            "metadata": {"name": "bad"}, "spec": spec})
+    assert refused.value.status == 422 and says in refused.value.body, refused.value.body
