@@ -151,4 +151,4 @@ def second_node(cluster: LocalCluster) -> Iterator[dict]:
     try:
         yield node
     finally:
-        cluster.kubectl("delete", "node", name, "--wait=false", check=False)
+        cluster.kubectl("delete", "node", name, "--timeout=60s", check=False)
