@@ -71,8 +71,8 @@ def _never_starts(env: Env, name: str, reason: str, message: str) -> str:
     return pod.metadata.name
 
 
-def test_steady_state_writes_nothing_in_every_state(api, cluster, operator, namespace, gated,
-                                                   second_node):
+def test_steady_state_writes_nothing_in_every_state(api, cluster, operator, second_node,
+                                                   namespace, gated):
     env, genv = Env(api, namespace, cluster), Env(api, gated, cluster)
     model_configmap(env.core, namespace, "model", "gemma-3-1b-it.json")
     model_configmap(genv.core, gated, "model", "gemma-3-1b-it.json")
