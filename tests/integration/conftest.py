@@ -23,7 +23,7 @@ from kubernetes import client, config
 from e2e.cluster import ClusterConfig, LocalCluster
 from e2e.cluster.controlplane import REPO_ROOT, Ports, locate_binaries
 from e2e.operator_process import OperatorProcess, start_operator
-from tests.helpers import fresh_namespace, wait_for
+from tests.helpers import SECOND_GPU, fresh_namespace, wait_for
 
 # Pod IPs of the test session's cluster: a random 127.N range (the people's cluster,
 # e2e/cluster/up, uses 127.1), so sessions and the demo can run side by side.
@@ -128,9 +128,8 @@ def operator(cluster: LocalCluster, crd_installed, tmp_path_factory) -> Iterator
         _CLUSTER_SUMMARY.append(f"operator log: {log}")
 
 
-#: The GPU of the ``second_node`` fixture's node: any catalogue GPU that plans today
-#: ("b200" once Blackwell plans: this one word).
-SECOND = "a100"
+#: The GPU of the ``second_node`` fixture's node (tests.helpers.SECOND_GPU).
+SECOND = SECOND_GPU
 
 
 @pytest.fixture

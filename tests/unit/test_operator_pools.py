@@ -20,11 +20,11 @@ from spillway_operator.flow.pools import POOL_LABEL, pool_views, split_replicas,
 from spillway_operator.flow.reconciler import Reconciler
 from spillway_operator.flow.spec import GpuPoolSpec, InferenceDeploymentSpec
 from spillway_operator.plumbing.kube import contains
+from tests.helpers import SECOND_GPU
 from tests.unit.test_operator_status import MODELS, apply_merge_patch, undeclared
 
-#: The second pool's GPU: any catalogue GPU that plans today. Switching it to "b200"
-#: once Blackwell plans is this one word.
-SECOND = "a100"
+#: The second pool's GPU (one word in tests.helpers: "b200" once Blackwell plans).
+SECOND = SECOND_GPU
 GEMMA = load_local(MODELS / "gemma-3-1b-it.json")
 
 
