@@ -147,11 +147,15 @@ class SimulatorFleet:
                 up.append(f"http://{s.ip}:{ENGINE_PORT}")
         return up
 
-    def _plan_file(self) -> Path | None:
+    def _plan_file(self, pod: Any = None) -> Path | None:
         """The pod's plan, mounted as the ConfigMap mounts it: plan.json with
-        engine.json beside it (its model pointed at the local directory)."""
+        engine.json beside it (its model pointed at the local directory). The
+        ConfigMap is the one the pod's plan volume names (a GPU pool's own)."""
+        volumes = (pod.spec.volumes or []) if pod is not None else []
+        name = next((v.config_map.name for v in volumes
+                     if v.name == "plan" and v.config_map is not None), f"{self.name}-plan")
         try:
-            cm = self.core.read_namespaced_config_map(f"{self.name}-plan", self.namespace)
+            cm = self.core.read_namespaced_config_map(name, self.namespace)
         except client.ApiException:
             return None
         folder = self._dir / f"plan-{cm.metadata.resource_version}"
@@ -249,7 +253,7 @@ class SimulatorFleet:
                 ip = pod.status.pod_ip
                 if not ip or pod_name in self.sims or pod_name in self.paused:
                     continue
-                plan = self._plan_file()
+                plan = self._plan_file(pod)
                 if plan is None:
                     continue
                 self.sims[pod_name] = self._start(pod_name, ip, plan, _engine_args(pod),

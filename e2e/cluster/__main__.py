@@ -22,6 +22,7 @@ from e2e.cluster.controlplane import (
     Ports,
     locate_binaries,
 )
+from spillway_engine.planner.gpus import UnknownGpu, get_gpu
 
 DEFAULT_DIR = Path(os.environ.get("SPILLWAY_CLUSTER_DIR", "/tmp/spillway-cluster"))
 DEFAULT_PORT_BASE = 16380
@@ -40,7 +41,10 @@ def _cluster(args: argparse.Namespace, need_binaries: bool) -> LocalCluster:
         ports=Ports.from_base(args.port_base),
         nodes=args.nodes,
         gpus_per_node=args.gpus_per_node,
-        gpu_product=args.gpu_product,
+        gpu_product=args.gpu_product[-1],
+        gpu_products=tuple(args.gpu_product),
+        real_node_products=tuple(args.gpu_product),
+        gpu_memory_mib=81559 if args.gpu_product[-1] == "NVIDIA-H100-80GB-HBM3" else None,
         pod_net=args.pod_net,
         real_nodes=args.real_nodes,
         lws=args.lws,
@@ -65,12 +69,20 @@ def main(argv: list[str] | None = None) -> int:
                         help="without LeaderWorkerSet (no controller, no CRD)")
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument("--gpu-product", default="NVIDIA-H100-80GB-HBM3",
-                        help="value of the nvidia.com/gpu.product node label")
+                        help="each node's GPU, a catalogue name (h100, a100, b200...) or a "
+                        "GFD nvidia.com/gpu.product label; comma-separated: node i gets the "
+                        "i-th, nodes past the list the last (e.g. h100,a100)")
     parser.add_argument("--pod-net", default="127.1",
                         help="node N gets pod CIDR <pod-net>.N.0/24 (must be inside 127/8)")
     parser.add_argument("--bin-cache", type=Path, default=None,
                         help="folder tools/build.sh fills (default ~/.cache/spillway/bin)")
     args = parser.parse_args(argv)
+    args.gpu_product = [p.strip() for p in args.gpu_product.split(",") if p.strip()]
+    try:
+        for product in args.gpu_product or ["-"]:
+            get_gpu(product)
+    except UnknownGpu as exc:
+        parser.error(f"--gpu-product: {exc}")
     if not args.pod_net.startswith("127."):
         parser.error("--pod-net must be inside 127.0.0.0/8: pod IPs are bound on loopback")
     if args.nodes is None:

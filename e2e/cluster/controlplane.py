@@ -33,6 +33,7 @@ from pathlib import Path
 import yaml
 
 from e2e.cluster.errors import ClusterError
+from e2e.cluster.gfd import node_gpu_labels
 from e2e.cluster.pki import ensure_client_cert, ensure_serving_cert, make_pki
 from e2e.processes import alive
 
@@ -238,9 +239,15 @@ class ClusterConfig:
     ports: Ports
     nodes: int = 2
     gpus_per_node: int = 8
-    # GPU Feature Discovery style product label; the operator selects nodes by it.
+    # Each node's GPU: a catalogue name (h100, a100, b200...) or a GFD product label;
+    # nodes carry GPU Feature Discovery's labels for it (e2e/cluster/gfd.py), which the
+    # operator selects nodes by. KWOK node i gets gpu_products[i], real node i
+    # real_node_products[i]; nodes past the end of the list get gpu_product.
     gpu_product: str = "NVIDIA-H100-80GB-HBM3"
-    gpu_memory_mib: int = 81559
+    gpu_products: tuple[str, ...] = ()
+    real_node_products: tuple[str, ...] = ()
+    # nvidia.com/gpu.memory of the default product (None: the catalogue's figure)
+    gpu_memory_mib: int | None = 81559
     node_cpu: str = "224"
     node_memory: str = "2Ti"
     # Node N gets podCIDR <pod_net>.N.0/24. Anything in 127/8 routes to lo on Linux,
@@ -719,10 +726,7 @@ class LocalCluster:
                             "kubernetes.io/arch": "amd64",
                             "node.kubernetes.io/instance-type": "fake-gpu",
                             # GPU Feature Discovery's labels, as on real GPU nodes.
-                            "nvidia.com/gpu.present": "true",
-                            "nvidia.com/gpu.product": c.gpu_product,
-                            "nvidia.com/gpu.count": str(c.gpus_per_node),
-                            "nvidia.com/gpu.memory": str(c.gpu_memory_mib),
+                            **node_gpu_labels(c, c.gpu_products, i),
                         },
                     },
                     "spec": {

@@ -65,6 +65,7 @@ from typing import TYPE_CHECKING
 import yaml
 
 from e2e.cluster.errors import ClusterError
+from e2e.cluster.gfd import node_gpu_labels
 from e2e.cluster.pki import ensure_client_cert
 from e2e.nodes import ociimage
 from e2e.processes import alive as _alive
@@ -580,15 +581,12 @@ class RealNodes:
                         "kubernetes.io/os": "linux",
                         "kubernetes.io/arch": "amd64",
                         "node.kubernetes.io/instance-type": "spillway-real-node",
-                        "nvidia.com/gpu.present": "true",
-                        "nvidia.com/gpu.product": c.gpu_product,
-                        "nvidia.com/gpu.count": str(c.gpus_per_node),
-                        "nvidia.com/gpu.memory": str(c.gpu_memory_mib),
+                        **node_gpu_labels(c, c.real_node_products, i),
                     },
                 },
                 "spec": {"podCIDR": n.pod_cidr, "podCIDRs": [n.pod_cidr]},
             }
-            for n in self.nodes
+            for i, n in enumerate(self.nodes)
         ]
 
     def _register_nodes(self) -> None:

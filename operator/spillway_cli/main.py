@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from spillway_engine.planner.families import HOW_TO_ASK, SUPPORTED_ARCHITECTURES
+from spillway_engine.planner.gpus import GPUS
 from spillway_engine.planner.kv_layout import parse_pp_layer_partition
 from spillway_engine.planner.model_config import ModelConfigSourceError, load_hub, load_local
 from spillway_engine.planner.plan import Plan, PlanRefused, PlanRequest, make_plan
@@ -122,7 +123,9 @@ def _add_plan(sub: Any) -> None:
                    help="a disk tier under the host pool: the pod's volume (200Gi, bytes)")
     p.add_argument("--disk-writers", type=_positive_int, default=1,
                    help="pods sharing the --disk volume, each keeping an equal share")
-    p.add_argument("--gpu", default="h100", help="h100 (default), h200, a100, a100-40gb, l40s")
+    p.add_argument("--gpu", default="h100",
+                   help="a GPU of the planner's catalogue: " + ", ".join(GPUS)
+                   + " (default h100; case-insensitive, aliases and GFD product labels too)")
     p.add_argument(
         "--speculative-config",
         type=_speculative_config,

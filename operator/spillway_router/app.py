@@ -34,6 +34,7 @@ from .backends import EVENTS_FROM_POD, Backend
 from .events import SOURCES_PATH, EventFeed, event_endpoints, subscribe
 from .hashing import BlockHasher, HashConfig
 from .index import TIERS, ApproxTracker, Match, PrefixIndex
+from .rates import PoolRates
 from .scoring import DEFAULT_BALANCE, DISK_LOAD_FACTOR, PodState, Ring, choose, cold_key
 from .tokens import BadRequest, Prompt, Tokenizer, prompt_of, text_keys
 
@@ -158,6 +159,7 @@ class RouterState:
         self.inflight: Counter[str] = Counter()
         self.pod_load: dict[str, float] = {}
         self.gpu_tokens: dict[str, int] = {}
+        self.rates = PoolRates()
         self._rings: dict[str, Ring] = {}
         self._hashers: dict[int, BlockHasher] = {}
         self.metrics = Metrics()
@@ -287,10 +289,12 @@ class RouterState:
             p = b.profile
             matches.update(src.match(keys, [b.name], gap=p.gap, host_gap=p.host_gap))
         cfg = self.config
+        weights = self.rates.weights(b.pool for b in ready)
         states = [
             PodState(
                 b.name,
                 b.cost(
+                    weights[b.pool],
                     host_bandwidth=cfg.host_bandwidth,
                     prefill_s_per_token=cfg.prefill_s_per_token,
                     wait_s_per_request=cfg.wait_s_per_request,
@@ -298,6 +302,7 @@ class RouterState:
                 ),
                 load=self.inflight[b.name] + self.pod_load.get(b.name, 0.0),
                 draining=b.draining,
+                weight=weights[b.pool],
             )
             for b in ready
         ]
@@ -542,12 +547,16 @@ class RouterApp:
             if attempt:
                 s.metrics.retries.inc()
             s.inflight[backend.name] += 1
+            started = time.monotonic()
             try:
                 done = await self._forward(request, backend, raw, headers)
             finally:
                 s.inflight[backend.name] -= 1
             if done is not None:
                 s.served(backend.name, prompt, keys)
+                tokens = (len(prompt.tokens) if prompt.tokens is not None
+                          else len(keys) * backend.profile.tokens_per_hash)
+                s.rates.observe(backend.pool, tokens, time.monotonic() - started)
                 return done
         return self._fail(503, "every pod tried failed before answering; retry later")
 

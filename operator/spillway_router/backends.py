@@ -80,14 +80,22 @@ class Backend:
     events: str | None = None  # tcp://host:port of its KV event publisher, or "pod"
     profile: Profile = field(default_factory=Profile)
     draining: bool = False
+    #: its GPU pool (``namespace/deployment/pool``; None: the object has no gpuPools),
+    #: whose measured rate weighs it (rates.PoolRates)
+    pool: str | None = None
 
     @property
     def address(self) -> str:
         """host:port, as a gateway names an endpoint."""
         return self.url.split("://", 1)[1]
 
-    def cost(self, **flags: float) -> CostModel:
+    def cost(self, weight: float = 1.0, **flags: float) -> CostModel:
+        """Its cost model; ``weight``: its pool's rate against the others' (a pod twice
+        as fast prefills and clears its queue in half the time)."""
         p = self.profile
+        for name in ("prefill_s_per_token", "wait_s_per_request"):
+            if name in flags:
+                flags[name] = flags[name] / weight
         return CostModel(
             tokens_per_hash=p.tokens_per_hash,
             host_bytes_per_token=p.host_bytes_per_token,

@@ -23,6 +23,8 @@ log = logging.getLogger("spillway.router.kube")
 
 SELECTOR = "app.kubernetes.io/name=spillway-engine"
 DEPLOYMENT_LABEL = "spillway.dev/inference-deployment"
+#: a GPU pool's pods (spec.resources.gpuPools): their plan is <deployment>-<pool>-plan
+POOL_LABEL = "spillway.dev/gpu-pool"
 PLAN_HASH = "spillway.dev/plan-hash"
 #: set by the operator on a replica chosen for removal: it takes no new requests
 DRAINING = "spillway.dev/draining"
@@ -55,6 +57,14 @@ def deployment_from_configmap(cm: Mapping[str, Any]) -> DeploymentInfo:
     if not model:
         raise ValueError(f"{ENGINE_OPTIONS_FILE} names no model")
     return DeploymentInfo(model, profile_from_plan(plan))
+
+
+def workload_of(labels: Mapping[str, str]) -> str | None:
+    """The pod's workload, whose plan ConfigMap is <workload>-plan: its
+    InferenceDeployment, or <deployment>-<pool> for a GPU pool's pod."""
+    deployment = labels.get(DEPLOYMENT_LABEL)
+    pool = labels.get(POOL_LABEL)
+    return deployment if not deployment or not pool else f"{deployment}-{pool}"
 
 
 def pod_ready(pod: Mapping[str, Any]) -> bool:
@@ -90,6 +100,8 @@ def backend_from_pod(
         deployment = (meta.get("labels") or {}).get(DEPLOYMENT_LABEL, "")
         namespace = meta.get("namespace", "")
         profile = replace(profile, disk_group=f"{namespace}/{deployment}/{profile.disk_group}")
+    labels = meta.get("labels") or {}
+    pool = labels.get(POOL_LABEL)
     return Backend(
         name=meta.get("name", ip),
         model=info.model,
@@ -97,6 +109,8 @@ def backend_from_pod(
         events=events,
         profile=profile,
         draining=annotations.get(DRAINING) == "true",
+        pool=None if pool is None else
+        f"{meta.get('namespace', '')}/{labels.get(DEPLOYMENT_LABEL, '')}/{pool}",
     )
 
 
@@ -164,7 +178,7 @@ class PodWatch:
     def _apply(self, core: Any, app: Any, loop: Any, kind: str, pod: dict[str, Any]) -> None:
         meta = pod.get("metadata") or {}
         name = meta.get("name")
-        deployment = (meta.get("labels") or {}).get(DEPLOYMENT_LABEL)
+        deployment = workload_of(meta.get("labels") or {})
         if not name or not deployment:
             return
         pod_hash = (meta.get("annotations") or {}).get(PLAN_HASH)

@@ -103,6 +103,9 @@ class PodState:
     cost: CostModel
     load: float = 0.0  # in-flight plus waiting requests
     draining: bool = False  # marked for removal: no new requests
+    #: its GPU pool's measured rate over the others' (rates.PoolRates): it may carry
+    #: this many times the load bound
+    weight: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -185,9 +188,10 @@ def choose(
         raise ValueError("no pod to choose from")
     live = [p for p in pods if not p.draining] or list(pods)
     bound = load_bound(live, balance)
-    allowed = [p for p in live if p.load + 1 <= bound] or live
+    allowed = [p for p in live if p.load + 1 <= bound * p.weight] or live
     warm_bound = load_bound(live, max(balance, warm_balance))
-    warm = [p for p in live if p.load + 1 <= warm_bound and matches.get(p.name, Match()).units > 0]
+    warm = [p for p in live if p.load + 1 <= warm_bound * p.weight
+            and matches.get(p.name, Match()).units > 0]
     estimates = {
         p.name: p.cost.ttft_s(prompt_tokens, matches.get(p.name, Match()), p.load)
         for p in {*allowed, *warm}

@@ -116,8 +116,9 @@ def test_qwen3_next_block_follows_the_cuda_runtime_on_blackwell():
 
 @pytest.mark.parametrize("gpu", ["b200", "rtx-pro-6000"])
 def test_sparse_mla_on_blackwell_is_refused_by_name(gpu: str):
-    from .test_planner_frontier import DSV32, load_frontier
     from spillway_engine.planner.plan import PlanRequest, make_plan
+
+    from .test_planner_frontier import DSV32, load_frontier
 
     with pytest.raises(PlanRefused, match=f"sparse MLA on {gpu}.*not modelled"):
         make_plan(load_frontier(DSV32), PlanRequest(tensor_parallel_size=8, gpu=gpu,

@@ -7,6 +7,7 @@ the binaries first with tools/build.sh.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -22,7 +23,7 @@ from kubernetes import client, config
 from e2e.cluster import ClusterConfig, LocalCluster
 from e2e.cluster.controlplane import REPO_ROOT, Ports, locate_binaries
 from e2e.operator_process import OperatorProcess, start_operator
-from tests.helpers import fresh_namespace
+from tests.helpers import SECOND_GPU, fresh_namespace, wait_for
 
 # Pod IPs of the test session's cluster: a random 127.N range (the people's cluster,
 # e2e/cluster/up, uses 127.1), so sessions and the demo can run side by side.
@@ -125,3 +126,28 @@ def operator(cluster: LocalCluster, crd_installed, tmp_path_factory) -> Iterator
     finally:
         op.stop()
         _CLUSTER_SUMMARY.append(f"operator log: {log}")
+
+
+#: The GPU of the ``second_node`` fixture's node (tests.helpers.SECOND_GPU).
+SECOND = SECOND_GPU
+
+
+@pytest.fixture
+def second_node(cluster: LocalCluster) -> Iterator[dict]:
+    """One more KWOK node, of SECOND, made as the cluster makes its nodes: the next
+    index (its own pod CIDR) with GFD's product, compute capability and memory labels
+    from the catalogue; removed afterwards."""
+    config = cluster.config
+    more = dataclasses.replace(config, nodes=config.nodes + 1,
+                               gpu_products=("h100",) * config.nodes + (SECOND,))
+    node = LocalCluster(more).node_manifests()[-1]
+    name = node["metadata"]["name"]
+    cluster.kubectl("apply", "--server-side", "--field-manager=spillway-harness", "-f", "-",
+                    input=json.dumps(node))
+    wait_for(lambda: "True" in cluster.kubectl(
+        "get", "node", name, "-o", "jsonpath={.status.conditions[?(@.type=='Ready')].status}",
+        check=False), 60, f"{name} Ready")
+    try:
+        yield node
+    finally:
+        cluster.kubectl("delete", "node", name, "--timeout=60s", check=False)

@@ -72,8 +72,10 @@ LEASE_RULES = {("coordination.k8s.io", "leases", v) for v in ("get", "create", "
 NAMESPACE_READS = {("", "namespaces", v) for v in ("list", "watch")}
 # An Ephemeral disk tier's storageClassName, checked (a cluster-scoped read).
 STORAGE_CLASS_READS = {("storage.k8s.io", "storageclasses", "get")}
+# A GPU pool's nodeSelector, listed by label (the MixedGPUProducts condition).
+NODE_READS = {("", "nodes", "list")}
 # rbac.clusterScopedReads: what the chart adds cluster-wide.
-CLUSTER_READS = CRD_READS | NAMESPACE_READS | STORAGE_CLASS_READS
+CLUSTER_READS = CRD_READS | NAMESPACE_READS | STORAGE_CLASS_READS | NODE_READS
 
 
 def model_configmap(core: client.CoreV1Api, ns: str, name: str, fixture: str) -> None:
@@ -525,7 +527,7 @@ def test_operator_runs_as_the_chart_service_account(helm, cluster, api, namespac
                ["watch", "customresourcedefinitions.apiextensions.k8s.io"],
                ["list", "namespaces"], ["watch", "namespaces"],
                ["get", "persistentvolumeclaims", "-n", work],
-               ["get", "storageclasses.storage.k8s.io"],
+               ["get", "storageclasses.storage.k8s.io"], ["list", "nodes"],
                *[[v, "leases.coordination.k8s.io", "-n", release_ns]
                  for v in ("get", "create", "update")]]
     # Denied: everything else, including what a looser role would hand out.
@@ -551,7 +553,8 @@ def test_operator_runs_as_the_chart_service_account(helm, cluster, api, namespac
               ["get", "inferencedeployments.spillway.dev", "-n", work, "--subresource",
                "scale"],
               ["create", "customresourcedefinitions.apiextensions.k8s.io"],
-              ["get", "nodes"], ["create", "clusterrolebindings.rbac.authorization.k8s.io"],
+              ["get", "nodes"], ["watch", "nodes"], ["patch", "nodes"],
+              ["create", "clusterrolebindings.rbac.authorization.k8s.io"],
               ["delete", "namespaces"], ["create", "namespaces"],
               ["list", "persistentvolumeclaims", "-n", work],
               ["create", "persistentvolumeclaims", "-n", work],

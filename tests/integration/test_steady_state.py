@@ -17,6 +17,7 @@ import pytest
 from kubernetes import client
 
 from tests.helpers import fresh_namespace, wait_for
+from tests.integration.conftest import SECOND
 from tests.integration.test_hostile import GOOD, serve_metrics
 from tests.integration.test_operator import Env, infdep, model_configmap
 
@@ -70,7 +71,8 @@ def _never_starts(env: Env, name: str, reason: str, message: str) -> str:
     return pod.metadata.name
 
 
-def test_steady_state_writes_nothing_in_every_state(api, cluster, operator, namespace, gated):
+def test_steady_state_writes_nothing_in_every_state(api, cluster, operator, second_node,
+                                                   namespace, gated):
     env, genv = Env(api, namespace, cluster), Env(api, gated, cluster)
     model_configmap(env.core, namespace, "model", "gemma-3-1b-it.json")
     model_configmap(genv.core, gated, "model", "gemma-3-1b-it.json")
@@ -80,6 +82,11 @@ def test_steady_state_writes_nothing_in_every_state(api, cluster, operator, name
     env.create(infdep("refused", host_memory="1Ki"))
     env.create(infdep("no-config", config_map="absent"))
     genv.create(infdep("never-starts"))
+    # Two GPU pools, the second of another product on its own node, and a node pool
+    # of mixed products (MixedGPUProducts): as quiet as the rest.
+    env.create(infdep("pools", replicas=2, resources={"gpuPools": [
+        {"name": "hopper", "gpuProduct": "h100"}, {"name": "second", "gpuProduct": SECOND}]}))
+    env.create(infdep("mixed", resources={"nodeSelector": {"type": "kwok"}}))
 
     healthy = _pod_ips(env, "healthy", 2)
     recovered = _pod_ips(env, "recovered", 2)
@@ -113,13 +120,16 @@ def test_steady_state_writes_nothing_in_every_state(api, cluster, operator, name
         assert degraded["message"].startswith(f"pod {pod}: InvalidImageName: Failed to apply")
         env.wait_condition("refused", "PlanReady", "False", "OffloadPlanInvalid")
         env.wait_condition("no-config", "PlanReady", "False", "ModelConfigUnavailable")
+        env.wait_condition("pools", "Available", "True")
+        env.wait_condition("mixed", "MixedGPUProducts", "True", "MixedGPUProducts")
         for name in ("healthy", "recovered"):
             env.wait_condition(name, "Available", "True")
             wait_for(lambda n=name: ((env.get(n).get("status") or {}).get("autoscaling")
                                      or {}).get("measuredPods") == 2, 30, f"{name} measured")
         # The autoscaler's first word on the others ("autoscaling is off"): a new object's
         # first tick comes up to one interval (15 s by default) after its first reconcile.
-        for e, name in ((env, "refused"), (env, "no-config"), (genv, "never-starts")):
+        for e, name in ((env, "refused"), (env, "no-config"), (genv, "never-starts"),
+                        (env, "pools"), (env, "mixed")):
             wait_for(lambda e=e, n=name: (e.get(n).get("status") or {}).get("autoscaling"),
                      30, f"{name}'s status.autoscaling")
         time.sleep(3)  # the last ticks' writes of the states just reached

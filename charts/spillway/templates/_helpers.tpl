@@ -151,6 +151,11 @@ Cluster-scoped reads kopf makes (rbac.clusterScopedReads):
 - apiGroups: ["storage.k8s.io"]
   resources: ["storageclasses"]
   verbs: ["get"]
+{{- /* A GPU pool's nodeSelector, listed by label to find nodes of other GPU products
+(the MixedGPUProducts condition): list only, no get, watch or write. */}}
+- apiGroups: [""]
+  resources: ["nodes"]
+  verbs: ["list"]
 {{- end }}
 
 {{/*

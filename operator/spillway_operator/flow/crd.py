@@ -18,6 +18,8 @@ from typing import Any
 import yaml
 
 from spillway_operator.flow import spec as api
+from spillway_operator.flow.cel import CEL_RULES
+from spillway_operator.flow.status_model import InferenceDeploymentStatus
 
 CRD_NAME = f"{api.PLURAL}.{api.GROUP}"
 _DROP = {"title", "discriminator", "$defs"}
@@ -93,7 +95,7 @@ def _schema_of(model: type[api._Model]) -> dict[str, Any]:
 
 
 def _attach_rules(spec_schema: dict[str, Any]) -> None:
-    for path, rules in api.CEL_RULES.items():
+    for path, rules in CEL_RULES.items():
         node = {"properties": {"spec": spec_schema}}
         for part in path.split("."):
             node = node["properties"][part.removesuffix("[]")]
@@ -118,7 +120,7 @@ def _strip_defaults(node: Any) -> Any:
 
 def status_schema() -> dict[str, Any]:
     # Status is written only by the operator: no server-side defaults there.
-    return _strip_defaults(_schema_of(api.InferenceDeploymentStatus))
+    return _strip_defaults(_schema_of(InferenceDeploymentStatus))
 
 
 PRINTER_COLUMNS = [

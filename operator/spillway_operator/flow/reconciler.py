@@ -27,19 +27,26 @@ from spillway_engine.planner.model_config import (
 )
 from spillway_engine.planner.plan import Plan, PlanRefused, make_plan
 from spillway_operator.flow import render, rollout, routing
+from spillway_operator.flow.placement import placement_refusal
+from spillway_operator.flow.pools import (
+    POOL_LABEL,
+    PoolView,
+    mixed_products,
+    node_selector_string,
+    pool_views,
+    unknown_product_refusal,
+)
 from spillway_operator.flow.routing import EndpointPicker
 from spillway_operator.flow.spec import (
-    Condition,
-    ConditionType,
     DiskVolume,
     DraftModelSpec,
     InferenceDeploymentSpec,
     ModelSpec,
-    Routing,
 )
 from spillway_operator.flow.status import (
     Observed,
     build_status,
+    combined_workload,
     group_restarts,
     merge_patch,
     plan_summary,
@@ -48,6 +55,7 @@ from spillway_operator.flow.status import (
     transitions,
     with_group_status,
 )
+from spillway_operator.flow.status_model import Condition, ConditionType, PoolStatus, Routing
 from spillway_operator.names import LWS_API, LWS_KIND
 from spillway_operator.plumbing import metrics
 from spillway_operator.plumbing.cache import Memo
@@ -165,6 +173,11 @@ class LeaderWorkerSetUnavailable(Exception):
     until it is (installing LWS needs no change to the spec)."""
 
 
+class UnknownGpuProduct(Exception):
+    """A GPU product the catalogue does not know: no plan, no pods, until the spec
+    names a known one."""
+
+
 class PlanCrashed(Exception):
     """The planner failed in a way it does not foresee (a bug a hostile config.json
     reached): refused like an invalid config, once, instead of retried for ever."""
@@ -172,7 +185,10 @@ class PlanCrashed(Exception):
 
 # Planning failures: the PlanReady reason, and the outcome (retry or refused).
 _PLAN_FAILURES = (ValidationError, ConfigUnavailable, ConfigInvalid, PlanRefused, PlanCrashed,
-                  DiskVolumeUnavailable, DiskVolumeInvalid, LeaderWorkerSetUnavailable)
+                  DiskVolumeUnavailable, DiskVolumeInvalid, LeaderWorkerSetUnavailable,
+                  UnknownGpuProduct)
+#: How long a listing of a pool's nodes is reused (nodes come and go in minutes).
+NODES_SECONDS = 30.0
 MAX_MESSAGE = 600
 
 
@@ -185,12 +201,17 @@ def make_plan_safely(
     config: dict[str, Any],
     spec: InferenceDeploymentSpec,
     draft_config: dict[str, Any] | None = None,
+    view: PoolView | None = None,
 ) -> Plan:
-    """make_plan, with any exception it does not foresee turned into PlanCrashed."""
-    if refusal := spec.placement_refusal():
+    """make_plan, with any exception it does not foresee turned into PlanCrashed.
+    ``view``: the GPU pool planned (default: the spec as it is)."""
+    view = view or PoolView(None, spec, spec.disk_writers)
+    if refusal := unknown_product_refusal(view.spec, view.name):
+        raise UnknownGpuProduct(refusal)
+    if refusal := placement_refusal(view.spec):
         raise PlanRefused(refusal)
     try:
-        return make_plan(config, spec.plan_request(), draft_config)
+        return make_plan(config, view.plan_request(), draft_config)
     except PlanRefused:
         raise
     except Exception as exc:  # the reconciler logs its traceback once per object
@@ -212,6 +233,8 @@ def plan_failure(exc: Exception) -> tuple[str, str, str]:
         return "LeaderWorkerSetUnavailable", str(exc), "retry"
     if isinstance(exc, DiskVolumeInvalid):
         return "DiskVolumeInvalid", str(exc), "refused"
+    if isinstance(exc, UnknownGpuProduct):
+        return "UnknownGpuProduct", str(exc), "refused"
     if isinstance(exc, ConfigInvalid | PlanCrashed):
         return "ModelConfigInvalid", _short(str(exc)), "refused"
     return "OffloadPlanInvalid", _short(str(exc)), "refused"
@@ -219,7 +242,8 @@ def plan_failure(exc: Exception) -> tuple[str, str, str]:
 
 def event_type(condition: Condition) -> str:
     """Warning for a condition that needs someone's attention, Normal otherwise."""
-    bad = (condition.type == ConditionType.DEGRADED and condition.status == "True") or (
+    bad = (condition.type in (ConditionType.DEGRADED, ConditionType.MIXED_GPU_PRODUCTS)
+           and condition.status == "True") or (
         condition.type in (ConditionType.PLAN_READY, ConditionType.AVAILABLE)
         and condition.status == "False"
         and condition.reason not in ("DeploymentPending", "PodsNotReady", "ScaledToZero")) or (
@@ -262,6 +286,9 @@ class Reconciler:
         # Multi-node replicas: each group as last seen whole and ready, to tell a group
         # LWS recreates after a pod failed (status.group_restarts) from one starting.
         self._groups: dict[tuple[str, str], dict[str, Any]] = {}
+        # GPU pools' nodes by label selector: (when listed, the nodes or None)
+        self._node_lists = Memo(256)
+        self._nodes_denied = False
 
     def _spec(self, meta: dict[str, Any], raw: dict[str, Any]) -> InferenceDeploymentSpec:
         key = (meta.get("uid"), meta.get("generation"))
@@ -272,16 +299,61 @@ class Reconciler:
             self._specs.put(key, spec)
         return spec
 
-    def _plan(self, config: dict[str, Any], spec: InferenceDeploymentSpec,
+    def _plan(self, config: dict[str, Any], view: PoolView,
               draft: dict[str, Any] | None) -> Plan:
-        """make_plan_safely, kept by its inputs. The entry holds the configs too, so no
-        other dict can take their ids while it lives."""
-        key = (id(config), id(draft), spec.plan_request())
+        """make_plan_safely for one workload, kept by its inputs. The entry holds the
+        configs too, so no other dict can take their ids while it lives."""
+        if refusal := unknown_product_refusal(view.spec, view.name):
+            raise UnknownGpuProduct(refusal)
+        key = (id(config), id(draft), view.plan_request())
         if (hit := self._plans.get(key)) is not None:
             return hit[2]
-        plan = make_plan_safely(config, spec, draft)
+        try:
+            plan = make_plan_safely(config, view.spec, draft, view)
+        except PlanRefused as exc:
+            if view.name is None:
+                raise
+            raise PlanRefused(f"gpuPools[{view.name}] ({view.spec.resources.gpu_product}): "
+                              f"{exc}") from exc
         self._plans.put(key, (config, draft, plan))
         return plan
+
+    def _mixed_products(self, views: list[PoolView]) -> list[str] | None:
+        """Each pool whose nodeSelector matches nodes of other GPU products, said once;
+        None when no pool has a nodeSelector or nodes cannot be listed (no RBAC)."""
+        checked, messages = False, []
+        for view in views:
+            selector = view.spec.resources.node_selector
+            if not selector or (view.spec.engine.emulate_gpu is not None and not (
+                    view.spec.engine.emulate_gpu.request_gpus)):
+                continue
+            nodes = self._nodes(node_selector_string(selector))
+            if nodes is None:
+                return None
+            checked = True
+            if message := mixed_products(view, nodes):
+                messages.append(message)
+        return messages if checked else None
+
+    def _nodes(self, selector: str) -> list[dict[str, Any]] | None:
+        """The nodes a selector matches, listed at most every NODES_SECONDS; None when
+        the operator may not list nodes (rbac.clusterScopedReads false)."""
+        now = time.monotonic()
+        hit = self._node_lists.get(selector)
+        if hit is not None and now - hit[0] < NODES_SECONDS:
+            return hit[1]
+        try:
+            nodes = self.kube.list_nodes(selector)
+        except ApiException as exc:
+            if exc.status != 403:
+                raise TemporaryError(f"listing nodes: HTTP {exc.status}", exc.status) from None
+            if not self._nodes_denied:
+                log.info("may not list nodes (rbac.clusterScopedReads false): GPU pools' "
+                         "nodes are not checked for mixed GPU products")
+            self._nodes_denied = True
+            nodes = None
+        self._node_lists.put(selector, (now, nodes))
+        return nodes
 
     def _check_disk_volume(self, namespace: str, spec: InferenceDeploymentSpec) -> None:
         """The disk tier's volume exists and can hold it, before any pod waits on it.
@@ -356,7 +428,9 @@ class Reconciler:
             obs.desired_replicas = spec.replicas
             config = self.configs.resolve(owner.namespace, spec, owner.name)
             draft = self.configs.resolve_draft(owner.namespace, spec, owner.name)
-            plan = self._plan(config, spec, draft)
+            views = pool_views(spec)
+            obs.desired_replicas = sum(v.spec.replicas for v in views)
+            planned = [(view, self._plan(config, view, draft)) for view in views]
             self._check_disk_volume(owner.namespace, spec)
             if spec.nodes > 1 and not self.kube.leader_worker_sets_served():
                 raise LeaderWorkerSetUnavailable(
@@ -374,9 +448,8 @@ class Reconciler:
             # Never reconciled (no status yet): no children to read before applying.
             first = not (obj.get("status") or {}).get("observedGeneration")
             try:
-                old_plan = (obj.get("status") or {}).get("plan") or {}
-                writes += self._apply(owner, spec, plan, obs, first,
-                                      int(old_plan.get("nodes") or 1))
+                writes += self._apply(owner, spec, planned, obs, first,
+                                      obj.get("status") or {})
             except NamespaceTerminating:
                 raise  # not this body's fault: see reconcile()
             except Rejected as exc:
@@ -393,62 +466,100 @@ class Reconciler:
         requeue = 5.0 if outcome == "retry" else obs.recheck_after
         return Result(outcome, requeue, writes + (written is not None), written or None)
 
-    def _children(self, owner: render.Owner, spec: InferenceDeploymentSpec,
-                  plan: Plan, strategy: dict[str, Any]) -> list[dict[str, Any]]:
-        # In the order the pods need them: they mount the plan, the Deployment starts
-        # them (image pulls and model loads take minutes); the Service and the PDB
-        # matter once pods are ready.
-        children = [render.plan_configmap(owner, spec, plan),
-                    render.engine_workload(owner, spec, plan, strategy),
-                    render.service(owner, spec), render.pod_disruption_budget(owner, spec)]
+    def _children(self, owner: render.Owner, spec: InferenceDeploymentSpec) -> list[dict[str, Any]]:
+        """The children every pool shares; the Service and the PDB matter once pods are
+        ready, so they come after the pools' plans and workloads."""
+        children = [render.service(owner, spec), render.pod_disruption_budget(owner, spec)]
         if self.kube.service_monitors_served():
             children.append(render.service_monitor(owner))
         return children
 
-    def _pods(self, owner: render.Owner, deployment: dict[str, Any]) -> list[dict[str, Any]]:
-        if deployment.get("kind") == LWS_KIND:
-            # The watch's pods stand when they number the groups' pods asked for.
-            spec = deployment.get("spec") or {}
-            pods = int(spec.get("replicas") or 0) * int(
-                spec["leaderWorkerTemplate"].get("size") or 1)
-            deployment = {"status": {"replicas": pods}}
+    def _pods(self, owner: render.Owner, workloads: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Every pool's pods (the object's labels select them all)."""
+        if not workloads:
+            return []
+        if len(workloads) == 1 and workloads[0].get("kind") != LWS_KIND:
+            return self.kube.owned_pods((owner.namespace, owner.name),
+                                        render.selector_string(owner), workloads[0])
+        # The watch's pods stand when they number the pods the workloads ask for.
+        pods = 0
+        for w in workloads:
+            spec = w.get("spec") or {}
+            pods += (int(spec.get("replicas") or 0) * int(
+                spec["leaderWorkerTemplate"].get("size") or 1) if w.get("kind") == LWS_KIND
+                else int((w.get("status") or {}).get("replicas") or 0))
         return self.kube.owned_pods((owner.namespace, owner.name),
-                                    render.selector_string(owner), deployment)
+                                    render.selector_string(owner), {"status": {"replicas": pods}})
 
-    def _apply(self, owner: render.Owner, spec: InferenceDeploymentSpec, plan: Plan,
-               obs: Observed, first: bool = False, old_nodes: int = 1) -> int:
-        """Apply the children that differ; returns the writes made."""
-        obs.plan_summary = plan_summary(plan, spec.gpus_per_pod, render.plan_hash(plan))
+    def _live_workload(self, owner: render.Owner, groups: bool) -> dict[str, Any] | None:
+        name = render.workload_name(owner)
+        if groups:
+            return self.kube.get_leader_worker_set(owner.namespace, name)
+        return self.kube.get_deployment(owner.namespace, name)
+
+    def _apply(self, owner: render.Owner, spec: InferenceDeploymentSpec,
+               planned: list[tuple[PoolView, Plan]], obs: Observed, first: bool,
+               old_status: dict[str, Any]) -> int:
+        """Apply the children that differ, each pool's then the shared ones; returns
+        the writes made."""
+        old_nodes = int((old_status.get("plan") or {}).get("nodes") or 1)
+        pooled = planned[0][0].name is not None
+        owners = [render.Owner(owner.name, owner.namespace, owner.uid, view.name)
+                  for view, _ in planned]
         groups = spec.nodes > 1
-        if first:
-            live = None
-        elif groups:
-            live = self.kube.get_leader_worker_set(owner.namespace, owner.name)
-        else:
-            live = self.kube.get_deployment(owner.namespace, owner.name)
-        if live is not None:
-            obs.pods = self._pods(owner, live)
+        lives = [] if first else [self._live_workload(o, groups) for o in owners]
+        obs.pods = self._pods(owner, [w for w in lives if w is not None])
+        writes, workloads, obs.pools = 0, [], []
+        for (view, plan), pool_owner, live in zip(planned, owners, lives or [None] * len(owners),
+                                                  strict=True):
+            wrote, workload = self._apply_pool(pool_owner, view, plan, live, obs, first)
+            writes += wrote
+            workloads.append(workload)
+            if pooled:
+                obs.pools.append(PoolStatus(
+                    name=view.name, gpu_product=view.spec.resources.gpu_product,
+                    workload=render.workload_name(pool_owner), replicas=view.spec.replicas,
+                    plan=plan_summary(plan, view.spec.gpus_per_pod, render.plan_hash(plan))))
+            if not first:
+                writes += self._drop_other_workload(pool_owner, groups, old_nodes)
+        obs.plan_summary = (obs.pools[0].plan if pooled else plan_summary(
+            planned[0][1], spec.gpus_per_pod, render.plan_hash(planned[0][1])))
+        obs.workloads = [(view.name, w) for (view, _), w in zip(planned, workloads, strict=True)]
+        obs.mixed_products = self._mixed_products([view for view, _ in planned])
+        for child in self._children(owner, spec):
+            writes += self._ensure(owner, child, first)[0]
+        if not first:
+            writes += self._drop_left_pools(owner, planned, old_status, groups)
+        return writes + self._route(owner, spec, obs, first)
+
+    def _apply_pool(self, owner: render.Owner, view: PoolView, plan: Plan,
+                    live: dict[str, Any] | None, obs: Observed,
+                    first: bool) -> tuple[int, dict[str, Any]]:
+        """One workload's plan and workload: (writes made, the live workload)."""
+        spec = view.spec
+        pods = [p for p in obs.pods
+                if (p["metadata"].get("labels") or {}).get(POOL_LABEL) == view.name]
         # A Deployment's update strategy follows the live rollout (a surge pod with no
         # GPU); LWS rolls whole groups one at a time by itself.
-        decision = (rollout.Decision({}) if groups
-                    else rollout.decide(spec, live, obs.pods, time.time()))
-        obs.rollout_stuck, obs.rollout_in_place = decision.stuck, decision.in_place
-        obs.recheck_after = (None if decision.recheck_after is None
-                             else decision.recheck_after + 1.0)
-        writes = 0
-        for child in self._children(owner, spec, plan, decision.strategy):
-            wrote, live = self._ensure(owner, child, first)
-            writes += wrote
-            if child["kind"] in ("Deployment", LWS_KIND):
-                obs.deployment = live
-        if not first:
-            writes += self._drop_other_workload(owner, groups, old_nodes)
-        return writes + self._route(owner, spec, obs, first)
+        decision = (rollout.Decision({}) if spec.nodes > 1
+                    else rollout.decide(spec, live, pods, time.time()))
+        if decision.stuck and obs.rollout_stuck is None:
+            obs.rollout_stuck = decision.stuck
+        obs.rollout_in_place = obs.rollout_in_place or decision.in_place
+        if decision.recheck_after is not None:
+            again = decision.recheck_after + 1.0
+            obs.recheck_after = min(again, obs.recheck_after or again)
+        # In the order the pods need them: they mount the plan, the workload starts
+        # them (image pulls and model loads take minutes).
+        writes = self._ensure(owner, render.plan_configmap(owner, spec, plan), first)[0]
+        wrote, workload = self._ensure(
+            owner, render.engine_workload(owner, spec, plan, decision.strategy), first)
+        return writes + wrote, workload
 
     def _drop_other_workload(self, owner: render.Owner, groups: bool, old_nodes: int) -> int:
         """Scale to 0 the workload of the other kind, left by a spec whose replicas
         spanned another number of nodes (the status says how many the last plan had)."""
-        ns, name = owner.namespace, owner.name
+        ns, name = owner.namespace, render.workload_name(owner)
         if groups:
             kind = ("apps/v1", "Deployment")
             live = self.kube.watched_deployment(ns, name)
@@ -462,6 +573,27 @@ class Reconciler:
         log.info("scaled %s/%s %s to 0: replicas now span %s", ns, name, kind[1],
                  "several nodes" if groups else "one node")
         return 1
+
+    def _drop_left_pools(self, owner: render.Owner, planned: list[tuple[PoolView, Plan]],
+                         old_status: dict[str, Any], groups: bool) -> int:
+        """Scale to 0 the workloads of GPU pools the spec no longer has (the object's
+        own when it gained pools); they go with the object."""
+        now = {render.workload_name(render.Owner(owner.name, owner.namespace, owner.uid,
+                                                 view.name)) for view, _ in planned}
+        before = [p.get("workload") for p in old_status.get("pools") or []] or (
+            [owner.name] if old_status.get("plan") else [])
+        writes = 0
+        for name in before:
+            if not name or name in now:
+                continue
+            kind = (LWS_API, LWS_KIND) if groups else ("apps/v1", "Deployment")
+            live = (self.kube.get_leader_worker_set(owner.namespace, name) if groups
+                    else self.kube.watched_deployment(owner.namespace, name))
+            if self.kube.scale_to_zero(*kind, owner.namespace, name, live):
+                log.info("scaled %s/%s %s to 0: its GPU pool left the spec", owner.namespace,
+                         name, kind[1])
+                writes += 1
+        return writes
 
     def _ensure(self, owner: render.Owner, child: dict[str, Any],
                 first: bool) -> tuple[int, dict[str, Any]]:
@@ -507,26 +639,50 @@ class Reconciler:
             self.kube.inference_pools_served(max_age=0)
         return self.kube.api_changes
 
+    def _running_workloads(self, owner: render.Owner, status: dict[str, Any]
+                           ) -> list[tuple[str | None, dict[str, Any] | None]]:
+        """The workloads the last plan made, as the status names them."""
+        groups = int((status.get("plan") or {}).get("nodes") or 1) > 1 and (
+            self.kube.leader_worker_sets_served())
+        pools = [(p.get("name"), p.get("workload")) for p in status.get("pools") or []]
+        out = []
+        for pool, name in pools or [(None, owner.name)]:
+            pool_owner = render.Owner(owner.name, owner.namespace, owner.uid, pool)
+            if name == render.workload_name(pool_owner):
+                out.append((pool, self._live_workload(pool_owner, groups)))
+        return out
+
+    def _counted(self, owner: render.Owner, pool: str | None, workload: dict[str, Any],
+                 obs: Observed) -> dict[str, Any]:
+        """A LeaderWorkerSet's groups counted from their pods, whose events wake this
+        reconcile (no watch tells it when LWS's own status catches up)."""
+        if workload.get("kind") != LWS_KIND:
+            return workload
+        pods = [p for p in obs.pods
+                if (p["metadata"].get("labels") or {}).get(POOL_LABEL) == pool]
+        workload = with_group_status(workload, pods)
+        if pool is None:  # restarts are followed for an object without pools
+            size = int(workload["spec"]["leaderWorkerTemplate"].get("size") or 1)
+            key = (owner.namespace, owner.name)
+            obs.restarting_groups, self._groups[key] = group_restarts(
+                pods, size, self._groups.get(key, {}))
+        return workload
+
     def _write_status(self, obj: dict[str, Any], owner: render.Owner,
                       obs: Observed) -> dict[str, Any] | None:
         """Write the status if it changed, with an Event per condition transition;
         returns the object written ({} when the answer had none), None if no write."""
-        if obs.deployment is None:  # not applied this time (no plan): what is running?
-            old_plan = (obj.get("status") or {}).get("plan") or {}
-            obs.deployment = (
-                self.kube.get_leader_worker_set(owner.namespace, owner.name)
-                if int(old_plan.get("nodes") or 1) > 1 and self.kube.leader_worker_sets_served()
-                else self.kube.get_deployment(owner.namespace, owner.name))
-        if obs.deployment is not None:
-            obs.pods = self._pods(owner, obs.deployment)
-            if obs.deployment.get("kind") == LWS_KIND:
-                # Groups counted from their pods, whose events wake this reconcile (no
-                # watch tells it when LWS's own status catches up).
-                obs.deployment = with_group_status(obs.deployment, obs.pods)
-                size = int(obs.deployment["spec"]["leaderWorkerTemplate"].get("size") or 1)
-                key = (owner.namespace, owner.name)
-                obs.restarting_groups, self._groups[key] = group_restarts(
-                    obs.pods, size, self._groups.get(key, {}))
+        if obs.workloads is None:  # not applied this time (no plan): what is running?
+            obs.workloads = self._running_workloads(owner, obj.get("status") or {})
+        present = [w for _, w in obs.workloads if w is not None]
+        obs.pods = self._pods(owner, present)
+        obs.workloads = [(pool, None if w is None else self._counted(owner, pool, w, obs))
+                         for pool, w in obs.workloads]
+        obs.deployment = combined_workload([w for _, w in obs.workloads if w is not None])
+        live_pools = dict(obs.workloads)
+        obs.pools = None if obs.pools is None else [pool.model_copy(update={
+            "ready_replicas": int(((live_pools.get(pool.name) or {}).get("status") or {}).get(
+                "readyReplicas") or 0)}) for pool in obs.pools]
         live = obj.get("status") or {}
         old = read_status(live)
         # The raw spec: autoscaling may be on even when the spec does not validate.

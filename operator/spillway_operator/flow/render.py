@@ -24,13 +24,13 @@ from spillway_engine.seam import (
     EngineOptions,
 )
 from spillway_operator.flow import disruption, rollout
+from spillway_operator.flow.pools import POOL_LABEL, product_labels
 from spillway_operator.flow.routing import EndpointPicker
 from spillway_operator.flow.spec import (
     GROUP,
     KIND,
     VERSION,
     DiskVolume,
-    GPUProduct,
     InferenceDeploymentSpec,
     WeightsSource,
 )
@@ -51,22 +51,28 @@ PLAN_MOUNT = "/etc/spillway/plan"
 MODEL_CACHE = "/models-cache"
 DEFAULT_CPU_PER_GPU = 4
 
-# GPU Feature Discovery's nvidia.com/gpu.product values for each product.
-GPU_PRODUCT_LABELS: dict[GPUProduct, list[str]] = {
-    GPUProduct.A100: ["NVIDIA-A100-SXM4-80GB", "NVIDIA-A100-80GB-PCIe", "NVIDIA-A100-SXM4-40GB",
-                      "NVIDIA-A100-PCIE-40GB"],
-    GPUProduct.H100: ["NVIDIA-H100-80GB-HBM3", "NVIDIA-H100-SXM5-80GB", "NVIDIA-H100-PCIe",
-                      "NVIDIA-H100-NVL"],
-    GPUProduct.H200: ["NVIDIA-H200", "NVIDIA-H200-141GB-HBM3e", "NVIDIA-H200-NVL"],
-    GPUProduct.L40S: ["NVIDIA-L40S"],
-}
-
-
 @dataclass(frozen=True)
 class Owner:
+    """The InferenceDeployment a child belongs to; ``pool``: the GPU pool whose
+    workload and plan it is (None: the object's own, shared by every pool)."""
+
     name: str
     namespace: str
     uid: str
+    pool: str | None = None
+
+    def shared(self) -> Owner:
+        return Owner(self.name, self.namespace, self.uid)
+
+
+def workload_name(owner: Owner) -> str:
+    """The workload (Deployment or LeaderWorkerSet) of the owner's pool: the object's
+    name, or <name>-<pool>."""
+    return owner.name if owner.pool is None else f"{owner.name}-{owner.pool}"
+
+
+def plan_configmap_name(owner: Owner) -> str:
+    return f"{workload_name(owner)}-plan"
 
 
 def labels(owner: Owner) -> dict[str, str]:
@@ -76,6 +82,7 @@ def labels(owner: Owner) -> dict[str, str]:
         "app.kubernetes.io/component": "engine",
         "app.kubernetes.io/managed-by": FIELD_MANAGER,
         f"{GROUP}/inference-deployment": owner.name,
+        **({} if owner.pool is None else {POOL_LABEL: owner.pool}),
     }
 
 
@@ -86,6 +93,10 @@ def selector_labels(owner: Owner) -> dict[str, str]:
     }
 
 
+def workload_selector(owner: Owner) -> dict[str, str]:
+    """The pods of the owner's pool alone (a pool's workload must not count another's)."""
+    pool = {} if owner.pool is None else {POOL_LABEL: owner.pool}
+    return {**selector_labels(owner), **pool}
 
 
 def serving_labels(owner: Owner, spec: InferenceDeploymentSpec) -> dict[str, str]:
@@ -175,7 +186,7 @@ def plan_configmap(owner: Owner, spec: InferenceDeploymentSpec, plan: Plan) -> d
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": _meta(owner, f"{owner.name}-plan"),
+        "metadata": _meta(owner, plan_configmap_name(owner)),
         "data": {PLAN_FILE: plan_json(plan), ENGINE_OPTIONS_FILE: engine_options(spec).to_json()},
     }
 
@@ -236,7 +247,7 @@ def _node_affinity(spec: InferenceDeploymentSpec) -> dict[str, Any]:
             {
                 "key": "nvidia.com/gpu.product",
                 "operator": "In",
-                "values": GPU_PRODUCT_LABELS[spec.resources.gpu_product],
+                "values": product_labels(spec),
             }
         ]
     }
@@ -275,7 +286,7 @@ def _env(spec: InferenceDeploymentSpec) -> list[dict[str, Any]]:
 def _volumes(owner: Owner, spec: InferenceDeploymentSpec, plan: Plan):
     shm = plan.pod.shm_bytes
     volumes = [
-        {"name": "plan", "configMap": {"name": f"{owner.name}-plan"}},
+        {"name": "plan", "configMap": {"name": plan_configmap_name(owner)}},
         # The host offload pool lives in /dev/shm, so it is memory-backed and sized
         # by the plan (the default 64 MiB container /dev/shm would refuse it).
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": format_bytes(shm)}},
@@ -518,7 +529,7 @@ def _group_affinity(owner: Owner, affinity: dict[str, Any]) -> dict[str, Any]:
             "weight": 100,
             "podAffinityTerm": {
                 "topologyKey": "topology.kubernetes.io/zone",
-                "labelSelector": {"matchLabels": selector_labels(owner)},
+                "labelSelector": {"matchLabels": workload_selector(owner)},
                 "matchLabelKeys": [LWS_GROUP_KEY],
             }})
     return affinity
@@ -534,7 +545,7 @@ def leader_worker_set(owner: Owner, spec: InferenceDeploymentSpec,
     return {
         "apiVersion": LWS_API,
         "kind": LWS_KIND,
-        "metadata": _meta(owner, owner.name),
+        "metadata": _meta(owner, workload_name(owner)),
         "spec": {
             "replicas": spec.replicas,
             # The leader pod first, its workers once it exists (they need its address).
@@ -564,10 +575,10 @@ def deployment(owner: Owner, spec: InferenceDeploymentSpec, plan: Plan,
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _meta(owner, owner.name),
+        "metadata": _meta(owner, workload_name(owner)),
         "spec": {
             "replicas": spec.replicas,
-            "selector": {"matchLabels": selector_labels(owner)},
+            "selector": {"matchLabels": workload_selector(owner)},
             # Surge while the cluster has room, else in place (spillway_operator.flow.rollout).
             "strategy": strategy,
             "progressDeadlineSeconds": 3600,

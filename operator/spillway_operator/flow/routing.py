@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from spillway_operator.flow.spec import Routing
+from spillway_operator.flow.status_model import Routing
 
 # A Service name (DNS-1035 label) and a namespace name (DNS-1123 label).
 _SERVICE = r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?"

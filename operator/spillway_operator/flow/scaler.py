@@ -29,6 +29,7 @@ from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
 from spillway_operator.flow import render
+from spillway_operator.flow.pools import POOL_LABEL, removals
 from spillway_operator.flow.pressure import (
     DELETION_COST,
     DRAINING,
@@ -50,8 +51,9 @@ from spillway_operator.flow.pressure import (
     stale_marks,
     startup_seconds,
 )
-from spillway_operator.flow.spec import AutoscalingStatus, InferenceDeploymentSpec
+from spillway_operator.flow.spec import InferenceDeploymentSpec
 from spillway_operator.flow.status import merge_patch, read_status, to_wire
+from spillway_operator.flow.status_model import AutoscalingStatus
 from spillway_operator.plumbing import metrics
 from spillway_operator.plumbing.kube import Kube, NamespaceTerminating, TemporaryError, now_rfc3339
 
@@ -406,7 +408,7 @@ class Autoscaler:
         marked: list[str] = []
         if d.replicas != current:
             if d.replicas < current:
-                marked = await self._mark(key, live, ready, len(live) - d.replicas)
+                marked = await self._mark_pools(key, spec, live, ready, current, d.replicas)
             try:
                 await asyncio.to_thread(self.kube.patch_scale, ns, name, d.replicas)
             except BaseException:
@@ -423,6 +425,18 @@ class Autoscaler:
                 f"replicas {current} -> {d.replicas}: {d.reason}{going}")
             log.info("%s/%s: replicas %d -> %d (%s)", ns, name, current, d.replicas, d.reason)
         return d.replicas, d.action, d.reason, marked
+
+    async def _mark_pools(self, key: tuple[str, str], spec: InferenceDeploymentSpec,
+                          live: list[dict[str, Any]], ready: list[dict[str, Any]],
+                          current: int, desired: int) -> list[str]:
+        """_mark, within each GPU pool whose share shrinks (its workload removes pods)."""
+        if not spec.resources.gpu_pools:
+            return await self._mark(key, live, ready, len(live) - desired)
+        marked: list[str] = []
+        for pool, give_up in removals(spec, current, desired).items():
+            mine = [p for p in live if (p["metadata"].get("labels") or {}).get(POOL_LABEL) == pool]
+            marked += await self._mark(key, mine, [p for p in ready if p in mine], give_up)
+        return marked
 
     async def _mark(self, key: tuple[str, str], live: list[dict[str, Any]],
                     ready: list[dict[str, Any]], remove: int) -> list[str]:

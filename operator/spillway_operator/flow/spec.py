@@ -10,25 +10,33 @@ Field names are camelCase on the wire (Kubernetes convention) and snake_case her
 
 from __future__ import annotations
 
-import re
-from decimal import Decimal
 from enum import StrEnum
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
-from spillway_engine import vllm_cli
+from spillway_engine.planner.gpus import GPUS, UnknownGpu, get_gpu
 from spillway_engine.planner.plan import PlanRequest
 from spillway_engine.quantity import parse_bytes
-from spillway_engine.seam import (
-    PROTECTED_FLAGS,
-    PROTECTED_SHORT_FLAGS,
-    extra_args_refusal,
-)
-from spillway_operator.flow.imageref import CEL_CHECKS as IMAGE_CEL_CHECKS
+from spillway_engine.seam import extra_args_refusal
 from spillway_operator.flow.imageref import IMAGE_MAX_LENGTH, image_reference_error
 from spillway_operator.flow.pressure import Policy
+from spillway_operator.flow.spec_input import (
+    CPU_PATTERN,
+    DISK_CLAIM_MESSAGE,
+    DISK_CLASS_MESSAGE,
+    DNS_LABEL_PATTERN,
+    MAX_CPU,
+    MAX_MEMORY,
+    MODEL_ID_PART_MAX,
+    MODEL_ID_PATTERN,
+    QUANTITY_PATTERN,
+    at_most,
+    cpu_cores,
+    model_id_problem,
+    reserved_env,
+)
 from spillway_operator.names import GROUP, KIND, PLURAL, SHORT_NAME, VERSION  # noqa: F401
 
 # Default host memory a pod may use per GPU when the spec gives no memory limit:
@@ -38,90 +46,6 @@ DEFAULT_MEMORY_PER_GPU = 192 * 2**30
 
 
 DEFAULT_ENGINE_IMAGE = "ghcr.io/spillway-dev/spillway-engine:0.1.0"
-
-# A Kubernetes resource quantity ("64Gi", "500M", "1.5Ti", "123456").
-QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
-#: CPU quantities also come in millicores ("250m"), which memory sizes never need.
-CPU_PATTERN = r"^([0-9]+m|[0-9]+(\.[0-9]+)?(k|M|G|T|P|E)?)$"
-DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
-#: Upper bounds on the spec's quantities, far beyond any node (the largest hold tens of
-#: TiB and a few thousand CPUs): a typo such as 99999999999999999999Ei is refused by
-#: field at apply, rather than planned into pod sizes no API server can store.
-MAX_MEMORY = "1Pi"
-MAX_CPU = "65536"
-
-
-def _cpu_cores(value: str) -> Decimal:
-    if value.endswith("m"):
-        return Decimal(value[:-1]) / 1000
-    number = re.match(r"[0-9.]+", value).group()
-    return Decimal(number) * 1000 ** " kMGTPE".index(value[len(number):] or " ")
-
-
-def _at_most(value: str | None, maximum: str, parse) -> str | None:
-    if value is not None and value != "auto" and parse(value) > parse(maximum):
-        raise ValueError(f"{value} is more than {maximum}, beyond any node")
-    return value
-
-
-def _quantity_bound_rule(field: str, maximum: str) -> dict[str, str]:
-    """CEL: an optional quantity field (or auto) is at most maximum."""
-    return cel(
-        f"!has(self.{field}) || self.{field} == 'auto' || "
-        f"quantity(self.{field}).compareTo(quantity('{maximum}')) <= 0",
-        f"{field} must be at most {maximum}: no node has more",
-        f".{field}",
-    )
-
-# A Hugging Face repo id, as huggingface_hub's validate_repo_id accepts it (ASCII):
-# "name" or "namespace/name", each part word characters joined by '-' and '.' with
-# no "--" or ".." (so separators alternate), starting and ending with a word
-# character. Each part's 96-character limit and the ".git" ending are CEL rules.
-_WORD = "[A-Za-z0-9_]+"
-_SEPARATOR = r"(-(\.-)*\.?|\.(-\.)*-?)"
-_REPO_PART = f"{_WORD}({_SEPARATOR}{_WORD})*"
-MODEL_ID_PATTERN = f"^({_REPO_PART}/)?{_REPO_PART}$"
-MODEL_ID_PART_MAX = 96
-
-
-def model_id_problem(name: str) -> str | None:
-    """What the hub refuses in a model id that the pattern lets through, if anything."""
-    if any(len(part) > MODEL_ID_PART_MAX for part in name.split("/")):
-        return f"each part of a model id is at most {MODEL_ID_PART_MAX} characters"
-    if name.endswith(".git"):
-        return "a model id cannot end in .git"
-    return None
-
-
-# Container env the engine or the operator owns, or that changes what the engine
-# runs (its plugins, its Python path, its GPUs): refused in engine.env.
-RESERVED_ENV_PREFIXES = ("SPILLWAY_",)
-RESERVED_ENV_NAMES = (
-    "HF_HOME",  # the operator's model cache volume
-    "HF_TOKEN",  # model.tokenSecretRef
-    "HUGGING_FACE_HUB_TOKEN",
-    "VLLM_PLUGINS",  # Spillway's plugin must load
-    "VLLM_ATTENTION_BACKEND",  # the planned block sizes follow the planned backend
-    "CUDA_VISIBLE_DEVICES",  # the GPUs the plan was sized for
-    "PYTHONPATH",
-    "PYTHONHOME",
-    "PYTHONSTARTUP",
-    "PYTHONUSERBASE",
-    "LD_PRELOAD",
-    "LD_LIBRARY_PATH",
-)
-
-
-def reserved_env(name: str) -> bool:
-    return name.startswith(RESERVED_ENV_PREFIXES) or name in RESERVED_ENV_NAMES
-
-
-def cel(rule: str, message: str, field_path: str | None = None) -> dict[str, str]:
-    """One x-kubernetes-validations entry; messages say which field and why."""
-    entry = {"rule": rule, "message": message}
-    if field_path:
-        entry["fieldPath"] = field_path
-    return entry
 
 
 class _Model(BaseModel):
@@ -407,13 +331,42 @@ class EngineSpec(_Model):
         return args
 
 
-class GPUProduct(StrEnum):
-    """GPUs the planner models; each selects nodes by GFD's nvidia.com/gpu.product."""
+#: A GPU product as written in the spec: a catalogue name (``h100``, ``b200``), an alias
+#: or a GFD ``nvidia.com/gpu.product`` label; the catalogue (``planner.gpus``) decides
+#: which it names, and one it does not know is PlanReady=False listing the known ones.
+GPU_PRODUCT_PATTERN = r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,62}[A-Za-z0-9])?$"
+_GPU_PRODUCT_HELP = ("GPU model, from the planner's catalogue (" + ", ".join(GPUS) + "; "
+                     "case-insensitive, or a GFD nvidia.com/gpu.product label): sets vLLM's "
+                     "kernels/block sizes and the nodes (GFD's nvidia.com/gpu.product)")
 
-    A100 = "A100"
-    H100 = "H100"
-    H200 = "H200"
-    L40S = "L40S"
+
+def gpu_product_name(product: str) -> str:
+    """The catalogue name of a spec's GPU product (the planner's ``gpu``), or the
+    product lower-cased when the catalogue does not know it (the planner refuses it)."""
+    try:
+        return get_gpu(product).name
+    except UnknownGpu:
+        return product.lower()
+
+
+class GpuPoolSpec(_Model):
+    """One GPU node pool the object serves on: its own workload, plan and pod size."""
+
+    name: Annotated[str, Field(min_length=1, max_length=20, pattern=DNS_LABEL_PATTERN,
+                               description="the pool's name: its workload is "
+                               "<object>-<name>, its pods labelled spillway.dev/gpu-pool")]
+    gpu_product: Annotated[str, Field(max_length=64, pattern=GPU_PRODUCT_PATTERN,
+                                      description=_GPU_PRODUCT_HELP)]
+    node_selector: Annotated[
+        dict[str, str] | None, Field(description="this pool's nodes, added to "
+                                     "resources.nodeSelector and the GPU product selection")
+    ] = None
+    min_replicas: Annotated[int, Field(ge=0, le=1000, description="replicas this pool gets "
+                                       "first, before the rest is split by weight")] = 0
+    max_replicas: Annotated[int, Field(ge=0, le=1000, description="the most this pool "
+                                       "runs; replicas beyond every pool's max are not run")] = 1000
+    weight: Annotated[int, Field(ge=1, le=1000, description="share of the replicas beyond "
+                                 "the pools' minReplicas")] = 1
 
 
 class ResourcesSpec(_Model):
@@ -426,8 +379,14 @@ class ResourcesSpec(_Model):
         ),
     ] = "nvidia.com/gpu"
     gpu_product: Annotated[
-        GPUProduct, Field(description="GPU model: sets vLLM's kernels/block sizes and node choice")
-    ] = GPUProduct.H100
+        str, Field(max_length=64, pattern=GPU_PRODUCT_PATTERN, description=_GPU_PRODUCT_HELP)
+    ] = "H100"
+    gpu_pools: Annotated[
+        list[GpuPoolSpec] | None,
+        Field(min_length=1, max_length=8, description="serve on several GPU node pools, one "
+              "workload and plan each (gpuProduct above is then unused); spec.replicas is "
+              "split over them: each its minReplicas, the rest by weight up to maxReplicas"),
+    ] = None
     gpus_per_node: Annotated[
         int, Field(ge=1, le=64, description="GPUs of one node: a replica needing more spans "
                    "several nodes (engine.nodes)")
@@ -464,12 +423,12 @@ class ResourcesSpec(_Model):
     @field_validator("cpu")
     @classmethod
     def _cpu_bounded(cls, value: str | None) -> str | None:
-        return _at_most(value, MAX_CPU, _cpu_cores)
+        return at_most(value, MAX_CPU, cpu_cores)
 
     @field_validator("extra_memory")
     @classmethod
     def _memory_bounded(cls, value: str | None) -> str | None:
-        return _at_most(value, MAX_MEMORY, parse_bytes)
+        return at_most(value, MAX_MEMORY, parse_bytes)
 
 
 class EvictionPolicy(StrEnum):
@@ -493,8 +452,6 @@ class DiskVolume(StrEnum):
     SHARED_PVC = "SharedPVC"
 
 
-DISK_CLAIM_MESSAGE = "offload.disk.claimName is required with volume SharedPVC, and only then"
-DISK_CLASS_MESSAGE = "offload.disk.storageClassName is only for volume Ephemeral"
 
 
 class DiskTierSpec(_Model):
@@ -532,7 +489,7 @@ class DiskTierSpec(_Model):
     def _size_bounded(cls, value: str) -> str:
         if parse_bytes(value, what="offload.disk.size") <= 0:
             raise ValueError("must be a positive quantity")
-        return _at_most(value, MAX_MEMORY, parse_bytes)
+        return at_most(value, MAX_MEMORY, parse_bytes)
 
     @property
     def size_bytes(self) -> int:
@@ -597,7 +554,7 @@ class OffloadSpec(_Model):
     @field_validator("host_memory", "memory_limit")
     @classmethod
     def _memory_bounded(cls, value: str | None) -> str | None:
-        return _at_most(value, MAX_MEMORY, parse_bytes)
+        return at_most(value, MAX_MEMORY, parse_bytes)
 
     @model_validator(mode="after")
     def _disk_needs_spillway(self) -> OffloadSpec:
@@ -755,49 +712,6 @@ class InferenceDeploymentSpec(_Model):
     def gpus_per_pod(self) -> int:
         return max(1, self.gpus_per_replica // self.nodes)
 
-    def placement_refusal(self) -> str | None:
-        """Why the replica cannot be split over its nodes as vLLM runs it, or None."""
-        e, nodes = self.engine, self.nodes
-        if nodes > 1 and e.data_parallel_size > 1:
-            return self._data_parallel_refusal()
-        if e.pipeline_parallel_size > 1 and nodes != e.pipeline_parallel_size:
-            # vLLM maps one offload region per instance on each node; stages sharing a node
-            # would share it with different row strides (unchecked): one stage per node.
-            return (f"spec.engine.nodes: pipeline stages are served one per node; set "
-                    f"engine.nodes to pipelineParallelSize ({e.pipeline_parallel_size}), "
-                    f"not {nodes}")
-        if nodes == 1:
-            return None
-        if self.gpus_per_replica % nodes:
-            return (f"spec.engine.nodes: {nodes} nodes do not divide the replica's "
-                    f"{self.gpus_per_replica} GPUs (tensorParallelSize x "
-                    "pipelineParallelSize) evenly")
-        if self.gpus_per_pod > self.resources.gpus_per_node:
-            return (f"spec.engine.nodes: {self.gpus_per_pod} GPUs per node are more than "
-                    f"resources.gpusPerNode ({self.resources.gpus_per_node})")
-        return None
-
-    def _data_parallel_refusal(self) -> str | None:
-        """Data parallelism across nodes (DP attention, e.g. DP x EP MoE): every node
-        holds dataParallelSize / nodes whole engines, each engine's GPUs on its node, as
-        vLLM's --data-parallel-size-local runs them."""
-        e, nodes = self.engine, self.nodes
-        dp, per_node = e.data_parallel_size, self.resources.gpus_per_node
-        if dp % nodes:
-            return (f"spec.engine.dataParallelSize: {dp} data-parallel engines do not split "
-                    f"over {nodes} nodes; each node holds whole engines, so "
-                    "dataParallelSize must be a multiple of engine.nodes")
-        if e.pipeline_parallel_size > 1:
-            return ("spec.engine.pipelineParallelSize: with dataParallelSize above 1 across "
-                    "nodes each engine runs on one node, where its pipeline stages would "
-                    "share one offload region; use pipelineParallelSize 1")
-        engine_gpus = e.tensor_parallel_size * e.pipeline_parallel_size
-        if engine_gpus * (dp // nodes) > per_node:
-            return (f"spec.engine.nodes: {dp // nodes} engines of {engine_gpus} GPUs on each "
-                    f"of {nodes} nodes are {engine_gpus * (dp // nodes)} GPUs a node, more "
-                    f"than resources.gpusPerNode ({per_node})")
-        return None
-
     @property
     def memory_limit_bytes(self) -> int:
         """The pod memory limit the planner fits the pool into when hostMemory is auto."""
@@ -837,7 +751,7 @@ class InferenceDeploymentSpec(_Model):
             offloader=off.offloader.value,
             disk_bytes=None if off.disk is None else off.disk.size_bytes,
             disk_writers=self.disk_writers,
-            gpu=self.resources.gpu_product.value.lower(),
+            gpu=gpu_product_name(self.resources.gpu_product),
             **({} if speculative is None else {
                 "speculative_method": speculative.method.value,
                 "num_speculative_tokens": speculative.num_speculative_tokens,
@@ -845,276 +759,3 @@ class InferenceDeploymentSpec(_Model):
                 else speculative.model.name,
             }),
         )
-
-
-def _cel_strings(items: Any) -> str:
-    return "[" + ", ".join("'" + i + "'" for i in items) + "]"
-
-
-def _flag_prefixes() -> dict[str, bool]:
-    """Every name (no dashes) the launcher refuses as a long flag: each protected flag
-    and each prefix of it argparse would expand to it (2+ characters)."""
-    names = [f.removeprefix("--") for f in PROTECTED_FLAGS]
-    return {n[:k]: True for n in sorted(names) for k in range(2, len(n) + 1)}
-
-
-def _extra_arg_rule() -> dict[str, str]:
-    """The engine launcher's refusal (``refused_flag``) in CEL, built from its own
-    flag lists: a long flag canonicalised as the launcher does (case, '_' for '-',
-    '=value', '.key', '--no-'), exact or as an argparse prefix; or a short alias.
-
-    The names are a map literal: a lookup costs the API server's CEL budget almost
-    nothing, where a regex or a list scan over 4 KiB arguments exceeds it."""
-    prefixes = "{" + ", ".join(f"'{k}': true" for k in _flag_prefixes()) + "}"
-    flag = "('--' + self.split('=')[0].split('.')[0].substring(2).replace('_', '-').lowerAscii())"
-    name = f"({flag}.startsWith('--no-') ? {flag}.substring(5) : {flag}.substring(2))"
-    long_refused = f"(self.startsWith('--') && {name} in {prefixes})"
-    shorts = _cel_strings(sorted(PROTECTED_SHORT_FLAGS))
-    short_refused = f"(!self.startsWith('--') && {shorts}.exists(a, self.startsWith(a)))"
-    shown = "(size(self) > 80 ? self.substring(0, 80) + '...' : self)"
-    return {
-        "rule": f"!({long_refused} || {short_refused})",
-        "messageExpression": f"'engine.extraArgs: ' + {shown} + ' is refused: it sets a flag "
-        "the plan or spillway-engine serve owns (parallelism, geometry, offload, model, "
-        "port); set it through the spec'",
-    }
-
-
-def _vllm_option_rule() -> dict[str, str]:
-    """vllm serve's own refusal of a long option it does not have, per item
-    (``vllm_cli.unknown_long_flag``, from the committed table of vLLM's options): the
-    name before '=' and the first '.', '_' read as '-' as vLLM does, must be one of its
-    option names or a prefix of one (argparse's abbreviations). Items with a space are
-    positionals to argparse and left to the operator's full check, as is all context.
-
-    The prefixes are two map literals (``vllm_cli.prefix_tables``; a literal costs the
-    CEL budget a constant): those shared by several names, and each other name under
-    its shortest prefix no other name has, tried at each length such a prefix has."""
-    shared, unique = vllm_cli.prefix_tables()
-    shared_map = "{" + ",".join(f'"{p}":1' for p in shared) + "}"
-    unique_map = "{" + ",".join(f'"{k}":"{n}"' for k, n in unique.items()) + "}"
-    lengths = "[" + ",".join(str(n) for n in sorted({len(k) for k in unique})) + "]"
-    # [x].all(v, ...) binds v to x once (no cel.bind needed)
-    key = "self.split('=')[0].split('.')[0].replace('_', '-')"
-    known = (
-        f"n in {shared_map} || [{unique_map}].all(u, {lengths}.exists(l, size(n) >= l && "
-        "n.substring(0, l) in u && u[n.substring(0, l)].startsWith(n)))"
-    )
-    shown = "(size(self) > 80 ? self.substring(0, 80) + '...' : self)"
-    version = vllm_cli.load_table()["vllm_version"]
-    return {
-        "rule": f"!self.startsWith('--') || self.contains(' ') || [{key}].all(k, size(k) <= 2 "
-        f"|| [k.substring(2)].all(n, {known}))",
-        "messageExpression": f"'engine.extraArgs: ' + {shown} + ' is not an option of vllm "
-        f"serve {version}, which would exit 2: unrecognized arguments: ' + {shown}",
-    }
-
-
-def _env_rule() -> dict[str, str]:
-    prefixes = " || ".join(f"self.name.startsWith('{p}')" for p in RESERVED_ENV_PREFIXES)
-    return {
-        "rule": f"!({prefixes} || self.name in {_cel_strings(RESERVED_ENV_NAMES)})",
-        "messageExpression": "'engine.env: ' + self.name + ' is refused: Spillway sets it or "
-        "it changes what the engine runs'",
-    }
-
-
-# CEL rules for what can be checked statically, attached to the object they read
-# ("a.b[]": each item of the list a.b).
-CEL_RULES: dict[str, list[dict[str, str]]] = {
-    "spec": [
-        cel(
-            "!self.autoscaling.enabled || (self.replicas >= self.autoscaling.minReplicas && "
-            "self.replicas <= self.autoscaling.maxReplicas)",
-            "spec.replicas must lie within autoscaling.minReplicas..maxReplicas while "
-            "autoscaling is enabled (the autoscaler owns it)",
-            ".replicas",
-        ),
-        cel(
-            "self.weights.source != 'pvc' || has(self.weights.pvc)",
-            "weights.pvc is required when weights.source is pvc",
-            ".weights",
-        ),
-    ],
-    "spec.model": [
-        cel(
-            f"self.name.split('/').all(p, size(p) <= {MODEL_ID_PART_MAX})",
-            f"model.name: each part of a model id is at most {MODEL_ID_PART_MAX} characters",
-            ".name",
-        ),
-        cel("!self.name.endsWith('.git')", "model.name: a model id cannot end in .git", ".name"),
-    ],
-    "spec.engine.image": [cel(rule, f"engine.image: {why}") for rule, why in IMAGE_CEL_CHECKS],
-    "spec.engine.extraArgs[]": [_extra_arg_rule(), _vllm_option_rule()],
-    "spec.engine.speculative": [
-        cel(
-            "self.method == 'mtp' ? !has(self.model) : has(self.model)",
-            "engine.speculative.model is required for draft_model and eagle3 and refused "
-            "for mtp (the model's own heads)",
-            ".model",
-        ),
-    ],
-    "spec.engine.speculative.model": [
-        cel(
-            f"self.name.split('/').all(p, size(p) <= {MODEL_ID_PART_MAX})",
-            f"engine.speculative.model.name: each part of a model id is at most "
-            f"{MODEL_ID_PART_MAX} characters",
-            ".name",
-        ),
-        cel(
-            "!self.name.endsWith('.git')",
-            "engine.speculative.model.name: a model id cannot end in .git",
-            ".name",
-        ),
-    ],
-    "spec.engine.env[]": [_env_rule()],
-    "spec.autoscaling": [
-        cel(
-            "self.minReplicas <= self.maxReplicas",
-            "autoscaling.minReplicas must not exceed autoscaling.maxReplicas",
-            ".minReplicas",
-        ),
-    ],
-    "spec.resources": [
-        _quantity_bound_rule("cpu", MAX_CPU),
-        _quantity_bound_rule("extraMemory", MAX_MEMORY),
-    ],
-    "spec.offload": [
-        _quantity_bound_rule("hostMemory", MAX_MEMORY),
-        _quantity_bound_rule("memoryLimit", MAX_MEMORY),
-        cel(
-            "!(has(self.blocksPerChunk) && has(self.chunkTokens))",
-            "set only one of offload.blocksPerChunk and offload.chunkTokens",
-            ".chunkTokens",
-        ),
-        cel(
-            "self.hostMemory == 'auto' || quantity(self.hostMemory).isGreaterThan(quantity('0'))",
-            "offload.hostMemory must be auto or a positive quantity",
-            ".hostMemory",
-        ),
-        cel(
-            "!has(self.disk) || self.offloader == 'spillway'",
-            "offload.disk runs under offloader spillway only",
-            ".disk",
-        ),
-    ],
-    "spec.offload.disk": [
-        _quantity_bound_rule("size", MAX_MEMORY),
-        cel(
-            "quantity(self.size).isGreaterThan(quantity('0'))",
-            "offload.disk.size must be a positive quantity",
-            ".size",
-        ),
-        cel(
-            "(self.volume == 'SharedPVC') == has(self.claimName)",
-            DISK_CLAIM_MESSAGE,
-            ".claimName",
-        ),
-        cel(
-            "!has(self.storageClassName) || self.volume == 'Ephemeral'",
-            DISK_CLASS_MESSAGE,
-            ".storageClassName",
-        ),
-    ],
-}
-
-
-# ------------------------------------------------------------------ status
-
-
-class ConditionType(StrEnum):
-    PLAN_READY = "PlanReady"
-    AVAILABLE = "Available"
-    PROGRESSING = "Progressing"
-    DEGRADED = "Degraded"
-
-
-class Condition(_Model):
-    type: str
-    status: Annotated[str, Field(pattern=r"^(True|False|Unknown)$")]
-    reason: Annotated[str, Field(pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$")]
-    message: str = ""
-    last_transition_time: Annotated[str, Field(json_schema_extra={"format": "date-time"})]
-    observed_generation: int | None = None
-
-
-class KVGroupSummary(_Model):
-    kind: str
-    num_layers: int
-    tokens_per_block: int
-    page_bytes: int
-    sliding_window: int | None = None
-
-
-class PlanSummary(_Model):
-    """What the planner decided; the full plan is in the ConfigMap the engine mounts."""
-
-    offloader: str | None = None
-    gpu: str | None = None
-    gpus_per_pod: int | None = None
-    nodes: Annotated[int | None, Field(description="pods (nodes) per replica; above 1 the "
-                                       "replicas are LeaderWorkerSet groups")] = None
-    kv_groups: list[KVGroupSummary] = []
-    tokens_per_hash: int | None = None
-    blocks_per_chunk: int | None = None
-    chunk_tokens: int | None = None
-    host_pool_bytes: int | None = None
-    host_pool: Annotated[str | None, Field(description="host pool per pod, human-readable")] = None
-    host_pool_bytes_per_engine: Annotated[
-        int | None, Field(description="each data-parallel engine's host pool")] = None
-    host_memory_scope: Annotated[
-        str | None, Field(description="whether spec.offload.hostMemory was read per engine "
-                          "or per pod")] = None
-    num_chunks: int | None = None
-    capacity_tokens: int | None = None
-    shm_bytes: int | None = None
-    memory_request_bytes: int | None = None
-    memory_limit_bytes: int | None = None
-    disk_budget_bytes_per_engine: Annotated[
-        int | None, Field(description="the disk tier's chunk files, at most, per engine")] = None
-    disk_capacity_tokens: Annotated[
-        int | None, Field(description="prefix tokens the disk tier holds per engine")] = None
-    hash: Annotated[str | None, Field(description="digest of the plan the pods run")] = None
-
-
-class AutoscalingStatus(_Model):
-    pressure: float | None = None
-    components: Annotated[
-        dict[str, float] | None,
-        Field(json_schema_extra={"type": "object", "additionalProperties": {"type": "number"}}),
-    ] = None
-    measured_pods: Annotated[
-        int | None, Field(description="ready pods whose pressure was measured")] = None
-    unmeasured_pods: Annotated[
-        int | None, Field(description="ready pods whose /metrics could not be used")] = None
-    metrics_problems: Annotated[
-        list[str] | None, Field(description="why, for the first few of them")] = None
-    desired_replicas: int | None = None
-    last_decision: str | None = None
-    last_decision_reason: str | None = None
-    last_scale_time: Annotated[str | None, Field(json_schema_extra={"format": "date-time"})] = None
-
-
-class Routing(StrEnum):
-    """What routes requests to the engine pods (status.routing)."""
-
-    SPILLWAY_ROUTER = "SpillwayRouter"
-    INFERENCE_POOL = "InferencePool"
-
-
-class InferenceDeploymentStatus(_Model):
-    observed_generation: int | None = None
-    replicas: int = 0
-    ready_replicas: int = 0
-    selector: Annotated[str | None, Field(description="label selector of the pods (scale)")] = None
-    conditions: list[Condition] = []
-    plan: PlanSummary | None = None
-    autoscaling: AutoscalingStatus | None = None
-    routing: Annotated[
-        Routing | None,
-        Field(description="InferencePool: an InferencePool of this name selects the engine "
-              "pods for a Gateway API Inference Extension gateway, with Spillway's endpoint "
-              "picker; SpillwayRouter: none (no --endpoint-picker given to the operator, or "
-              "the cluster does not serve inference.networking.k8s.io/v1 InferencePools), "
-              "clients use spillway-router or the Service"),
-    ] = None

@@ -18,13 +18,14 @@ from pydantic import BaseModel, ValidationError
 
 from spillway_engine.planner.plan import Plan
 from spillway_engine.quantity import human_bytes
-from spillway_operator.flow.spec import (
+from spillway_operator.flow.status_model import (
     AutoscalingStatus,
     Condition,
     ConditionType,
     InferenceDeploymentStatus,
     KVGroupSummary,
     PlanSummary,
+    PoolStatus,
     Routing,
 )
 from spillway_operator.names import GROUP, LWS_GROUP_INDEX, LWS_KIND, LWS_REVISION, LWS_WORKER_INDEX
@@ -68,6 +69,14 @@ class Observed:
     routing: Routing | None = None
     # Multi-node replicas: the groups LWS is recreating after one of their pods failed
     restarting_groups: list[str] = field(default_factory=list)
+    # spec.resources.gpuPools: each pool's status ([] without pools; None: not planned
+    # this time, the status keeps what it said)
+    pools: list[PoolStatus] | None = None
+    # Pools whose nodeSelector matches nodes of other GPU products, one message each
+    # (None: not checked, no pool has a nodeSelector or nodes cannot be listed)
+    mixed_products: list[str] | None = None
+    # Each pool's live workload (pool None: the object's own), as applied or read
+    workloads: list[tuple[str | None, dict[str, Any] | None]] | None = None
 
 
 # ------------------------------------------------------------------ wire format
@@ -380,15 +389,43 @@ def _degraded(obs: Observed, unschedulable: str | None,
     return Cond(ConditionType.DEGRADED, False, "AsExpected", "")
 
 
+def _mixed_products(messages: list[str]) -> Cond:
+    if messages:
+        return Cond(ConditionType.MIXED_GPU_PRODUCTS, True, "MixedGPUProducts",
+                    " | ".join(messages))
+    return Cond(ConditionType.MIXED_GPU_PRODUCTS, False, "OneGPUProductPerPool",
+                "each pool's nodes carry its GPU product only")
+
+
 def conditions_for(obs: Observed) -> list[Cond]:
     rollout = Rollout.of(obs.deployment, obs.desired_replicas)
     unschedulable = unschedulable_message(obs.pods)
-    return [
+    conds = [
         _plan_ready(obs),
         _available(obs, rollout, unschedulable),
         _progressing(obs, rollout),
         _degraded(obs, unschedulable, pod_failure(obs.pods)),
     ]
+    if obs.mixed_products is not None:
+        conds.append(_mixed_products(obs.mixed_products))
+    return conds
+
+
+def combined_workload(workloads: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The GPU pools' workloads as one, for the conditions and replica counts: spec and
+    status replicas summed, observed only when every pool's controller has seen its
+    last change. One workload is itself."""
+    if len(workloads) <= 1:
+        return workloads[0] if workloads else None
+    fields = ("replicas", "readyReplicas", "updatedReplicas", "availableReplicas")
+    status = {f: sum(int((w.get("status") or {}).get(f) or 0) for w in workloads)
+              for f in fields}
+    seen = all(w.get("kind") == LWS_KIND or (w.get("status") or {}).get(
+        "observedGeneration") == w["metadata"].get("generation") for w in workloads)
+    return {"kind": "Deployment", "metadata": {"generation": 1},
+            "spec": {"replicas": sum(int((w.get("spec") or {}).get("replicas") or 0)
+                                     for w in workloads)},
+            "status": {**status, "observedGeneration": 1 if seen else 0}}
 
 
 def scaling_condition(autoscaling: AutoscalingStatus | None) -> Cond:
@@ -485,5 +522,6 @@ def build_status(obs: Observed, old: InferenceDeploymentStatus, now: str | None 
         conditions=merge_conditions(old.conditions, conds, obs.generation, now),
         # No plan this time (refused, or config unavailable): the pods run the last one.
         plan=obs.plan_summary if obs.plan_summary is not None else old.plan,
+        pools=old.pools if obs.pools is None else (obs.pools or None),
         routing=obs.routing if obs.routing is not None else old.routing,
     )

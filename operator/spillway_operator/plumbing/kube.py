@@ -586,6 +586,11 @@ class Kube:
                             query={"labelSelector": selector})
         return data.get("items", [])
 
+    def list_nodes(self, selector: str) -> list[dict]:
+        """The nodes a label selector matches (a GPU pool's nodeSelector)."""
+        data = self.request("get", f"{api_path('v1')}/nodes", query={"labelSelector": selector})
+        return data.get("items", [])
+
     def owned_pods(self, owner: Key, selector: str, deployment: dict | None) -> list[dict]:
         """The pods of an InferenceDeployment: the watches' copies when they agree with
         its Deployment's count, else listed (and the copies replaced)."""

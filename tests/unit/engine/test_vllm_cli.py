@@ -18,7 +18,8 @@ from spillway_engine.launcher.serve import EngineCliError, build_command
 from spillway_engine.planner.plan import PlanRequest, make_plan
 from spillway_engine.seam import EngineOptions
 from spillway_engine.vllm_pins import VLLM_VERSION
-from spillway_operator.flow.spec import CEL_RULES, EngineSpec
+from spillway_operator.flow.cel import CEL_RULES
+from spillway_operator.flow.spec import EngineSpec
 from tests.unit.planner_fixtures import load_model
 
 PLAN = make_plan(load_model("llama-3.2-1b"),

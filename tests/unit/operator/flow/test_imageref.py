@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from spillway_operator.flow import imageref
+from spillway_operator.flow.cel import CEL_RULES
 from spillway_operator.flow.imageref import (
     CEL_CHECKS,
     IDENTIFIER_PATTERN,
@@ -30,7 +31,6 @@ from spillway_operator.flow.imageref import (
 )
 from spillway_operator.flow.reconciler import plan_failure
 from spillway_operator.flow.spec import (
-    CEL_RULES,
     DEFAULT_ENGINE_IMAGE,
     EngineSpec,
     InferenceDeploymentSpec,

@@ -16,13 +16,8 @@ from pydantic import ValidationError
 from spillway_engine.seam import PROTECTED_FLAGS, PROTECTED_SHORT_FLAGS, refused_flag
 from spillway_engine.vllm_cli import one_line, refusal
 from spillway_operator.flow import crd, reconciler
-from spillway_operator.flow.spec import (
-    MODEL_ID_PATTERN,
-    RESERVED_ENV_NAMES,
-    EngineSpec,
-    InferenceDeploymentSpec,
-    ModelSpec,
-)
+from spillway_operator.flow.spec import EngineSpec, InferenceDeploymentSpec, ModelSpec
+from spillway_operator.flow.spec_input import MODEL_ID_PATTERN, RESERVED_ENV_NAMES
 
 
 def hub_accepts(name: str) -> bool:

@@ -16,7 +16,7 @@ from spillway_engine.planner.model_config import load_local
 from spillway_operator.flow import render, routing
 from spillway_operator.flow.reconciler import Reconciler
 from spillway_operator.flow.routing import EndpointPicker, parse_endpoint_picker
-from spillway_operator.flow.spec import Routing
+from spillway_operator.flow.status_model import Routing
 from spillway_operator.main import add_arguments
 from spillway_operator.plumbing.cache import WatchCache
 from spillway_operator.plumbing.kube import Kube

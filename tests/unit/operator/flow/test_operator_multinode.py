@@ -13,6 +13,7 @@ from spillway_engine.planner.pod_sizing import WORKER_PROCESS_BYTES
 from spillway_engine.quantity import parse_bytes
 from spillway_operator.flow import render
 from spillway_operator.flow.crd import spec_schema
+from spillway_operator.flow.placement import placement_refusal
 from spillway_operator.flow.reconciler import Reconciler, make_plan_safely
 from spillway_operator.flow.spec import InferenceDeploymentSpec
 from spillway_operator.flow.status import (
@@ -40,7 +41,7 @@ def spec_of(engine: dict[str, Any] | None = None, **fields: Any) -> InferenceDep
 
 def test_sixteen_gpus_on_eight_gpu_nodes_span_two_nodes():
     spec = spec_of()
-    assert (spec.nodes, spec.gpus_per_pod, spec.placement_refusal()) == (2, 8, None)
+    assert (spec.nodes, spec.gpus_per_pod, placement_refusal(spec)) == (2, 8, None)
     # pipeline stages split too, and an explicit node count wins over the default
     assert spec_of({"tensorParallelSize": 8, "pipelineParallelSize": 2}).nodes == 2
     assert spec_of({"tensorParallelSize": 8, "nodes": 2}).gpus_per_pod == 4
@@ -59,7 +60,7 @@ def test_sixteen_gpus_on_eight_gpu_nodes_span_two_nodes():
 ])
 def test_a_placement_vllm_cannot_run_is_refused_naming_the_field(engine, gpus_per_node, field):
     spec = spec_of(engine, resources={"gpusPerNode": gpus_per_node})
-    refusal = spec.placement_refusal()
+    refusal = placement_refusal(spec)
     if field is None:
         assert refusal is None
         return
@@ -307,7 +308,7 @@ def test_pipeline_stages_one_per_node_are_served():
     """TP 8 x PP 2 on 8-GPU nodes: two pods, each a stage; each pod is sized for the
     largest stage's region (DeepSeek-V3's 61 layers split 31 + 30)."""
     spec = spec_of({"tensorParallelSize": 8, "pipelineParallelSize": 2})
-    assert spec.nodes == 2 and spec.placement_refusal() is None
+    assert spec.nodes == 2 and placement_refusal(spec) is None
     plan = make_plan_safely(DEEPSEEK, spec)
     assert [s.num_cache_layers for s in plan.stages] == [31, 30]
     assert plan.pod.pool_bytes_per_engine == max(s.region_bytes for s in plan.stages)
@@ -316,7 +317,7 @@ def test_pipeline_stages_one_per_node_are_served():
     # two stages in one pod (or four on two nodes) share a node's region: refused
     for engine in ({"tensorParallelSize": 4, "pipelineParallelSize": 2},
                    {"tensorParallelSize": 4, "pipelineParallelSize": 4, "nodes": 2}):
-        refusal = spec_of(engine).placement_refusal()
+        refusal = placement_refusal(spec_of(engine))
         assert refusal is not None and refusal.startswith("spec.engine.nodes")
 
 
@@ -361,7 +362,7 @@ def dp_ep_spec(dp: int = 16, tp: int = 1, **engine: Any) -> InferenceDeploymentS
 
 def test_dp16_ep_over_two_nodes_is_one_group_of_two_pods_with_eight_engines_each():
     spec = dp_ep_spec()
-    assert (spec.nodes, spec.gpus_per_pod, spec.placement_refusal()) == (2, 8, None)
+    assert (spec.nodes, spec.gpus_per_pod, placement_refusal(spec)) == (2, 8, None)
     plan = make_plan_safely(DEEPSEEK, spec)
     par = plan.parallelism
     assert (par.nodes, par.data_parallel_size, par.world_size) == (2, 16, 1)
@@ -406,7 +407,7 @@ def test_dp_with_tp2_replicates_mla_rows_per_engine():
 ])
 def test_dp_across_nodes_needs_whole_engines_a_node(engine, field):
     spec = dp_ep_spec(**engine)
-    refusal = spec.placement_refusal()
+    refusal = placement_refusal(spec)
     if field is None:
         assert refusal is None and spec.gpus_per_pod == 8
         return
@@ -418,7 +419,7 @@ def test_dp_across_nodes_needs_whole_engines_a_node(engine, field):
 def test_dp_engines_more_than_a_node_holds_are_refused():
     spec = spec_of({"tensorParallelSize": 4, "dataParallelSize": 4, "nodes": 2},
                    resources={"gpusPerNode": 4})  # 2 engines of 4 GPUs a node > 4
-    refusal = spec.placement_refusal()
+    refusal = placement_refusal(spec)
     assert refusal is not None and refusal.startswith("spec.engine.nodes")
     assert "resources.gpusPerNode (4)" in refusal
 

@@ -19,12 +19,7 @@ from spillway_operator.flow import scaler as scaler_module
 from spillway_operator.flow.pressure import Aggregate
 from spillway_operator.flow.reconciler import Reconciler
 from spillway_operator.flow.scaler import Autoscaler
-from spillway_operator.flow.spec import (
-    AutoscalingStatus,
-    Condition,
-    InferenceDeploymentSpec,
-    InferenceDeploymentStatus,
-)
+from spillway_operator.flow.spec import InferenceDeploymentSpec
 from spillway_operator.flow.status import (
     Observed,
     build_status,
@@ -34,6 +29,11 @@ from spillway_operator.flow.status import (
     scaling_condition,
     to_wire,
     transitions,
+)
+from spillway_operator.flow.status_model import (
+    AutoscalingStatus,
+    Condition,
+    InferenceDeploymentStatus,
 )
 from spillway_operator.plumbing.kube import contains
 

@@ -9,8 +9,9 @@ import pytest
 
 from spillway_operator.flow import disruption, render, rollout
 from spillway_operator.flow.reconciler import event_type
-from spillway_operator.flow.spec import Condition, InferenceDeploymentSpec
+from spillway_operator.flow.spec import InferenceDeploymentSpec
 from spillway_operator.flow.status import Observed, conditions_for
+from spillway_operator.flow.status_model import Condition
 from tests.unit.operator.flow.test_operator_render import OWNER, plan_for
 
 NOW = 1_800_000_000.0

@@ -1,0 +1,81 @@
+"""What the spec's fields accept: patterns, bounds and reserved names.
+
+Shared by the pydantic model (``flow.spec``), which the operator parses every object
+with, and the CEL rules (``flow.cel``) the API server runs at apply, so both refuse
+the same input with the same words.
+"""
+
+from __future__ import annotations
+
+import re
+from decimal import Decimal
+
+# A Kubernetes resource quantity ("64Gi", "500M", "1.5Ti", "123456").
+QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
+#: CPU quantities also come in millicores ("250m"), which memory sizes never need.
+CPU_PATTERN = r"^([0-9]+m|[0-9]+(\.[0-9]+)?(k|M|G|T|P|E)?)$"
+DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+#: Upper bounds on the spec's quantities, far beyond any node (the largest hold tens of
+#: TiB and a few thousand CPUs): a typo such as 99999999999999999999Ei is refused by
+#: field at apply, rather than planned into pod sizes no API server can store.
+MAX_MEMORY = "1Pi"
+MAX_CPU = "65536"
+
+
+def cpu_cores(value: str) -> Decimal:
+    if value.endswith("m"):
+        return Decimal(value[:-1]) / 1000
+    number = re.match(r"[0-9.]+", value).group()
+    return Decimal(number) * 1000 ** " kMGTPE".index(value[len(number):] or " ")
+
+
+def at_most(value: str | None, maximum: str, parse) -> str | None:
+    if value is not None and value != "auto" and parse(value) > parse(maximum):
+        raise ValueError(f"{value} is more than {maximum}, beyond any node")
+    return value
+
+
+# A Hugging Face repo id, as huggingface_hub's validate_repo_id accepts it (ASCII):
+# "name" or "namespace/name", each part word characters joined by '-' and '.' with
+# no "--" or ".." (so separators alternate), starting and ending with a word
+# character. Each part's 96-character limit and the ".git" ending are CEL rules.
+_WORD = "[A-Za-z0-9_]+"
+_SEPARATOR = r"(-(\.-)*\.?|\.(-\.)*-?)"
+_REPO_PART = f"{_WORD}({_SEPARATOR}{_WORD})*"
+MODEL_ID_PATTERN = f"^({_REPO_PART}/)?{_REPO_PART}$"
+MODEL_ID_PART_MAX = 96
+
+
+def model_id_problem(name: str) -> str | None:
+    """What the hub refuses in a model id that the pattern lets through, if anything."""
+    if any(len(part) > MODEL_ID_PART_MAX for part in name.split("/")):
+        return f"each part of a model id is at most {MODEL_ID_PART_MAX} characters"
+    if name.endswith(".git"):
+        return "a model id cannot end in .git"
+    return None
+
+
+# Container env the engine or the operator owns, or that changes what the engine
+# runs (its plugins, its Python path, its GPUs): refused in engine.env.
+RESERVED_ENV_PREFIXES = ("SPILLWAY_",)
+RESERVED_ENV_NAMES = (
+    "HF_HOME",  # the operator's model cache volume
+    "HF_TOKEN",  # model.tokenSecretRef
+    "HUGGING_FACE_HUB_TOKEN",
+    "VLLM_PLUGINS",  # Spillway's plugin must load
+    "VLLM_ATTENTION_BACKEND",  # the planned block sizes follow the planned backend
+    "CUDA_VISIBLE_DEVICES",  # the GPUs the plan was sized for
+    "PYTHONPATH",
+    "PYTHONHOME",
+    "PYTHONSTARTUP",
+    "PYTHONUSERBASE",
+    "LD_PRELOAD",
+    "LD_LIBRARY_PATH",
+)
+
+
+def reserved_env(name: str) -> bool:
+    return name.startswith(RESERVED_ENV_PREFIXES) or name in RESERVED_ENV_NAMES
+
+DISK_CLAIM_MESSAGE = "offload.disk.claimName is required with volume SharedPVC, and only then"
+DISK_CLASS_MESSAGE = "offload.disk.storageClassName is only for volume Ephemeral"
