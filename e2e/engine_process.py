@@ -86,9 +86,9 @@ def engine_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
 def plan_for(model_dir: Path, **kw: Any) -> Plan:
     config = json.loads((model_dir / "config.json").read_text())
     kw.setdefault("cpu_memory_bytes", POOL_BYTES)
+    kw.setdefault("gpu", "h100")
     return make_plan(
-        config,
-        PlanRequest(model_name=str(model_dir), gpu="h100", max_model_len=MAX_MODEL_LEN, **kw),
+        config, PlanRequest(model_name=str(model_dir), max_model_len=MAX_MODEL_LEN, **kw)
     )
 
 

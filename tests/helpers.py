@@ -54,6 +54,5 @@ def http_get(url: str, timeout: float = 30) -> tuple[int, str]:
 
 
 #: The GPU of the second pool in the GPU pool tests (unit and integration) beside an H100
-#: one: any catalogue GPU that plans today. Once Blackwell plans, "b200" here is the one
-#: word that moves them all to issue 43's H100 + B200 pair.
-SECOND_GPU = "a100"
+#: one: issue 43's H100 + B200 pair (any catalogue GPU that plans works here).
+SECOND_GPU = "b200"

@@ -202,3 +202,43 @@ def test_architecture_is_refused_at_serve_emulate_gpu_in_one_line(arch: str, tmp
     assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
     assert lines[0].startswith("spillway-engine: error: ") and arch in lines[0], lines
     assert REFUSED[arch] in lines[0]
+
+
+#: Blackwell and RTX PRO 6000 on the emulated GPU: each backend the planner names there
+#: (FlashInfer-MLA's 32-token pages, the prefix-LM composite's 64, FlashInfer's GDN grid,
+#: SM120's FlashInfer for sinks), built by vLLM's layers and passing the plan check.
+BLACKWELL = [
+    ("DeepseekV2ForCausalLM", "b200", "FLASHINFER_MLA", 32),
+    ("Gemma3ForConditionalGeneration", "b200", "TRITON_FLASHINFER", 64),
+    ("Qwen3NextForCausalLM", "gb300", "FLASHINFER", None),
+    ("GptOssForCausalLM", "rtx-pro-6000", "FLASHINFER", 16),
+]
+
+
+@pytest.mark.parametrize(("arch", "gpu", "backend", "block"), BLACKWELL,
+                         ids=[f"{a}-{g}" for a, g, _, _ in BLACKWELL])
+def test_blackwell_plans_start_on_the_emulated_gpu(
+    arch: str, gpu: str, backend: str, block: int | None, tmp_path: Path
+):
+    model_dir = write_model(tmp_path / "model", tiny_config(arch))
+    plan = ep.plan_for(model_dir, cpu_memory_bytes=POOL_BYTES, gpu=gpu)
+    assert plan.gpu.attention_backend == backend
+    if block is not None:
+        assert plan.block_size == block
+    if arch == "Qwen3NextForCausalLM":
+        assert plan.gpu.gdn_prefill_kernel == "flashinfer" and plan.block_size % 64 == 0
+    plan_path = ep.write_plan(tmp_path / "run", plan, model_dir)
+    log = tmp_path / "engine.log"
+    proc = ep.launch(plan_path, log, port := ep.free_port(), default_emulated_kv_bytes(plan))
+    server = ep.Server(arch, proc, port, log, plan, 0.0)
+    try:
+        ep.wait_ready(server)
+        out = ep.post(server.url("/v1/completions"),
+                      {"model": "tiny", "prompt": [5 + i % 400 for i in range(40)],
+                       "max_tokens": 4})
+        assert out["usage"]["completion_tokens"] == 4, out
+        text = server.log_text()
+        assert "Spillway plan check passed" in text, text[-3000:]
+        assert re.search(rf"Emulated GPU {gpu}: \w+ built on the meta device", text), text[-3000:]
+    finally:
+        ep.kill_group(proc)

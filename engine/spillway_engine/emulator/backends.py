@@ -105,6 +105,29 @@ class FlashInferMLAStandIn(TritonMLABackend):
         return "FLASHINFER_MLA"
 
 
+class FlashInferStandIn(FlashAttentionBackend):
+    """FlashInfer's kernel pages (16, 32 or 64 tokens, 16 preferred) whatever the emulated
+    GPU, with FlashAttention's cache layout, which the emulated worker allocates.
+    FlashAttention's own class is no stand-in on an emulated SM10x: there it asks for FA4's
+    128-token pages at head 256, a rule of FA4's, not FlashInfer's."""
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec: Any = None) -> list[Any]:
+        return [16, 32, 64]
+
+    @classmethod
+    def get_preferred_block_size(cls, default_block_size: int) -> int:
+        return default_block_size if default_block_size % 16 == 0 else 16
+
+    @classmethod
+    def supports_block_size(cls, block_size: int | None) -> bool:
+        return block_size is None or block_size % 16 == 0
+
+    @staticmethod
+    def get_name() -> str:
+        return "FLASHINFER"
+
+
 class TritonFlashInferStandIn(FlashAttentionBackend):
     """The Triton+FlashInfer prefix-LM composite's exactly-64-token pages (SM10x), with
     FlashAttention's cache layout, which the emulated worker allocates."""
@@ -116,6 +139,10 @@ class TritonFlashInferStandIn(FlashAttentionBackend):
     @classmethod
     def supports_block_size(cls, block_size: int | None) -> bool:
         return block_size is None or block_size % 64 == 0
+
+    @classmethod
+    def get_preferred_block_size(cls, default_block_size: int) -> int:
+        return default_block_size if default_block_size % 64 == 0 else 64
 
     @staticmethod
     def get_name() -> str:
@@ -130,10 +157,6 @@ _BACKENDS = {
     "TRITON_FLASH_ATTN": AttentionBackendEnum.FLASH_ATTN,
     # vLLM forces Triton attention for Gemma 4 off Hopper: the same MultipleOf(16) rule
     "TRITON_ATTN": AttentionBackendEnum.FLASH_ATTN,
-    # FlashInfer (SM10x first; sinks, FP8 elsewhere) runs 16, 32 or 64-token kernel
-    # pages, preferring 16: FlashAttention's MultipleOf(16) gives the same blocks, and
-    # its cache layout is the one the emulated worker allocates
-    "FLASHINFER": AttentionBackendEnum.FLASH_ATTN,
     "FLASH_ATTN_MLA": AttentionBackendEnum.TRITON_MLA,
     "TRITON_MLA": AttentionBackendEnum.TRITON_MLA,
 }
@@ -141,6 +164,7 @@ BACKEND_PATHS: Mapping[str, str] = {
     **{name: backend.get_path() for name, backend in _BACKENDS.items()},
     "FLASHMLA": f"{__name__}.FlashMLAStandIn",
     "FLASHINFER_MLA": f"{__name__}.FlashInferMLAStandIn",
+    "FLASHINFER": f"{__name__}.FlashInferStandIn",
     "TRITON_FLASHINFER": f"{__name__}.TritonFlashInferStandIn",
     # Sparse MLA: FlashMLA's sparse backend imports on a CPU (FlashAttention's needs
     # CUDA); both run MultipleOf(64) blocks and align 16-bit blocks to whole rows.

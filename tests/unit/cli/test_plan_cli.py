@@ -119,7 +119,7 @@ def test_pool_too_big_for_limit(capsys):
         (["--cpu-memory", "64Gi", "--tensor-parallel-size", "0"], "at least 1"),
         (["--cpu-memory", "64Gi", "--blocks-per-chunk", "0"], "greater than 0"),
         (["--cpu-memory", "1Ki"], "smaller than one"),
-        (["--cpu-memory", "64Gi", "--gpu", "b200"], "not modelled"),
+        (["--cpu-memory", "64Gi", "--gpu", "mi300x"], "unknown GPU 'mi300x'; known GPUs"),
         (["--cpu-memory", "64Gi", "--max-model-len", "999999999"], "context length"),
         ([], "--cpu-memory"),
     ],

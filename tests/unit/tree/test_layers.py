@@ -51,13 +51,15 @@ ROUTER_FLOORS = [("router", ["spillway_router"])]
 #: The rest of the tree (named from the repository root), lowest first.
 TREE_FLOORS = [
     ("e2e base", ["e2e", "e2e.processes", "e2e.engine_process", "e2e.cluster.errors",
+                  "e2e.cluster.gfd",
                   "e2e.cluster.pki", "e2e.nodes.ociimage"]),
     ("real nodes", ["e2e.nodes"]),
     ("control plane", ["e2e.cluster"]),
     ("e2e harness", ["e2e.install", "e2e.operator_process", "e2e.simfleet", "e2e.gateway"]),
     ("demo", ["e2e.demo"]),
     ("contract harness", ["tests.helpers", "tests.contract.conftest",
-                          "tests.contract.vllm_harness", "tests.contract.offload_loop"]),
+                          "tests.contract.vllm_harness", "tests.contract.offload_loop",
+                          "tests.contract.cuda_selector"]),
     ("bench", ["bench"]),
     ("device checks", ["e2e.gpu"]),
     ("tests", ["tests"]),

@@ -28,7 +28,6 @@ EXCEPTIONS: dict[str, str] = {
     "engine/spillway_engine/planner/kv_layout.py::_with_stages": SPLITTING,
     "engine/spillway_engine/planner/plan.py": SPLITTING,
     "engine/spillway_engine/planner/plan.py::_make_plan": SPLITTING,
-    "operator/spillway_operator/flow/spec.py": SPLITTING,
     "engine/spillway_engine/vllm_cli.py::preprocess": (
         "a line-for-line port of vLLM 0.33.0's FlexibleArgumentParser rewriting, "
         "kept whole to be read against vLLM's own"

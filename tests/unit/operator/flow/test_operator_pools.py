@@ -179,8 +179,8 @@ def test_each_pool_gets_its_own_plan_workload_and_pinned_pods():
     result = Reconciler(kube).reconcile(obj)
     assert result.outcome == "ok", obj.get("status")
     names = sorted(name for kind, name in kube.children)
-    assert names == ["chat", "chat", "chat-a100", "chat-a100-plan", "chat-h100",
-                     "chat-h100-plan"]  # the Service and PDB are the object's
+    assert names == sorted(["chat", "chat", f"chat-{SECOND}", f"chat-{SECOND}-plan",
+                            "chat-h100", "chat-h100-plan"])  # Service and PDB: the object's
     h100, second = kube.children["Deployment", "chat-h100"], kube.children[
         "Deployment", f"chat-{SECOND}"]
     assert (h100["spec"]["replicas"], second["spec"]["replicas"]) == (2, 1)
