@@ -210,6 +210,11 @@ class KVGroupInfo(_Model):
     prefix_cacheable: bool = Field(
         True, description="False for a per-request ring (circular buffer): never offloaded."
     )
+    backend: str | None = Field(
+        None,
+        description="The kernels vLLM runs this group's layers on: the attention backend, "
+        "or for state layers their family's kernels (GDN's prefill kernel named).",
+    )
 
 
 class GroupChunkInfo(_Model):
@@ -984,9 +989,21 @@ def _kv_groups(layout: KVLayout) -> list[dict[str, Any]]:
             padded_layers=g.padded_layers,
             layer_page_bytes=list(g.layer_page_bytes),
             prefix_cacheable=g.prefix_cacheable,
+            backend=_group_backend(layout, g.kind),
         )
         for g in layout.groups
     ]
+
+
+def _group_backend(layout: KVLayout, kind: str) -> str | None:
+    """The backend a group's layers run on: the model's attention backend, or for state
+    layers their family's kernels (GDN's prefill kernel, which sets the block grid, named)."""
+    if kind != "mamba":
+        return layout.attention_backend
+    family = layout.shape.mamba.family if layout.shape.mamba is not None else "mamba"
+    if layout.gdn_prefill_kernel is not None:
+        return f"{family} ({layout.gdn_prefill_kernel} prefill)"
+    return family
 
 
 def _upstream_info(upstream: UpstreamGeometry) -> dict[str, Any]:

@@ -459,3 +459,19 @@ def test_plan_cli_takes_a_speculative_config(capsys):
     ngram = '{"method": "ngram", "num_speculative_tokens": 1}'
     assert main([*args, "--speculative-config", ngram]) == 2
     assert "not modelled" in json.loads(capsys.readouterr().out)["error"]  # --format json
+
+
+def test_plan_names_the_backend_of_every_group():
+    from spillway_engine.planner.plan import PlanRequest, make_plan
+    from tests.unit.planner_fixtures import load_model
+
+    plan = make_plan(load_model("qwen3-next-80b-a3b-instruct"),
+                     PlanRequest(gpu="b200", cpu_memory_bytes=64 << 30))
+    assert {(g.kind, g.backend) for g in plan.kv_groups} == {
+        ("full_attention", "FLASHINFER"), ("mamba", "gdn (flashinfer prefill)")}
+    cu12 = make_plan(load_model("qwen3-next-80b-a3b-instruct"),
+                     PlanRequest(gpu="b200", cuda_major=12, cpu_memory_bytes=64 << 30))
+    assert {g.backend for g in cu12.kv_groups if g.kind == "mamba"} == {"gdn (triton prefill)"}
+    hopper = make_plan(load_model("deepseek-v3"),
+                       PlanRequest(gpu="h100", tensor_parallel_size=8, cpu_memory_bytes=64 << 30))
+    assert [g.backend for g in hopper.kv_groups] == ["FLASH_ATTN_MLA"]
