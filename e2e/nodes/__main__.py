@@ -28,7 +28,8 @@ def main(argv: list[str] | None = None) -> int:
                       help="keep the layer blobs after unpacking (default: free them)")
     load.add_argument("--one-at-a-time", action="store_true",
                       help="one docker save per node, freeing each node's blobs before the "
-                           "next: less disk at once for a big image, slower")
+                           "next: less disk at once for a big image, slower (default: all "
+                           "nodes from one save when the disk holds it)")
     sub.add_parser("status", help="who owns the machine's real nodes")
     sub.add_parser("down", help="remove the machine's real nodes, whoever owns them")
     args = parser.parse_args(argv)
@@ -38,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
                 t0 = time.monotonic()
                 result = load_image(ref, docker_host=args.docker_host,
                                     free_layers=not args.keep_layers,
-                                    parallel=not args.one_at_a_time)
+                                    parallel=False if args.one_at_a_time else None)
                 states = ", ".join(f"{n} {s}" for n, s in sorted(result.items()))
                 print(f"{ref}: {states} ({time.monotonic() - t0:.1f}s)")
             return 0

@@ -21,12 +21,13 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import tempfile
 import threading
 from pathlib import Path
 
-from e2e.nodes.realnodes import PATH, NodeError, NodeSpec, RealNodes
+from e2e.nodes.realnodes import CACHE_ROOT, PATH, NodeError, NodeSpec, RealNodes
 
 DOCKER = os.environ.get("SPILLWAY_DOCKER", "/usr/bin/docker")
 DOCKER_HOST = os.environ.get("SPILLWAY_DOCKER_HOST", "unix:///run/spillway/docker.sock")
@@ -198,25 +199,54 @@ def _fan_out(ref: str, targets: list[tuple[str, Path]], docker_host: str, docker
         raise NodeError("loading " + ref + " failed: " + "; ".join(failures))
 
 
+def docker_image_size(ref: str, docker_host: str = DOCKER_HOST, docker: str = DOCKER) -> int:
+    """The image's size in bytes as docker reports it (its layers, uncompressed)."""
+    proc = subprocess.run([docker, "image", "inspect", "--format", "{{.Size}}", ref],
+                          capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "DOCKER_HOST": docker_host})
+    if proc.returncode != 0:
+        raise NodeError(f"docker image inspect {ref} (DOCKER_HOST={docker_host}) failed: "
+                        f"{proc.stderr.strip()}")
+    return int(proc.stdout.strip())
+
+
+#: Free disk to keep beyond a load's peak (the kubelets evict below 1Gi; logs, pods).
+DISK_MARGIN = 4 << 30
+
+
+def all_at_once(image_bytes: int, nodes: int, free_bytes: int) -> bool:
+    """Whether one save into every node at once fits the disk: each node holds the image
+    twice while it imports (blobs and snapshots), so all at once peaks at 2 x image x
+    nodes; one node at a time at 2 x image (the earlier nodes' blobs freed)."""
+    return 2 * image_bytes * nodes + DISK_MARGIN <= free_bytes
+
+
 def load_image(ref: str, runtimes: list[tuple[str, Path]] | None = None,
                docker_host: str = DOCKER_HOST, free_layers: bool = True,
-               docker: str = DOCKER, parallel: bool = True) -> dict[str, str]:
+               docker: str = DOCKER, parallel: bool | None = None) -> dict[str, str]:
     """Make image ``ref`` of the docker daemon present in every real node's containerd
     (``runtimes``: (node, socket), default the machine's running real nodes). Returns
     {node: "present" | "imported"}; pods then run it with imagePullPolicy IfNotPresent
     (a ``:latest`` tag means Always, which needs a registry: tag it otherwise).
 
     Disk: a node holds an image twice while it imports (blobs and snapshots), once
-    after. ``parallel`` (one ``docker save`` for all nodes) peaks at twice the image per
-    node at once; ``parallel=False`` saves once per node and frees each node's blobs
-    before the next, peaking at one extra copy (for a 10 GB image on two nodes: 40 GB
-    against 30 GB beyond docker's own copy; 20 GB after either)."""
+    after. ``parallel`` (one ``docker save`` streamed into every node at once) peaks at
+    twice the image per node at once; ``parallel=False`` saves once per node and frees
+    each node's blobs before the next, peaking at one extra copy (for a 4 GB image on two
+    nodes: 16 GB against 12 GB beyond docker's own copy; 8 GB after either). ``None``
+    (the default) loads all at once when that peak leaves ``DISK_MARGIN`` free on the
+    nodes' disk, else one at a time: one save instead of one per node, and the nodes'
+    imports (disk writes, unpacking) overlap."""
     runtimes = runtimes if runtimes is not None else current_runtimes()
     image_id = docker_image_id(ref, docker_host, docker)
     name = normalize(ref)
     result = {node: "present" for node, socket in runtimes
               if config_digest(socket, name) == image_id}
     targets = [(node, socket) for node, socket in runtimes if node not in result]
+    if parallel is None and targets:
+        CACHE_ROOT.mkdir(parents=True, exist_ok=True)
+        parallel = all_at_once(docker_image_size(ref, docker_host, docker), len(targets),
+                               shutil.disk_usage(CACHE_ROOT).free)
     for batch in [targets] if parallel else [[t] for t in targets]:
         if not batch:
             continue
