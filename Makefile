@@ -5,7 +5,7 @@ SHELL := /bin/bash
 VENV ?= $(HOME)/.cache/spillway/venv
 PYTEST_ARGS ?=
 
-.PHONY: crd help venv venv-demo host tools images setup setup-demo lint test test-unit test-contract test-integration test-images test-nodes test-product demo demo-fleet cluster-up cluster-down
+.PHONY: crd help venv venv-demo host tools images images-in-nodes setup setup-demo lint test test-unit test-contract test-integration test-images test-nodes test-product demo demo-fleet cluster-up cluster-down
 
 help:
 	@echo "make demo   - the local demo: control plane + 2 real nodes with fake GPUs, Spillway's images and chart"
@@ -37,7 +37,12 @@ images: host
 setup:
 	@$(MAKE) --no-print-directory -j3 venv tools images
 setup-demo:
-	@$(MAKE) --no-print-directory -j3 venv-demo tools images
+	@$(MAKE) --no-print-directory -j3 venv-demo tools images-in-nodes
+
+# The demo's images into the real nodes' kept containerd roots as soon as they are built,
+# while the Go builds still run (python -m e2e.nodes preload), not after them
+images-in-nodes: images venv-demo
+	@$(VENV)/bin/python -m e2e.nodes preload
 
 lint: venv
 	$(VENV)/bin/ruff check .

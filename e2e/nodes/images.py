@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 from e2e.nodes.realnodes import CACHE_ROOT, PATH, NodeError, NodeSpec, RealNodes
@@ -260,3 +261,87 @@ def load_image(ref: str, runtimes: list[tuple[str, Path]] | None = None,
             if free_layers:
                 free_layer_blobs(socket, name)
     return result
+
+
+# ------------------------------------------------------------------ before the nodes run
+
+#: Where preload's temporary containerds keep their state and sockets.
+PRELOAD_RUN = Path(os.environ.get("SPILLWAY_PRELOAD_RUN", "/run/spillway/preload"))
+
+
+def _offline_config(root: Path, state: Path) -> str:
+    """A containerd on a node's kept root (the folder the node's own containerd mounts on
+    /var/lib/containerd), without the CRI plug-in and on sockets of its own: images go
+    into namespace k8s.io, unpacked by the overlayfs snapshotter, as the node's CRI
+    plug-in reads them when the node starts."""
+    return f"""\
+version = 2
+root = "{root}"
+state = "{state}"
+disabled_plugins = ["io.containerd.grpc.v1.cri", "io.containerd.internal.v1.opt",
+  "io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.zfs",
+  "io.containerd.snapshotter.v1.aufs", "io.containerd.snapshotter.v1.devmapper"]
+[grpc]
+  address = "{state}/containerd.sock"
+[ttrpc]
+  address = "{state}/containerd.sock.ttrpc"
+"""
+
+
+@contextlib.contextmanager
+def offline_runtimes(names: list[str], timeout: float = 60):
+    """(node, socket) of a temporary containerd on each named node's kept root, stopped
+    on the way out. Only while the nodes do not run (the caller holds their lock)."""
+    procs: list[subprocess.Popen] = []
+    runtimes = []
+    try:
+        for i, name in enumerate(names):
+            spec = NodeSpec(name, i)
+            state = PRELOAD_RUN / name
+            shutil.rmtree(state, ignore_errors=True)
+            state.mkdir(parents=True)
+            spec.containerd_root.mkdir(parents=True, exist_ok=True)
+            config = state / "containerd.toml"
+            config.write_text(_offline_config(spec.containerd_root, state))
+            log = open(state / "containerd.log", "wb")  # noqa: SIM115 - the process's
+            procs.append(subprocess.Popen(["/usr/bin/containerd", "--config", str(config)],
+                                          stdout=log, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL, start_new_session=True))
+            log.close()
+            runtimes.append((name, state / "containerd.sock"))
+        deadline = time.monotonic() + timeout
+        for (name, socket), proc in zip(runtimes, procs, strict=True):
+            while _ctr(socket, "version", step="containerd version", check=False,
+                       timeout=10).returncode != 0:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    tail = (PRELOAD_RUN / name / "containerd.log").read_text()[-1500:]
+                    raise NodeError(f"{name}: a containerd on its root did not answer on "
+                                    f"{socket}:\n{tail}")
+                time.sleep(0.2)
+        yield runtimes
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+
+
+def preload(refs: list[str], names: list[str], docker_host: str = DOCKER_HOST,
+            docker: str = DOCKER) -> dict[str, dict[str, str]]:
+    """Images into the real nodes' kept containerd roots before the nodes start (``make
+    demo`` runs it while the Go builds still run), so that loading them when the nodes
+    are up finds them present. When real nodes run, through their own containerds; when
+    none run, through a temporary containerd on each node's root, holding the real
+    nodes' lock (a cluster starting meanwhile waits for it). {ref: {node: state}}."""
+    with RealNodes._locked(timeout=600):
+        record = RealNodes.read_record()
+        if record and RealNodes.record_alive(record):
+            return {ref: load_image(ref, docker_host=docker_host, docker=docker) for ref in refs}
+        with offline_runtimes(names) as runtimes:
+            return {ref: load_image(ref, runtimes, docker_host=docker_host, docker=docker)
+                    for ref in refs}

@@ -292,3 +292,36 @@ def test_a_second_real_node_cluster_is_refused_and_the_first_keeps_running(
     nodes = core.list_node().items
     assert all({c.type: c.status for c in n.status.conditions}["Ready"] == "True"
                for n in nodes)
+
+
+def test_a_preload_on_the_nodes_kept_roots_is_there_for_their_containerd(tmp_path,
+                                                                         monkeypatch):
+    """``python -m e2e.nodes preload`` before the nodes run: a temporary containerd on
+    each node's kept root imports and unpacks the image (and frees its layer blobs); a
+    containerd started on that root later finds it present, so the demo's load is a
+    no-op. Nodes of their own (roots under tmp_path), beside the session's cluster."""
+    from e2e.nodes import images as loader
+    from e2e.nodes import realnodes
+
+    monkeypatch.setattr(realnodes, "CACHE_ROOT", tmp_path / "nodes")
+    monkeypatch.setattr(loader, "CACHE_ROOT", tmp_path / "nodes")
+    monkeypatch.setattr(loader, "PRELOAD_RUN", tmp_path / "run")
+    token = uuid.uuid4().hex[:12]
+    ref = f"spillway-test/preload:{token}"
+    archive = tmp_path / "image.tar"
+    image_id, token_layer = _docker_archive(archive, ref, token)
+    docker = _fake_docker(tmp_path / "docker", archive, ref, image_id)
+    names = ["spillway-node-y", "spillway-node-z"]
+    with loader.offline_runtimes(names) as runtimes:
+        assert load_image(ref, runtimes, docker=str(docker)) == dict.fromkeys(names, "imported")
+    assert _saves(docker) == 1
+    with loader.offline_runtimes(names) as runtimes:  # a containerd started again on each root
+        assert load_image(ref, runtimes, docker=str(docker)) == dict.fromkeys(names, "present")
+        for _, socket in runtimes:
+            found = loader._manifest(socket, normalize(ref))
+            assert found and found[1]["config"]["digest"] == image_id
+            assert loader._unpacked(socket, found[1]), "not unpacked on the kept root"
+            assert token_layer not in _ctr(socket, "content", "ls", "-q").split()
+    assert _saves(docker) == 1
+    for name in names:
+        assert (tmp_path / "nodes" / name / "containerd").is_dir()

@@ -261,8 +261,10 @@ def make_n(target: str) -> list[str]:
 @pytest.mark.skipif(shutil.which("make") is None, reason="GNU make is not installed")
 def test_make_demo_installs_at_once_and_its_venv_has_no_vllm():
     lines = make_n("demo")
-    assert any("-j3" in line and "venv-demo" in line and "tools" in line and "images" in line
-               for line in lines), lines
+    assert any("-j3" in line and "venv-demo" in line and "tools" in line
+               and "images-in-nodes" in line for line in lines), lines
+    # the images go into the nodes' roots once built, not after the Go builds
+    assert any(line.endswith("-m e2e.nodes preload") for line in lines), lines
     assert "EXTRAS=test tools/venv.sh >/dev/null" in lines, lines
     assert not any("EXTRAS=test,engine" in line for line in lines), lines
     assert lines[-1].rstrip().endswith("-m e2e.demo --real-nodes"), lines
