@@ -25,7 +25,7 @@ key="$(cat "$root/pyproject.toml" "$pins" | sha256sum | cut -c1-16)"
 # extras already there are installed again with the new ones, so none is lost.
 norm() { tr ',' '\n' | grep . | sort -u | paste -sd, -; }
 had_key='' had_extras='' had_root=''
-read -r had_key had_extras had_root < "$stamp" 2>/dev/null || true
+if [ -f "$stamp" ]; then read -r had_key had_extras had_root < "$stamp" || true; fi
 had=$(echo "$had_extras" | norm || true)
 if [ "$had_key" = "$key" ] && [ "$had_root" = "$root" ]; then
   all=$(echo "$had,$extras" | norm || true)
