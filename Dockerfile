@@ -84,20 +84,26 @@ CMD ["--help"]
 
 # ------------------------------------------------------------------ engine-cpu
 # The engine pod's image without vLLM's GPU image: vLLM and torch from PyPI at the tested
-# versions on PYTHON_IMAGE, then Spillway's wheel; the same user, HOME and Hugging Face
-# cache as `engine`. It serves `spillway-engine serve --emulate-gpu` (tests/images); on a
-# GPU node, use `engine`.
+# versions on PYTHON_IMAGE, less the CUDA kernels, compilers and libraries the emulated
+# GPU never loads, then Spillway's wheel; the same user, HOME and Hugging Face cache as
+# `engine`. It serves `spillway-engine serve --emulate-gpu` (tests/images); on a GPU
+# node, use `engine`.
 FROM ${PYTHON_IMAGE} AS engine-cpu
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN groupadd --gid 1000 spillway \
  && useradd --uid 1000 --gid 1000 --no-create-home --shell /usr/sbin/nologin spillway \
  && mkdir -p /home/spillway/.cache/huggingface /models-cache \
  && chown -R 1000:1000 /home/spillway /models-cache
-# vLLM and torch (about 9 GB): their versions, and every package they pull in, are the
-# constraints' (pyproject.toml's engine extra, as installed in the tested venv). This
-# layer depends on the constraints file alone.
-COPY tools/images/constraints.txt /tmp/deps/constraints.txt
-RUN python -m pip install --constraint /tmp/deps/constraints.txt vllm torch
+# vLLM and torch: their versions, and every package they pull in, are the constraints'
+# (pyproject.toml's engine extra, as installed in the tested venv). About 9.5 GB as
+# installed; in the same layer (so they never reach one) tools/images/prune.py removes
+# the 3.8 GB that tools/images/engine-cpu-prune.txt lists, and records what it removed in
+# /usr/local/share/spillway/engine-cpu-pruned.txt. This layer depends on those files alone.
+COPY tools/images/constraints.txt tools/images/engine-cpu-prune.txt tools/images/prune.py /tmp/deps/
+RUN python -m pip install --constraint /tmp/deps/constraints.txt vllm torch \
+ && mkdir -p /usr/local/share/spillway \
+ && python /tmp/deps/prune.py /tmp/deps/engine-cpu-prune.txt \
+      --record /usr/local/share/spillway/engine-cpu-pruned.txt
 # Spillway's own dependencies that vLLM does not bring (kopf, kubernetes, ...).
 COPY pyproject.toml tools/images/requirements.py /tmp/deps/
 RUN python /tmp/deps/requirements.py /tmp/deps/pyproject.toml > /tmp/deps/requirements.txt \

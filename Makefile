@@ -5,7 +5,7 @@ SHELL := /bin/bash
 VENV ?= $(HOME)/.cache/spillway/venv
 PYTEST_ARGS ?=
 
-.PHONY: crd help venv host tools images lint test test-unit test-contract test-integration test-images test-nodes test-product demo demo-fleet cluster-up cluster-down
+.PHONY: crd help venv venv-demo host tools images images-in-nodes setup setup-demo lint test test-unit test-contract test-integration test-images test-nodes test-product demo demo-fleet cluster-up cluster-down
 
 help:
 	@echo "make demo   - the local demo: control plane + 2 real nodes with fake GPUs, Spillway's images and chart"
@@ -15,6 +15,11 @@ help:
 
 venv:
 	@EXTRAS=test,engine tools/venv.sh >/dev/null
+
+# The demo on real nodes runs vLLM in the engine image only: its venv needs no vLLM or
+# torch (about 10 GB less to install before the demo; `make test` adds them later).
+venv-demo:
+	@EXTRAS=test tools/venv.sh >/dev/null
 
 # Debian packages for real containers and real nodes (containerd, runc, docker.io, CNI)
 host:
@@ -27,11 +32,23 @@ tools: host
 images: host
 	@tools/images.sh >/dev/null
 
+# The first run's installs at once: the venv (network, disk), the Go builds (CPU) and the
+# images (network, disk) overlap instead of queueing; host packages come first.
+setup:
+	@$(MAKE) --no-print-directory -j3 venv tools images
+setup-demo:
+	@$(MAKE) --no-print-directory -j3 venv-demo tools images-in-nodes
+
+# The demo's images into the real nodes' kept containerd roots as soon as they are built,
+# while the Go builds still run (python -m e2e.nodes preload), not after them
+images-in-nodes: images venv-demo
+	@$(VENV)/bin/python -m e2e.nodes preload
+
 lint: venv
 	$(VENV)/bin/ruff check .
 
 # Every tier but tests/product (real engine pods; too long for CI's budget beside the rest)
-test: venv tools images lint
+test: setup lint
 	$(VENV)/bin/pytest tests --ignore=tests/product $(PYTEST_ARGS)
 
 test-unit: venv
@@ -54,7 +71,7 @@ test-product: venv tools images
 	$(VENV)/bin/pytest tests/product $(PYTEST_ARGS)
 
 # The local demo on two real nodes: Spillway's images, the Helm chart, real engine containers
-demo: venv tools images
+demo: setup-demo
 	$(VENV)/bin/python -m e2e.demo --real-nodes $(DEMO_ARGS)
 
 # The same demo with KWOK nodes and the engines as host processes (no containers)

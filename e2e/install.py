@@ -41,9 +41,9 @@ def load_images(refs: dict[str, str]) -> dict[str, dict[str, str]]:
     """Both images into every real node (a node that holds the same image id is skipped)."""
     from e2e.nodes import load_image
 
-    # The engine image is ~10 GB: one node at a time keeps the disk's peak lower.
-    return {"operator": load_image(refs["operator"]),
-            "engine": load_image(refs["engine"], parallel=False)}
+    # All nodes from one docker save where the disk holds it (load_image checks), else
+    # one node at a time.
+    return {"operator": load_image(refs["operator"]), "engine": load_image(refs["engine"])}
 
 
 def helm_install(cluster: LocalCluster, operator_ref: str, serving_namespace: str,

@@ -251,8 +251,23 @@ source=$(source_hash) || die "source hash (tools/images/source_hash.py)"
 ensure_daemon
 ensure_base
 check_constraints
-build operator "$operator_ref"
-build engine-cpu "$engine_ref"
+# Both targets at once (they share the wheel stage; the engine's pip install is network-
+# and disk-bound, so the operator's comes almost free beside it). Each build's lines are
+# printed when both are done, the operator's first, and a failure's one line last.
+both=$images/logs/.both.$$
+mkdir -p "$both"
+build operator "$operator_ref" 2>"$both/operator" & op_pid=$!
+build engine-cpu "$engine_ref" 2>"$both/engine" & engine_pid=$!
+op_rc=0 engine_rc=0
+wait "$op_pid" || op_rc=$?
+wait "$engine_pid" || engine_rc=$?
+grep -hv ' FAILED: ' "$both/operator" "$both/engine" >&2 || true
+failed=$(grep -h ' FAILED: ' "$both/operator" "$both/engine" | head -n 1 || true)
+rm -rf "$both"
+if [ "$op_rc" != 0 ] || [ "$engine_rc" != 0 ]; then
+  echo "${failed:-[tools/images] FAILED: docker build (operator exit $op_rc, engine-cpu exit $engine_rc)}" >&2
+  exit 1
+fi
 # Rebuilt tags leave their old images dangling; the build cache keeps the layers.
 docker image prune -f >/dev/null 2>&1 || die "docker image prune (dangling images)"
 # New dependency layers (a pin change): the build cache still holds the old ones (the

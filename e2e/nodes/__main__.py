@@ -1,20 +1,38 @@
-"""``python -m e2e.nodes load REF... | status | down``: the real nodes' image loader and
-a last-resort cleanup.
+"""``python -m e2e.nodes load REF... | preload [REF...] | status | down``: the real
+nodes' image loader and a last-resort cleanup.
 
 ``load`` moves images from the project's docker daemon ($SPILLWAY_DOCKER_HOST, default
-unix:///run/spillway/docker.sock) into every running real node; ``down`` undoes the
-machine's real nodes whichever cluster owns them (``e2e/cluster/down`` does it for its
-own cluster, with the control plane). Exit status: 0 ok, 1 failed (the message says why).
+unix:///run/spillway/docker.sock) into every running real node; ``preload`` puts them in
+the nodes' kept containerd roots whether the nodes run or not (default: the operator and
+engine images tools/images.sh built; ``make demo`` runs it while the Go builds run);
+``down`` undoes the machine's real nodes whichever cluster owns them
+(``e2e/cluster/down`` does it for its own cluster, with the control plane). Exit status:
+0 ok, 1 failed (the message says why).
 """
 
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 import time
+from pathlib import Path
 
-from e2e.nodes.images import DOCKER_HOST, load_image
-from e2e.nodes.realnodes import NodeError, RealNodes
+from e2e.nodes.images import DOCKER_HOST, load_image, preload
+from e2e.nodes.realnodes import NodeError, RealNodes, node_names
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _built_refs() -> tuple[list[str], str]:
+    """The operator and engine refs tools/images.sh built (``--refs`` builds nothing), and
+    the daemon that holds them."""
+    done = subprocess.run([str(ROOT / "tools" / "images.sh"), "--refs"], capture_output=True,
+                          text=True, check=False)
+    if done.returncode != 0:
+        raise NodeError(f"tools/images.sh --refs failed: {done.stderr.strip()[-500:]}")
+    refs = dict(line.split("=", 1) for line in done.stdout.splitlines() if "=" in line)
+    return [refs["operator"], refs["engine"]], refs["DOCKER_HOST"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,7 +46,15 @@ def main(argv: list[str] | None = None) -> int:
                       help="keep the layer blobs after unpacking (default: free them)")
     load.add_argument("--one-at-a-time", action="store_true",
                       help="one docker save per node, freeing each node's blobs before the "
-                           "next: less disk at once for a big image, slower")
+                           "next: less disk at once for a big image, slower (default: all "
+                           "nodes from one save when the disk holds it)")
+    pre = sub.add_parser("preload", help="docker image(s) -> the nodes' kept containerd "
+                         "roots, running or not (default: tools/images.sh's operator and "
+                         "engine)")
+    pre.add_argument("refs", nargs="*")
+    pre.add_argument("--nodes", type=int, default=2)
+    pre.add_argument("--docker-host", help="default: tools/images.sh's daemon when no REF "
+                     f"is given, else {DOCKER_HOST}")
     sub.add_parser("status", help="who owns the machine's real nodes")
     sub.add_parser("down", help="remove the machine's real nodes, whoever owns them")
     args = parser.parse_args(argv)
@@ -38,9 +64,17 @@ def main(argv: list[str] | None = None) -> int:
                 t0 = time.monotonic()
                 result = load_image(ref, docker_host=args.docker_host,
                                     free_layers=not args.keep_layers,
-                                    parallel=not args.one_at_a_time)
+                                    parallel=False if args.one_at_a_time else None)
                 states = ", ".join(f"{n} {s}" for n, s in sorted(result.items()))
                 print(f"{ref}: {states} ({time.monotonic() - t0:.1f}s)")
+            return 0
+        if args.command == "preload":
+            t0 = time.monotonic()
+            refs, host = (args.refs, DOCKER_HOST) if args.refs else _built_refs()
+            result = preload(refs, node_names(args.nodes), docker_host=args.docker_host or host)
+            for ref, states in result.items():
+                print(f"{ref}: " + ", ".join(f"{n} {s}" for n, s in sorted(states.items())))
+            print(f"preloaded in {time.monotonic() - t0:.1f}s")
             return 0
         if args.command == "status":
             record = RealNodes.read_record()

@@ -21,12 +21,14 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 
-from e2e.nodes.realnodes import PATH, NodeError, NodeSpec, RealNodes
+from e2e.nodes.realnodes import CACHE_ROOT, PATH, NodeError, NodeSpec, RealNodes
 
 DOCKER = os.environ.get("SPILLWAY_DOCKER", "/usr/bin/docker")
 DOCKER_HOST = os.environ.get("SPILLWAY_DOCKER_HOST", "unix:///run/spillway/docker.sock")
@@ -198,25 +200,54 @@ def _fan_out(ref: str, targets: list[tuple[str, Path]], docker_host: str, docker
         raise NodeError("loading " + ref + " failed: " + "; ".join(failures))
 
 
+def docker_image_size(ref: str, docker_host: str = DOCKER_HOST, docker: str = DOCKER) -> int:
+    """The image's size in bytes as docker reports it (its layers, uncompressed)."""
+    proc = subprocess.run([docker, "image", "inspect", "--format", "{{.Size}}", ref],
+                          capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "DOCKER_HOST": docker_host})
+    if proc.returncode != 0:
+        raise NodeError(f"docker image inspect {ref} (DOCKER_HOST={docker_host}) failed: "
+                        f"{proc.stderr.strip()}")
+    return int(proc.stdout.strip())
+
+
+#: Free disk to keep beyond a load's peak (the kubelets evict below 1Gi; logs, pods).
+DISK_MARGIN = 4 << 30
+
+
+def all_at_once(image_bytes: int, nodes: int, free_bytes: int) -> bool:
+    """Whether one save into every node at once fits the disk: each node holds the image
+    twice while it imports (blobs and snapshots), so all at once peaks at 2 x image x
+    nodes; one node at a time at 2 x image (the earlier nodes' blobs freed)."""
+    return 2 * image_bytes * nodes + DISK_MARGIN <= free_bytes
+
+
 def load_image(ref: str, runtimes: list[tuple[str, Path]] | None = None,
                docker_host: str = DOCKER_HOST, free_layers: bool = True,
-               docker: str = DOCKER, parallel: bool = True) -> dict[str, str]:
+               docker: str = DOCKER, parallel: bool | None = None) -> dict[str, str]:
     """Make image ``ref`` of the docker daemon present in every real node's containerd
     (``runtimes``: (node, socket), default the machine's running real nodes). Returns
     {node: "present" | "imported"}; pods then run it with imagePullPolicy IfNotPresent
     (a ``:latest`` tag means Always, which needs a registry: tag it otherwise).
 
     Disk: a node holds an image twice while it imports (blobs and snapshots), once
-    after. ``parallel`` (one ``docker save`` for all nodes) peaks at twice the image per
-    node at once; ``parallel=False`` saves once per node and frees each node's blobs
-    before the next, peaking at one extra copy (for a 10 GB image on two nodes: 40 GB
-    against 30 GB beyond docker's own copy; 20 GB after either)."""
+    after. ``parallel`` (one ``docker save`` streamed into every node at once) peaks at
+    twice the image per node at once; ``parallel=False`` saves once per node and frees
+    each node's blobs before the next, peaking at one extra copy (for a 4 GB image on two
+    nodes: 16 GB against 12 GB beyond docker's own copy; 8 GB after either). ``None``
+    (the default) loads all at once when that peak leaves ``DISK_MARGIN`` free on the
+    nodes' disk, else one at a time: one save instead of one per node, and the nodes'
+    imports (disk writes, unpacking) overlap."""
     runtimes = runtimes if runtimes is not None else current_runtimes()
     image_id = docker_image_id(ref, docker_host, docker)
     name = normalize(ref)
     result = {node: "present" for node, socket in runtimes
               if config_digest(socket, name) == image_id}
     targets = [(node, socket) for node, socket in runtimes if node not in result]
+    if parallel is None and targets:
+        CACHE_ROOT.mkdir(parents=True, exist_ok=True)
+        parallel = all_at_once(docker_image_size(ref, docker_host, docker), len(targets),
+                               shutil.disk_usage(CACHE_ROOT).free)
     for batch in [targets] if parallel else [[t] for t in targets]:
         if not batch:
             continue
@@ -230,3 +261,87 @@ def load_image(ref: str, runtimes: list[tuple[str, Path]] | None = None,
             if free_layers:
                 free_layer_blobs(socket, name)
     return result
+
+
+# ------------------------------------------------------------------ before the nodes run
+
+#: Where preload's temporary containerds keep their state and sockets.
+PRELOAD_RUN = Path(os.environ.get("SPILLWAY_PRELOAD_RUN", "/run/spillway/preload"))
+
+
+def _offline_config(root: Path, state: Path) -> str:
+    """A containerd on a node's kept root (the folder the node's own containerd mounts on
+    /var/lib/containerd), without the CRI plug-in and on sockets of its own: images go
+    into namespace k8s.io, unpacked by the overlayfs snapshotter, as the node's CRI
+    plug-in reads them when the node starts."""
+    return f"""\
+version = 2
+root = "{root}"
+state = "{state}"
+disabled_plugins = ["io.containerd.grpc.v1.cri", "io.containerd.internal.v1.opt",
+  "io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.zfs",
+  "io.containerd.snapshotter.v1.aufs", "io.containerd.snapshotter.v1.devmapper"]
+[grpc]
+  address = "{state}/containerd.sock"
+[ttrpc]
+  address = "{state}/containerd.sock.ttrpc"
+"""
+
+
+@contextlib.contextmanager
+def offline_runtimes(names: list[str], timeout: float = 60):
+    """(node, socket) of a temporary containerd on each named node's kept root, stopped
+    on the way out. Only while the nodes do not run (the caller holds their lock)."""
+    procs: list[subprocess.Popen] = []
+    runtimes = []
+    try:
+        for i, name in enumerate(names):
+            spec = NodeSpec(name, i)
+            state = PRELOAD_RUN / name
+            shutil.rmtree(state, ignore_errors=True)
+            state.mkdir(parents=True)
+            spec.containerd_root.mkdir(parents=True, exist_ok=True)
+            config = state / "containerd.toml"
+            config.write_text(_offline_config(spec.containerd_root, state))
+            log = open(state / "containerd.log", "wb")  # noqa: SIM115 - the process's
+            procs.append(subprocess.Popen(["/usr/bin/containerd", "--config", str(config)],
+                                          stdout=log, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL, start_new_session=True))
+            log.close()
+            runtimes.append((name, state / "containerd.sock"))
+        deadline = time.monotonic() + timeout
+        for (name, socket), proc in zip(runtimes, procs, strict=True):
+            while _ctr(socket, "version", step="containerd version", check=False,
+                       timeout=10).returncode != 0:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    tail = (PRELOAD_RUN / name / "containerd.log").read_text()[-1500:]
+                    raise NodeError(f"{name}: a containerd on its root did not answer on "
+                                    f"{socket}:\n{tail}")
+                time.sleep(0.2)
+        yield runtimes
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+
+
+def preload(refs: list[str], names: list[str], docker_host: str = DOCKER_HOST,
+            docker: str = DOCKER) -> dict[str, dict[str, str]]:
+    """Images into the real nodes' kept containerd roots before the nodes start (``make
+    demo`` runs it while the Go builds still run), so that loading them when the nodes
+    are up finds them present. When real nodes run, through their own containerds; when
+    none run, through a temporary containerd on each node's root, holding the real
+    nodes' lock (a cluster starting meanwhile waits for it). {ref: {node: state}}."""
+    with RealNodes._locked(timeout=600):
+        record = RealNodes.read_record()
+        if record and RealNodes.record_alive(record):
+            return {ref: load_image(ref, docker_host=docker_host, docker=docker) for ref in refs}
+        with offline_runtimes(names) as runtimes:
+            return {ref: load_image(ref, runtimes, docker_host=docker_host, docker=docker)
+                    for ref in refs}

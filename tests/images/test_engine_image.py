@@ -81,6 +81,33 @@ def test_engine_image_imports_every_engine_module(images):
     assert json.loads(done.stdout.splitlines()[-1]) == {}
 
 
+def test_engine_image_is_pruned_and_keeps_what_the_engine_loads(images):
+    """The CUDA kernels, compilers and libraries tools/images/engine-cpu-prune.txt lists
+    are gone (recorded in the image), and every file the emulated engine was measured to
+    load (tools/images/engine-cpu-loads.txt) is there."""
+    loads = [line for line in (ROOT / "tools/images/engine-cpu-loads.txt").read_text()
+             .splitlines() if line and not line.startswith("#")]
+    code = ("import json, os, sys, sysconfig\n"
+            "site = sysconfig.get_paths()['purelib']\n"
+            "paths = sys.stdin.read().split()\n"
+            "# files of distributions the image does not install (the probe's test harness)\n"
+            "ours = [p for p in paths if os.path.exists(os.path.join(site, p.split('/')[0]))]\n"
+            "missing = [p for p in ours if not os.path.exists(os.path.join(site, p))]\n"
+            "pruned = open('/usr/local/share/spillway/engine-cpu-pruned.txt').read().split()\n"
+            "gone = [p for p in pruned if os.path.exists(os.path.join(site, p))]\n"
+            "print(json.dumps({'missing': missing, 'checked': len(ours), 'pruned': len(pruned), "
+            "'gone': gone}))")
+    done = images.run("run", "--rm", "-i", "--network", "none", "--entrypoint", "python",
+                      images.engine, "-c", code, input="\n".join(loads), timeout=300)
+    got = json.loads(done.stdout.splitlines()[-1])
+    assert got["missing"] == [], got["missing"][:20]
+    assert got["checked"] >= len(loads) - 10, got  # all but the harness's own few
+    assert got["pruned"] >= 30 and got["gone"] == [], got
+    size = images.inspect(images.engine)["Size"]
+    FIGURES.append(f"engine-cpu image: {size / 1e9:.2f} GB ({got['pruned']} paths pruned)")
+    assert size < 7e9, f"engine-cpu is {size / 1e9:.1f} GB: did the prune run?"
+
+
 def test_prestop_command_answers(images):
     """The kubelet runs `spillway-engine drain` in the container as the preStop hook."""
     done = images.run("run", "--rm", "--network", "none", images.engine, "drain", "--help",

@@ -194,13 +194,16 @@ def _docker_archive(path: Path, ref: str, token: str) -> tuple[str, str]:
 
 
 def _fake_docker(path: Path, archive: Path, ref: str, image_id: str) -> Path:
-    """A ``docker`` that knows one image: ``image inspect --format {{.Id}}`` and ``save``."""
+    """A ``docker`` that knows one image: ``image inspect --format {{.Id}}`` and
+    ``{{.Size}}``, and ``save``; each save appends a line to ``<path>.saves``."""
     path.write_text(f"""#!{sys.executable}
-import shutil, sys
+import os, shutil, sys
 args = sys.argv[1:]
 if args[:2] == ["image", "inspect"] and args[-1] == {ref!r}:
-    print({image_id!r})
+    print(os.path.getsize({str(archive)!r}) if "{{{{.Size}}}}" in args else {image_id!r})
 elif args == ["save", {ref!r}]:
+    with open({str(path) + ".saves"!r}, "a") as log:
+        log.write("save\\n")
     with open({str(archive)!r}, "rb") as f:
         shutil.copyfileobj(f, sys.stdout.buffer)
 else:
@@ -208,6 +211,11 @@ else:
 """)
     path.chmod(0o755)
     return path
+
+
+def _saves(docker: Path) -> int:
+    saves = docker.with_name(docker.name + ".saves")
+    return len(saves.read_text().splitlines()) if saves.exists() else 0
 
 
 def _ctr(socket: Path, *args: str) -> str:
@@ -226,6 +234,7 @@ def test_a_docker_image_loads_into_every_node_once_and_runs(
     assert [n for n, _ in runtimes] == NODES
     try:
         assert load_image(ref, runtimes, docker=str(docker)) == dict.fromkeys(NODES, "imported")
+        assert _saves(docker) == 1, "one docker save streamed into both nodes"
         for _, socket in runtimes:
             assert config_digest(socket, normalize(ref)) == image_id
             # Unpacked, and the node's copy of the layer blobs freed.
@@ -237,10 +246,36 @@ def test_a_docker_image_loads_into_every_node_once_and_runs(
         for p in pods:
             assert finished(core, namespace, p["metadata"]["name"]).strip() == token
         assert load_image(ref, runtimes, docker=str(docker)) == dict.fromkeys(NODES, "present")
+        assert _saves(docker) == 1, "a present image is not saved again"
     finally:
+        _remove(runtimes, ref, image_id)
+
+
+def _remove(runtimes, ref: str, image_id: str) -> None:
+    for _, socket in runtimes:
+        subprocess.run(["ctr", "--address", str(socket), "--namespace", "k8s.io", "images",
+                        "rm", normalize(ref), image_id], capture_output=True)
+
+
+def test_one_node_at_a_time_saves_once_per_node(real_cluster: LocalCluster, tmp_path):
+    """``parallel=False`` (``python -m e2e.nodes load --one-at-a-time``, for a disk that
+    cannot hold the image twice per node at once): one save per node, each node's layer
+    blobs freed before the next."""
+    token = uuid.uuid4().hex[:12]
+    ref = f"spillway-test/loader:{token}"
+    archive = tmp_path / "image.tar"
+    image_id, token_layer = _docker_archive(archive, ref, token)
+    docker = _fake_docker(tmp_path / "docker", archive, ref, image_id)
+    runtimes = real_cluster.real_nodes().runtimes()
+    try:
+        assert load_image(ref, runtimes, docker=str(docker), parallel=False) == \
+            dict.fromkeys(NODES, "imported")
+        assert _saves(docker) == len(NODES)
         for _, socket in runtimes:
-            subprocess.run(["ctr", "--address", str(socket), "--namespace", "k8s.io", "images",
-                            "rm", normalize(ref), image_id], capture_output=True)
+            assert config_digest(socket, normalize(ref)) == image_id
+            assert token_layer not in _ctr(socket, "content", "ls", "-q").split()
+    finally:
+        _remove(runtimes, ref, image_id)
 
 
 def test_a_second_real_node_cluster_is_refused_and_the_first_keeps_running(
@@ -257,3 +292,36 @@ def test_a_second_real_node_cluster_is_refused_and_the_first_keeps_running(
     nodes = core.list_node().items
     assert all({c.type: c.status for c in n.status.conditions}["Ready"] == "True"
                for n in nodes)
+
+
+def test_a_preload_on_the_nodes_kept_roots_is_there_for_their_containerd(tmp_path,
+                                                                         monkeypatch):
+    """``python -m e2e.nodes preload`` before the nodes run: a temporary containerd on
+    each node's kept root imports and unpacks the image (and frees its layer blobs); a
+    containerd started on that root later finds it present, so the demo's load is a
+    no-op. Nodes of their own (roots under tmp_path), beside the session's cluster."""
+    from e2e.nodes import images as loader
+    from e2e.nodes import realnodes
+
+    monkeypatch.setattr(realnodes, "CACHE_ROOT", tmp_path / "nodes")
+    monkeypatch.setattr(loader, "CACHE_ROOT", tmp_path / "nodes")
+    monkeypatch.setattr(loader, "PRELOAD_RUN", tmp_path / "run")
+    token = uuid.uuid4().hex[:12]
+    ref = f"spillway-test/preload:{token}"
+    archive = tmp_path / "image.tar"
+    image_id, token_layer = _docker_archive(archive, ref, token)
+    docker = _fake_docker(tmp_path / "docker", archive, ref, image_id)
+    names = ["spillway-node-y", "spillway-node-z"]
+    with loader.offline_runtimes(names) as runtimes:
+        assert load_image(ref, runtimes, docker=str(docker)) == dict.fromkeys(names, "imported")
+    assert _saves(docker) == 1
+    with loader.offline_runtimes(names) as runtimes:  # a containerd started again on each root
+        assert load_image(ref, runtimes, docker=str(docker)) == dict.fromkeys(names, "present")
+        for _, socket in runtimes:
+            found = loader._manifest(socket, normalize(ref))
+            assert found and found[1]["config"]["digest"] == image_id
+            assert loader._unpacked(socket, found[1]), "not unpacked on the kept root"
+            assert token_layer not in _ctr(socket, "content", "ls", "-q").split()
+    assert _saves(docker) == 1
+    for name in names:
+        assert (tmp_path / "nodes" / name / "containerd").is_dir()

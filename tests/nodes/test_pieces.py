@@ -1,5 +1,6 @@
 """The real nodes' pure pieces, without a cluster: the iptables cleanup script, image
-names as containerd and the kubelet spell them, layer chain IDs, the OCI archives."""
+names as containerd and the kubelet spell them, layer chain IDs, the OCI archives, the
+loader's choice between all nodes at once and one at a time."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import hashlib
 import json
 import tarfile
 
-from e2e.nodes.images import _chain_id, normalize
+from e2e.nodes.images import DISK_MARGIN, _chain_id, all_at_once, normalize
 from e2e.nodes.ociimage import BUSYBOX_REF, builtin_images
 from e2e.nodes.realnodes import NodeSpec, iptables_cleanup_script, node_names
 
@@ -94,3 +95,13 @@ def test_the_builtin_images_are_deterministic_oci_archives(tmp_path):
         config = json.loads(tar.extractfile(f"blobs/sha256/{busybox.config_digest[7:]}").read())
     assert config["config"]["Cmd"] == ["/bin/sh"]
     assert pause.config_digest != busybox.config_digest
+
+
+def test_the_loader_streams_into_all_nodes_at_once_only_when_the_disk_holds_it():
+    gib = 1 << 30
+    # the pruned engine image (about 4.5 GB) into two nodes: 18 GB at the peak
+    assert all_at_once(int(4.5 * gib), 2, 18 * gib + DISK_MARGIN)
+    assert not all_at_once(int(4.5 * gib), 2, 18 * gib + DISK_MARGIN - 1)
+    # a 10 GB image on a 30 GB free disk: one node at a time
+    assert not all_at_once(10 * gib, 2, 30 * gib)
+    assert all_at_once(10 * gib, 1, 30 * gib)

@@ -182,3 +182,82 @@ def test_engine_wheel_carries_the_vllm_plugin_entry_point():
     for value in plugins.values():
         module = value.split(":")[0].replace(".", "/")
         assert (ROOT / "engine" / f"{module}.py").is_file(), value
+
+
+# ------------------------------------------------------------------ engine-cpu's prune
+
+PRUNE_LIST = ROOT / "tools" / "images" / "engine-cpu-prune.txt"
+LOADS = ROOT / "tools" / "images" / "engine-cpu-loads.txt"
+
+
+def _prune_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("prune", ROOT / "tools/images/prune.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _glob_re(pattern: str) -> re.Pattern[str]:
+    """A prune glob as pathlib reads it, and everything under what it names."""
+    out = ""
+    for part in pattern.split("/"):
+        if part == "**":
+            out += "(?:[^/]+/)*"
+            continue
+        out += "".join(".*" if c == "*" else "[^/]" if c == "?" else re.escape(c)
+                       for c in part).replace(".*", "[^/]*") + "/"
+    return re.compile(out[:-1] + "(?:/.*)?")
+
+
+def test_engine_cpu_prunes_in_the_layer_that_installs_vllm(stages):
+    """The prune runs in the RUN that installs vLLM and torch: a later layer's removal
+    would leave the bytes in the image."""
+    runs = [arg for op, arg in stages["engine-cpu"].instructions if op == "RUN"]
+    (install,) = [r for r in runs if re.search(r"pip install .*\bvllm torch\b", r)]
+    assert "prune.py /tmp/deps/engine-cpu-prune.txt" in install, install
+    copies = " ".join(stages["engine-cpu"].all("COPY"))
+    assert "tools/images/engine-cpu-prune.txt" in copies and "tools/images/prune.py" in copies
+
+
+def test_the_prune_list_spares_everything_the_emulated_engine_loads():
+    """No glob of tools/images/engine-cpu-prune.txt names a file of site-packages that the
+    emulated engine mapped, imported or opened (tools/images/engine-cpu-loads.txt, as
+    measured), nor a Python file or a distribution's metadata."""
+    prune = _prune_module()
+    patterns = prune.globs(PRUNE_LIST.read_text())
+    assert len(patterns) >= 20, patterns
+    loads = [line for line in LOADS.read_text().splitlines()
+             if line and not line.startswith("#")]
+    assert len(loads) > 100, "the measured list looks cut short"
+    for must in ("torch/lib/libtorch_cuda.so", "nvidia/cudnn/lib/libcudnn.so.9",
+                 "nvidia/cu13/lib/libcublasLt.so.13", "triton/_C/libtriton.so"):
+        assert must in loads, must
+    for pattern in patterns:
+        rx = _glob_re(pattern)
+        hit = [p for p in loads if rx.fullmatch(p)]
+        assert not hit, f"{pattern} would remove what the engine loads: {hit[:5]}"
+        assert not pattern.endswith((".py", ".pyc")) and ".dist-info" not in pattern
+
+
+def test_prune_removes_what_the_globs_name_and_refuses_what_it_must_not(tmp_path):
+    prune = _prune_module()
+    site = tmp_path / "site"
+    for rel in ("pkg/__init__.py", "pkg/_kernels.abi3.so", "pkg/lib/libbig.so.1",
+                "pkg/lib/libbig.so.2", "pkg/data/a/x.cu", "pkg/data/a/gen.py",
+                "pkg-1.0.dist-info/RECORD", "other/bin/ptxas"):
+        (site / rel).parent.mkdir(parents=True, exist_ok=True)
+        (site / rel).write_bytes(b"x" * 10)
+    removed, freed = prune.prune(site, ["pkg/*.abi3.so", "pkg/lib", "pkg/data/**/*.cu",
+                                        "other/bin"])
+    assert sorted(removed) == ["other/bin", "pkg/_kernels.abi3.so", "pkg/data/a/x.cu",
+                               "pkg/lib"]
+    assert freed == 50
+    left = sorted(str(p.relative_to(site)) for p in site.rglob("*") if p.is_file())
+    assert left == ["pkg-1.0.dist-info/RECORD", "pkg/__init__.py", "pkg/data/a/gen.py"]
+    for bad, why in (("pkg/data", "Python files"), ("nothing/*.so", "matches nothing"),
+                     ("pkg-1.0.dist-info/RECORD", "metadata"), ("../x", "inside")):
+        with pytest.raises(SystemExit, match=why):
+            prune.prune(site, [bad])
+    assert prune.globs("# c\n\na/*.so  # why\n b \n") == ["a/*.so", "b"]
