@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 ORDER = ["k8s", "node", "etcd", "kwok", "helm", "imageref", "gpuplugin", "gie", "lws"]
 
 # ------------------------------------------------------------------ tools/build.sh
