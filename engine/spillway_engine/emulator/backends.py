@@ -42,27 +42,6 @@ MODEL_DRIVEN_BACKENDS = ("FLASHMLA_SPARSE_DSV4", "FLASHINFER_MLA_SPARSE_DSV4")
 _SM90_GPUS = ("h100", "h200", "h20")
 
 
-class FlashMLAStandIn(TritonMLABackend):
-    """FlashMLA's kernel block rule (exactly 64 tokens) on a class that imports on a CPU.
-
-    The real FlashMLA backend asserts its CUDA extension at construction; only its
-    block sizes matter to the KV plan (it has no ``customize_spec``).
-    """
-
-    @staticmethod
-    def get_supported_kernel_block_sizes(kv_cache_spec: Any = None) -> list[Any]:
-        return [64]
-
-    @classmethod
-    def supports_block_size(cls, block_size: int | None) -> bool:
-        # the base AttentionBackend rule: any multiple of a kernel block size
-        return block_size is None or block_size % 64 == 0
-
-    @staticmethod
-    def get_name() -> str:
-        return "FLASHMLA"
-
-
 class FlashAttentionSm90StandIn(FlashAttentionBackend):
     """FlashAttention's kernel block rule as on SM90, on a class that imports on a CPU.
 
@@ -88,65 +67,49 @@ class FlashAttentionSm90StandIn(FlashAttentionBackend):
         return 64 if fp8 and head_size == 512 else None
 
 
-class FlashInferMLAStandIn(TritonMLABackend):
-    """FlashInfer MLA's kernel pages (32 or 64 tokens: 16 is refused, 32 preferred) on a
-    class that constructs on a CPU; its TRT-LLM kernels are SM10x only."""
+def _kernel_pages(base: type, name: str, sizes: list[int], doc: str) -> type:
+    """A stand-in for backend ``name``: ``base``'s class (it constructs on a CPU, and the
+    emulated worker allocates its cache layout) with the kernel pages of ``name``, whatever
+    GPU is emulated. As in vLLM's ``AttentionBackend``, a block is accepted when it is a
+    multiple of the smallest page, and the preferred block is the default (16) when
+    accepted, else that smallest page."""
+    step = min(sizes)
 
-    @staticmethod
-    def get_supported_kernel_block_sizes(kv_cache_spec: Any = None) -> list[Any]:
-        return [32, 64]
+    def accepts(cls: type, block_size: int | None) -> bool:
+        return block_size is None or block_size % step == 0
 
-    @classmethod
-    def supports_block_size(cls, block_size: int | None) -> bool:
-        return block_size is None or block_size % 32 == 0
+    def preferred(cls: type, default_block_size: int) -> int:
+        return default_block_size if default_block_size % step == 0 else step
 
-    @staticmethod
-    def get_name() -> str:
-        return "FLASHINFER_MLA"
-
-
-class FlashInferStandIn(FlashAttentionBackend):
-    """FlashInfer's kernel pages (16, 32 or 64 tokens, 16 preferred) whatever the emulated
-    GPU, with FlashAttention's cache layout, which the emulated worker allocates.
-    FlashAttention's own class is no stand-in on an emulated SM10x: there it asks for FA4's
-    128-token pages at head 256, a rule of FA4's, not FlashInfer's."""
-
-    @staticmethod
-    def get_supported_kernel_block_sizes(kv_cache_spec: Any = None) -> list[Any]:
-        return [16, 32, 64]
-
-    @classmethod
-    def get_preferred_block_size(cls, default_block_size: int) -> int:
-        return default_block_size if default_block_size % 16 == 0 else 16
-
-    @classmethod
-    def supports_block_size(cls, block_size: int | None) -> bool:
-        return block_size is None or block_size % 16 == 0
-
-    @staticmethod
-    def get_name() -> str:
-        return "FLASHINFER"
+    return type(f"{name.title().replace('_', '')}StandIn", (base,), {
+        "__doc__": doc,
+        "__module__": __name__,
+        "get_supported_kernel_block_sizes": staticmethod(lambda kv_cache_spec=None: list(sizes)),
+        "supports_block_size": classmethod(accepts),
+        "get_preferred_block_size": classmethod(preferred),
+        "get_name": staticmethod(lambda: name),
+    })
 
 
-class TritonFlashInferStandIn(FlashAttentionBackend):
-    """The Triton+FlashInfer prefix-LM composite's exactly-64-token pages (SM10x), with
-    FlashAttention's cache layout, which the emulated worker allocates."""
-
-    @staticmethod
-    def get_supported_kernel_block_sizes(kv_cache_spec: Any = None) -> list[Any]:
-        return [64]
-
-    @classmethod
-    def supports_block_size(cls, block_size: int | None) -> bool:
-        return block_size is None or block_size % 64 == 0
-
-    @classmethod
-    def get_preferred_block_size(cls, default_block_size: int) -> int:
-        return default_block_size if default_block_size % 64 == 0 else 64
-
-    @staticmethod
-    def get_name() -> str:
-        return "TRITON_FLASHINFER"
+FlashMLAStandIn = _kernel_pages(
+    TritonMLABackend, "FLASHMLA", [64],
+    "FlashMLA's exactly-64-token pages: the real backend asserts its CUDA extension at "
+    "construction; only its block sizes matter to the KV plan (it has no customize_spec).",
+)
+FlashInferMLAStandIn = _kernel_pages(
+    TritonMLABackend, "FLASHINFER_MLA", [32, 64],
+    "FlashInfer MLA's 32 or 64-token pages (16 refused, 32 preferred); its TRT-LLM kernels "
+    "are SM10x only.",
+)
+#: FlashAttention's own class is no stand-in for FlashInfer on an emulated SM10x: there it
+#: asks for FA4's 128-token pages at head 256, a rule of FA4's, not FlashInfer's
+FlashInferStandIn = _kernel_pages(
+    FlashAttentionBackend, "FLASHINFER", [16, 32, 64], "FlashInfer's 16, 32 or 64-token pages."
+)
+TritonFlashInferStandIn = _kernel_pages(
+    FlashAttentionBackend, "TRITON_FLASHINFER", [64],
+    "The Triton+FlashInfer prefix-LM composite's exactly-64-token pages (SM10x).",
+)
 
 
 # The planner's backend names -> the vLLM class whose kernel block rule stands in for
