@@ -628,6 +628,23 @@ class AutoscalingSpec(_Model):
         _POLICY.scale_down_window
     )
     interval_seconds: Annotated[int, Field(ge=1, le=600, description="decision interval")] = 15
+    rate_half_life_seconds: Annotated[
+        int,
+        Field(ge=0, le=3600, description="the event-rate terms (thrash, preemptions) are "
+              "averaged with this half-life: a burst right after a scale change is a "
+              "transient, a sustained rate a lack of capacity (0: each interval alone)"),
+    ] = int(_POLICY.rate_half_life)
+    forecast_window_seconds: Annotated[
+        int,
+        Field(ge=30, le=1800, description="the demand's trend over this window is "
+              "extrapolated over the pods' start-up time"),
+    ] = int(_POLICY.forecast_window)
+    serving_rate_half_life_seconds: Annotated[
+        int,
+        Field(ge=60, le=86400, description="what the pods showed of their serving rate "
+              "(the throughput term's step cost, learned from their metrics) counts half "
+              "after this long"),
+    ] = int(_POLICY.serving_rate_half_life)
 
 
 class RolloutStrategy(StrEnum):
@@ -1092,6 +1109,17 @@ class AutoscalingStatus(_Model):
     desired_replicas: int | None = None
     last_decision: str | None = None
     last_decision_reason: str | None = None
+    last_decision_term: Annotated[
+        str | None,
+        Field(description="the pressure term behind the last decision: throughput, load, "
+              "queue, thrash or preempt; forecast:<term> when the trend of that term's "
+              "demand asked for more; bounds when min/maxReplicas set it")] = None
+    serving_rate: Annotated[
+        dict[str, float] | None,
+        Field(description="a replica's serving rate as the throughput term uses it, "
+              "learned from the pods' metrics (the plan's roofline until they show it)",
+              json_schema_extra={"type": "object", "additionalProperties": {"type": "number"}}),
+    ] = None
     last_scale_time: Annotated[str | None, Field(json_schema_extra={"format": "date-time"})] = None
 
 
