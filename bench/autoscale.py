@@ -1,16 +1,18 @@
-"""Autoscaling policies on four seeded traces, in accelerated (virtual) time.
+"""Autoscaling policies on six seeded traces, in accelerated (virtual) time.
 
 Replays the SAME seeded trace (``bench.autoscale_traces``: ``bursty``, ``diurnal``,
-``multitenant``, ``flash``) against simulated vLLM replicas
+``multitenant``, ``flash``, ``longctx``, ``agentic``) against simulated vLLM replicas
 (``spillway_engine.simulator.cluster.VirtualCluster``, one virtual clock) under each
 autoscaling policy, and reports replica-minutes used against the share of requests whose
-modelled TTFT meets ``--ttft-target`` (2 s). Every policy reads what the operator would
-scrape: each ready replica's ``/metrics`` text, parsed by the operator's
-``parse_metrics``.
+modelled TTFT meets ``--ttft-target`` (2 s; ``longctx``: 4 s). Every policy reads what
+the operator would scrape: each ready replica's ``/metrics`` text, parsed by the
+operator's ``parse_metrics`` (and the token-velocity baseline the router's in-flight
+tokens).
 
     python -m bench.autoscale [--trace T ...] [--seed N] [--verbose]   # defaults, one trace
-    python -m bench.autoscale --sweep [--seeds 5] [--jobs 2] [--out rows.json]
+    python -m bench.autoscale --sweep [--seeds 0,1,2,3,4] [--jobs 2] [--out rows.json]
                               [--png-dir docs/figures]                 # the frontier
+                              [--reuse old-rows.json [--rerun spillway]]  # keep runs made
     python -m bench.autoscale --sweep --from-rows rows.json [--png-dir D]  # report it again
     python -m bench.autoscale --quick                                  # 600 s smoke run
 
@@ -27,9 +29,11 @@ holds a GPU, and counts in replica-minutes, from the moment it is asked for unti
 has drained after removal)
 
 spillway
-    The operator's own code, unchanged, driven as ``autoscaler.Autoscaler.tick`` drives
-    it: ``parse_metrics`` -> ``pod_pressure`` per ready replica -> ``aggregate`` ->
-    ``decide(Policy, ...)`` with the CRD defaults, min 1 / max 8.
+    The operator's own code, unchanged, driven as ``scaler.Autoscaler.tick`` drives it:
+    ``parse_metrics`` -> the serving rate learned from every replica
+    (``throughput.learn``, seeded from the plan's GPU and the model's size) ->
+    ``pod_reading`` per ready replica -> ``aggregate`` -> ``decide(Policy, ...)`` with
+    the CRD defaults, min 1 / max 8.
 hpa-kv, hpa-queue
     Kubernetes' HPA algorithm (``replica_calculator.go`` + the default ``behavior``) on
     ``vllm:kv_cache_usage_perc`` / ``vllm:num_requests_waiting``: desired =
@@ -43,6 +47,12 @@ dynamo
     Dynamo's load-based planner as documented: KV-utilisation and prefill-queue
     thresholds, one replica per 60 s adjustment, the prefix hit rate as a scale-down
     brake (``DynamoPolicy``).
+velocity
+    llm-d's token-aware ("token velocity") KEDA autoscaling for P+D pods as its guide
+    configures it: sum(in-flight uncached prompt tokens) / V_P seconds of prefill
+    backlog against the target per replica, beside sum(kv_cache_usage_perc) against
+    0.8, one pod per 180 s up and per 300 s down; V_P calibrated as llm-d's
+    ``calibrate.sh`` does (``TokenVelocityPolicy``, ``calibrate_peak_prefill``).
 static
     N replicas from the first decision on, swept over N: the hindsight fleet.
 
@@ -58,14 +68,15 @@ replica k gets engine seed ``seed + k``.
 ReplicaSet-like spec.replicas with starting replicas; removal cancels starting replicas
 first, then drains the newest) and runs the cluster with ``break_stalls`` (an
 overloaded core preempts its youngest stalled request, counted in
-``vllm:num_preemptions``). Two speed-ups that change nothing a policy reads: latency
-histograms are not observed and the scraped text is cut to the families
-``parse_metrics`` reads.
+``vllm:num_preemptions``). Two speed-ups that change nothing a policy reads: of the
+latency histograms only the inter-token one (the throughput term's step time) is
+observed, and the scraped text is cut to the families ``parse_metrics`` reads.
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import functools
 import json
 import math
@@ -84,27 +95,41 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "engine"))
 sys.path.insert(0, str(ROOT / "operator"))
 
+from prometheus_client import generate_latest  # noqa: E402
+
 from bench.autoscale_traces import TRACES, Scenario  # noqa: E402
 from spillway_cli.loadgen import percentile  # noqa: E402
 from spillway_engine.simulator.cluster import Replica, VirtualCluster  # noqa: E402
-from spillway_engine.simulator.core import LatencyModel, SchedulerConfig, SimRequest  # noqa: E402
+from spillway_engine.simulator.core import (  # noqa: E402
+    EngineCore,
+    LatencyModel,
+    SchedulerConfig,
+    SimRequest,
+)
 from spillway_engine.simulator.plan_input import (  # noqa: E402
     SimPlan,
     gpu_blocks_for_tokens,
     load_plan,
 )
 from spillway_operator.flow.pressure import (  # noqa: E402
-    COUNTERS,
-    GAUGES,
-    HOST_HITS,
+    FAMILIES,
     Aggregate,
     Policy,
+    Rates,
     Sample,
     State,
     aggregate,
     decide,
     parse_metrics,
-    pod_pressure,
+    pod_rates,
+    pod_reading,
+)
+from spillway_operator.flow.throughput import (  # noqa: E402
+    capacity,
+    learn,
+    learner,
+    params_from_name,
+    seed_cost,
 )
 
 ROUTING = "prefix-affinity"
@@ -112,7 +137,43 @@ MIN_REPLICAS, MAX_REPLICAS = 1, 8
 INTERVAL = 15.0  # s between autoscaler decisions (HPA default sync period)
 SCALE_DOWN_WINDOW = 300.0
 TOLERANCE = 0.1
-_READ = frozenset(GAUGES) | frozenset(COUNTERS) | {HOST_HITS}
+#: The sample names of the families ``parse_metrics`` reads.
+_SAMPLES = frozenset(f"{family}{suffix}" for family in FAMILIES
+                     for suffix in ("", "_total", "_bucket", "_sum", "_count"))
+
+
+class StepObserver:
+    """The core's observer, lean: only vLLM's inter-token-latency histogram (the step
+    time the throughput term learns from), accumulated in plain floats and moved into
+    the replica's Prometheus histogram before each scrape. The exposition is what the
+    full observer would write for that family; the other latency histograms, which no
+    policy reads, are not observed at all."""
+
+    __slots__ = ("bounds", "counts", "hist", "sum")
+
+    def __init__(self, metrics) -> None:
+        self.hist = metrics.h_itl
+        self.bounds = list(self.hist._upper_bounds)
+        self.counts = [0] * len(self.bounds)
+        self.sum = 0.0
+
+    def on_token(self, req, itl: float | None) -> None:
+        if itl is not None:
+            self.sum += itl
+            self.counts[bisect.bisect_left(self.bounds, itl)] += 1
+
+    def on_finished(self, req) -> None:
+        pass
+
+    def flush(self) -> None:
+        hist = self.hist
+        if self.sum:
+            hist._sum.inc(self.sum)
+        for i, n in enumerate(self.counts):
+            if n:
+                hist._buckets[i].inc(n)
+        self.counts = [0] * len(self.bounds)
+        self.sum = 0.0
 
 
 # ----------------------------------------------------------------------------- cluster
@@ -152,24 +213,37 @@ class DelayedCluster(VirtualCluster):
 
     def _new_replica(self) -> Replica:
         replica = super()._new_replica()
-        # No policy reads the latency histograms: skip their per-token observations
+        # Only the step histogram is read (by the throughput term): observe it alone
         # (the gauges and counters the policies read are synced from the core).
-        replica.core.observer = None
+        replica.core.observer = StepObserver(replica.metrics)
         return replica
 
     def scrape_lean(self, replica: Replica) -> str:
         """The replica's /metrics text, cut to the families ``parse_metrics`` reads
-        (the parsed Sample is identical; parsing every histogram is most of the cost)."""
-        keep = []
-        for line in self.scrape(replica).splitlines():
-            if line.startswith("#"):
-                parts = line.split(" ", 3)
-                name = parts[2] if len(parts) > 2 else ""
-            else:
-                name = line.split("{", 1)[0].split(" ", 1)[0]
-            if name.removesuffix("_total").removesuffix("_created") in _READ:
-                keep.append(line)
-        return "\n".join(keep) + "\n"
+        (the parsed Sample is identical; writing and parsing every histogram is most of
+        the cost of a scrape)."""
+        observer = replica.core.observer
+        if isinstance(observer, StepObserver):
+            observer.flush()
+        replica.metrics.sync()
+        return generate_latest(replica.metrics.registry.restricted_registry(_SAMPLES)).decode()
+
+    def inflight_tokens(self, replica: Replica) -> float:
+        """llm-d's ``llm_d_epp_inflight_tokens`` for the replica: uncached prompt tokens
+        dispatched to it and not yet prefilled. A request the engine admitted counts what
+        it still has to compute; one still waiting counts its prompt less the share the
+        replica's GPU and host tiers have served so far (the router's prefix-index
+        estimate of the hit, which it makes before the engine looks)."""
+        core = replica.core
+        c = core.counters
+        hit = (c.cached_device + c.cached_host) / c.prompt_tokens if c.prompt_tokens else 0.0
+        total = 0.0
+        for req in core.running:
+            total += max(0, req.target - req.num_computed)
+        for req in core.waiting:
+            total += max(0, req.target - req.num_computed) if req.admitted \
+                else req.prompt_len * (1.0 - hit)  # fmt: skip
+        return total
 
     def promote(self, now: float) -> int:
         """Replicas whose model load finished by ``now`` start serving (fresh, cold)."""
@@ -197,11 +271,15 @@ class Tick:
     reason: str
     components: dict[str, float] = field(default_factory=dict)
     pressure: float | None = None
+    term: str = ""
 
 
 class SpillwayPolicy:
-    """The operator's own autoscaler: ``parse_metrics`` -> ``pod_pressure`` per ready pod
-    -> ``aggregate`` -> ``decide``, with the CRD's defaults unless ``target`` is given."""
+    """The operator's own autoscaler: ``parse_metrics`` -> the serving rate learned from
+    every pod (``throughput.learn``) -> ``pod_reading`` per ready pod -> ``aggregate`` ->
+    ``decide``, with the CRD's defaults unless ``target`` is given. The serving rate is
+    seeded as the operator seeds it, from the plan's GPU and the model's size
+    (``seed``: set by ``run_policy`` from the trace's plan)."""
 
     name = "spillway"
 
@@ -211,20 +289,33 @@ class SpillwayPolicy:
         self.max_dt = 3 * INTERVAL + 3.0  # as the operator's autoscaler
         self.samples: dict[str, Sample] = {}
         self.state = State()
+        self.learner = None
+
+    def seed(self, plan: SimPlan) -> None:
+        params = params_from_name(plan.model_name)
+        per_gpu = params / plan.tensor_parallel_size if params else None
+        self.learner = learner(seed_cost(plan.plan.gpu.name, per_gpu))
 
     def tick(self, now: float, texts: dict[str, str], current: int, starting: int) -> Tick:
-        cur: dict[str, Sample] = {}
-        pods = []
-        for name, text in texts.items():
-            sample = parse_metrics(text, now)
-            cur[name] = sample
-            pods.append(pod_pressure(self.samples.get(name), sample, self.max_dt))
+        cur = {name: parse_metrics(text, now) for name, text in texts.items()}
+        cap = None
+        if self.learner is not None:
+            served = [pod_rates(self.samples.get(n), s, self.max_dt) for n, s in cur.items()]
+            self.learner = learn(self.learner, now, [r for r in served if isinstance(r, Rates)],
+                                 self.policy.serving_rate_half_life)
+            cap = capacity(self.learner)
+        pods = [pod_reading(self.samples.get(n), s, self.max_dt, cap) for n, s in cur.items()]
         self.samples = cur
         agg: Aggregate = aggregate(pods)
         d = decide(self.policy, now, current, len(texts), starting, agg, self.state)
         self.state = d.state
-        return Tick(now, current, len(texts), starting, d.replicas, d.reason,
-                    dict(agg.components), agg.pressure)  # fmt: skip
+        comps = dict(agg.components)
+        if cap is not None:
+            comps |= {"servingPrefill": cap.prefill_tokens_per_s,
+                      "servingDecode": cap.decode_tokens_per_s, "maxBatch": cap.max_batch,
+                      "s0": cap.cost.step_s, "a": cap.cost.prefill_s, "b": cap.cost.decode_s}
+        return Tick(now, current, len(texts), starting, d.replicas, d.reason, comps,
+                    agg.pressure, d.term)
 
 
 def _gauge(key: str) -> Callable[[dict[str, float]], float]:
@@ -328,6 +419,95 @@ class DynamoPolicy:
                     f"kv {mkv:.2f} waiting {mq:.2f} hit {hit if hit is not None else -1:.2f}")
 
 
+INFLIGHT_TOKENS = "llm_d_epp_inflight_tokens"
+#: llm-d's calibration: prompts of --max-num-batched-tokens tokens (vLLM's chunk), one
+#: at a time on an idle replica, cache misses; V_P = CHUNK_SIZE / median(TTFT).
+CALIBRATION_CHUNK = 8192
+CALIBRATION_REQUESTS = 5
+
+
+@functools.lru_cache(maxsize=8)
+def calibrate_peak_prefill(plan_file: Path, gpu_blocks: int, seed: int = 0) -> float:
+    """``peakPrefillThroughput`` (V_P) as llm-d's ``calibrate.sh`` measures it, on one
+    idle simulated replica of the trace's plan: sequential CHUNK_SIZE-token prompts of
+    random tokens (no prefix hit), V_P = CHUNK_SIZE / median(TTFT)."""
+    import random
+
+    core = EngineCore(load_plan(plan_file), gpu_blocks=gpu_blocks, seed=seed)
+    rng = random.Random(seed)
+    ttfts = []
+    for _ in range(CALIBRATION_REQUESTS):
+        prompt = [rng.randrange(16, 32000) for _ in range(CALIBRATION_CHUNK)]
+        req = core.add_request(prompt, 1, arrival=core.now)
+        core.run_until_idle()
+        ttfts.append(req.first_token_time - req.arrival)
+    return CALIBRATION_CHUNK / statistics.median(ttfts)
+
+
+class TokenVelocityPolicy:
+    """llm-d's token-aware autoscaling for P+D co-located pods ("token velocity",
+    guides/workload-autoscaling/keda-epp-token-aware) as its ScaledObject configures it:
+    one KEDA ScaledObject, two Prometheus triggers, both AverageValue, the HPA taking
+    the larger replica count:
+
+    - prefill: sum(llm_d_epp_inflight_tokens) / V_P -- seconds of prefill backlog --
+      against ``target`` seconds per replica (the guide ships 1.5 for ~2 s TTFT SLOs);
+    - decode: sum(vllm:kv_cache_usage_perc) against 0.8 per replica.
+
+    V_P (``peakPrefillThroughput``) is calibrated as the guide documents
+    (:func:`calibrate_peak_prefill`, set by ``run_policy``). The HPA behavior is the
+    guide's: scale up by 1 pod per 180 s (no stabilization), down by 1 pod per 300 s
+    after a 300 s stabilization window; external metrics with an AverageValue target
+    give desired = ceil(sum / target), no change within the 10 % tolerance."""
+
+    KV_TARGET = 0.8
+    UP_PERIOD, DOWN_PERIOD = 180.0, 300.0
+
+    def __init__(self, target: float) -> None:
+        self.name, self.target = "velocity", target
+        self.peak_prefill: float | None = None
+        self.history: list[tuple[float, int]] = []
+        self.ups: list[float] = []
+        self.downs: list[float] = []
+
+    def calibrate(self, plan_file: Path, gpu_blocks: int) -> None:
+        self.peak_prefill = calibrate_peak_prefill(plan_file, gpu_blocks)
+
+    @staticmethod
+    def _desired(total: float, target: float, current: int) -> int:
+        if abs(total / (target * max(current, 1)) - 1.0) <= TOLERANCE:
+            return current
+        return math.ceil(total / target - 1e-9)
+
+    def tick(self, now: float, texts: dict[str, str], current: int, starting: int) -> Tick:
+        inflight = kv = 0.0
+        for text in texts.values():
+            kv += parse_metrics(text, now).values.get("gpu_kv", 0.0)
+            for line in text.splitlines():
+                if line.startswith(INFLIGHT_TOKENS + " "):
+                    inflight += float(line.split()[1])
+        backlog = inflight / (self.peak_prefill or 1.0)
+        raw = max(self._desired(backlog, self.target, current),
+                  self._desired(kv, self.KV_TARGET, current))  # fmt: skip
+        raw = min(max(raw, MIN_REPLICAS), MAX_REPLICAS)
+        self.history = [(t, r) for t, r in self.history if now - t < SCALE_DOWN_WINDOW]
+        self.history.append((now, raw))
+        rec = min(max(current, raw), max(r for _, r in self.history))
+        if rec > current:  # 1 pod per 180 s
+            self.ups = [t for t in self.ups if now - t < self.UP_PERIOD]
+            rec = current if self.ups else current + 1
+            if rec > current:
+                self.ups.append(now)
+        elif rec < current:  # 1 pod per 300 s
+            self.downs = [t for t in self.downs if now - t < self.DOWN_PERIOD]
+            rec = current if self.downs else current - 1
+            if rec < current:
+                self.downs.append(now)
+        rec = min(max(rec, MIN_REPLICAS), MAX_REPLICAS)
+        return Tick(now, current, len(texts), starting, rec,
+                    f"prefill backlog {backlog:.2f} s, kv {kv:.2f} -> raw {raw}")
+
+
 class StaticPolicy:
     """Not an autoscaler: ask for ``n`` replicas at the first decision and keep them (the
     hindsight reference: swept over n, its cheapest n at each attainment)."""
@@ -348,10 +528,11 @@ SWEEP_TARGETS: dict[str, tuple[float, ...]] = {
     "hpa-queue": (1.0, 4.0),
     "keda": (4.0, 6.0, 8.0),
     "dynamo": (0.5, 0.6, 0.7),
+    "velocity": (0.5, 1.0, 1.5, 3.0),
     "static": (2, 3, 4, 5),
 }
 DEFAULT_TARGET = {"spillway": Policy().target, "hpa-kv": 0.8, "hpa-queue": 2.0,
-                  "keda": 8.0, "dynamo": 0.9, "static": 3}  # fmt: skip
+                  "keda": 8.0, "dynamo": 0.9, "velocity": 1.5, "static": 3}  # fmt: skip
 
 
 def make_policy(name: str, target: float):
@@ -366,6 +547,8 @@ def make_policy(name: str, target: float):
                          target, "running+waiting")  # fmt: skip
     if name == "dynamo":
         return DynamoPolicy(target)
+    if name == "velocity":
+        return TokenVelocityPolicy(target)
     if name == "static":
         return StaticPolicy(int(target))
     raise ValueError(f"unknown policy {name!r}")
@@ -408,18 +591,22 @@ def run_policy(policy, scenario: Scenario, seed: int, *, gpu_blocks: int | None 
     replace the trace's GPU KV size and the simulator's engine defaults (the emulated
     fleet's replay sets them to its engines')."""
     start = time.perf_counter()
+    duration = scenario.duration
+    plan = plan_of(scenario)
     if isinstance(policy, SpillwayPolicy):
         # The operator learns the lead from its pods' start-ups (pressure.startup_seconds):
         # here every pod takes the trace's load delay.
         policy.policy = replace(policy.policy, lead_seconds=scenario.load_delay)
-    duration = scenario.duration
-    plan = plan_of(scenario)
+        policy.seed(plan)
+    blocks = gpu_blocks or gpu_blocks_for_tokens(plan, scenario.gpu_kv_tokens)
+    if isinstance(policy, TokenVelocityPolicy):
+        policy.calibrate(scenario.plan_file, blocks)
     cluster = DelayedCluster(
         plan,
         load_delay=scenario.load_delay,
         replicas=MIN_REPLICAS,
         routing=ROUTING,
-        gpu_blocks=gpu_blocks or gpu_blocks_for_tokens(plan, scenario.gpu_kv_tokens),
+        gpu_blocks=blocks,
         latency=latency,
         scheduler=scheduler,
         seed=seed,
@@ -457,7 +644,8 @@ def run_policy(policy, scenario: Scenario, seed: int, *, gpu_blocks: int | None 
                 cluster.promote(nxt)
                 account(nxt)
                 continue
-            texts = {r.name: cluster.scrape_lean(r) for r in cluster.serving}
+            texts = {r.name: cluster.scrape_lean(r) + f"{INFLIGHT_TOKENS} "
+                     f"{cluster.inflight_tokens(r)}\n" for r in cluster.serving}  # fmt: skip
             current = cluster.desired
             tk = policy.tick(nxt, texts, current, len(cluster.starting))
             ticks.append(tk)
@@ -540,13 +728,13 @@ def phase_table(results: list[Result], scenario: Scenario, target: float) -> lis
 def spillway_analysis(res: Result, scenario: Scenario) -> list[str]:
     """Which pressure component drove Spillway's decisions, per phase."""
     out = []
-    keys = ("load", "thrash", "queue", "preempt")
+    keys = ("throughput", "load", "thrash", "queue", "preempt")
     drivers: Counter = Counter()
     for tk in res.ticks:
-        if tk.replicas > tk.current and tk.components:
-            drivers[max(keys, key=lambda k: tk.components.get(k, 0.0))] += 1
+        if tk.replicas > tk.current:
+            drivers[tk.term or "-"] += 1
     out.append(
-        "  scale-ups by the largest (ready-pod mean) component: "
+        "  scale-ups by the term the decision named: "
         + (", ".join(f"{k} {n}" for k, n in drivers.most_common()) or "none")
     )
     for ph, _, _ in scenario.phases:
@@ -561,16 +749,20 @@ def spillway_analysis(res: Result, scenario: Scenario) -> list[str]:
             + "  ".join(f"{k} {mean[k]:.2f}/{peak[k]:.2f}" for k in keys)
             + f"  hostHitShare {hh:.2f}"
         )
-    out.append("  scaling actions (largest component of the ready-pod mean at that decision):")
+    out.append("  scaling actions (the term the decision named):")
     for tk in res.ticks:
         if tk.replicas == tk.current:
             continue
-        comps = tk.components
-        top = max(keys, key=lambda k: comps.get(k, 0.0)) if comps else "-"
         pressure = f"{tk.pressure:.2f}" if tk.pressure is not None else "-"
         out.append(f"    t={tk.now:6.0f} {phase_of(scenario, tk.now):6} {tk.current}->"
-                   f"{tk.replicas} pressure {pressure:>5} ({top} {comps.get(top, 0.0):.2f}; "
-                   f"{tk.reason})")  # fmt: skip
+                   f"{tk.replicas} pressure {pressure:>5} [{tk.term or '-'}] {tk.reason}")
+    last = next((tk.components for tk in reversed(res.ticks) if "servingPrefill" in
+                 tk.components), None)
+    if last:
+        out.append(f"  serving rate learned: {last['servingPrefill']:.0f} prefill tokens/s, "
+                   f"{last['servingDecode']:.0f} decode tokens/s at the KV's batch of "
+                   f"{last['maxBatch']:.1f} (step {1e3 * last['s0']:.2f} ms + "
+                   f"{1e6 * last['a']:.1f} us/prompt token + {1e6 * last['b']:.1f} us/sequence)")
     return out
 
 
@@ -592,6 +784,14 @@ def timeline_line(res: Result, scenario: Scenario, buckets: int = 24) -> str:
 # ----------------------------------------------------------------------------- sweep
 
 LEVELS = (0.95, 0.99, 0.999)
+DEFAULT_TTFT = 2.0
+#: Traces whose users are promised another TTFT than DEFAULT_TTFT (Scenario.ttft_target).
+TRACE_TTFT = {"longctx": 4.0}
+
+
+def ttft_of(scenario: Scenario, asked: float | None) -> float:
+    """The TTFT target a run is scored against: asked for, else the trace's own."""
+    return asked or scenario.ttft_target or DEFAULT_TTFT
 
 
 @functools.lru_cache(maxsize=4)
@@ -602,8 +802,9 @@ def scenario_of(trace: str, seed: int, duration: float | None) -> Scenario:
 
 def _sweep_job(job: tuple[str, int, float | None, str, float, float]) -> dict:
     trace, seed, duration, name, target, ttft_target = job
-    res = run_policy(make_policy(name, target), scenario_of(trace, seed, duration), seed)
-    s = summarize(res, ttft_target)
+    scenario = scenario_of(trace, seed, duration)
+    res = run_policy(make_policy(name, target), scenario, seed)
+    s = summarize(res, ttft_of(scenario, ttft_target))
     return {"trace": trace, "seed": seed, "policy": name, "target": target,
             "rm": round(s["rm"], 2), "met": s["met"], "p95": round(s["p95"], 3),
             "actions": res.actions, "wall": round(res.wall, 1)}  # fmt: skip
@@ -694,9 +895,21 @@ def one_setting_report(rows: list[dict], traces: list[str]) -> list[str]:
     return out
 
 
+def parse_seeds(text: str) -> list[int]:
+    """``--seeds``: N (seeds 0..N-1) or a comma-separated list (0,1,2,13,21)."""
+    parts = [p for p in text.split(",") if p.strip()]
+    if len(parts) == 1 and "," not in text:
+        return list(range(int(parts[0])))
+    return [int(p) for p in parts]
+
+
+def _key(row: dict) -> tuple:
+    return row["trace"], row["seed"], row["policy"], float(row["target"])
+
+
 def run_sweep(args) -> int:
     traces = args.trace or list(TRACES)
-    seeds = list(range(args.seeds))
+    seeds = parse_seeds(args.seeds)
     jobs = [(tr, seed, args.duration, name, target, args.ttft_target)
             for tr in traces for seed in seeds
             for name, targets in SWEEP_TARGETS.items() if name in args.policies
@@ -707,12 +920,25 @@ def run_sweep(args) -> int:
         rows = [r for r in json.loads(args.from_rows.read_text()) if r["trace"] in traces]
         traces = [t for t in traces if any(r["trace"] == t for r in rows)]
         jobs = []
+    if args.reuse and not args.duration:
+        # Rows of an earlier sweep (an interrupted one, or the baselines of an earlier
+        # round, whose code has not changed): taken as they are, except for the
+        # policies named by --rerun.
+        rerun = {p for p in args.rerun.split(",") if p}
+        old = {_key(r): r for path in args.reuse for r in json.loads(path.read_text())
+               if r["policy"] not in rerun}
+        wanted = {(tr, seed, name, float(target)) for tr, seed, _, name, target, _ in jobs}
+        rows = [old[k] for k in wanted if k in old]
+        jobs = [j for j in jobs if (j[0], j[1], j[3], float(j[4])) not in old]
+        print(f"{len(rows)} runs taken from {', '.join(map(str, args.reuse))}", flush=True)
     print(f"{len(jobs)} runs on {args.jobs} process(es)", flush=True)
     with multiprocessing.get_context("fork").Pool(args.jobs, maxtasksperchild=40) as pool:
-        for row in pool.imap_unordered(_sweep_job, jobs):
+        for i, row in enumerate(pool.imap_unordered(_sweep_job, jobs)):
             rows.append(row)
             if args.verbose:
                 print(f"  {row}", flush=True)
+            if args.out and i % 10 == 9:  # an interrupted sweep resumes with --reuse
+                args.out.write_text(json.dumps(rows, indent=0) + "\n")
     rows.sort(key=lambda r: (r["trace"], r["policy"], r["target"], r["seed"]))
     if args.out:
         args.out.write_text(json.dumps(rows, indent=0) + "\n")
@@ -721,7 +947,8 @@ def run_sweep(args) -> int:
     if args.png_dir:
         for trace in traces:
             path = args.png_dir / f"autoscale-{trace}.png"
-            write_frontier_png(points(rows, trace), trace, path, args.ttft_target)
+            target = args.ttft_target or TRACE_TTFT.get(trace, DEFAULT_TTFT)
+            write_frontier_png(points(rows, trace), trace, path, target)
             print(f"wrote {path}")
     print(f"\nsweep wall time {time.perf_counter() - started:.0f} s")
     return 0
@@ -772,6 +999,7 @@ def write_frontier_png(pts: dict[tuple[str, float], dict], trace: str, path: Pat
 
 def run_one(scenario: Scenario, args) -> None:
     """Each policy at its default target on one trace: a table, phases, timelines."""
+    args = argparse.Namespace(**{**vars(args), "ttft_target": ttft_of(scenario, args.ttft_target)})
     items = scenario.items
     print(f"trace {scenario.name}: {scenario.summary}; {len(items)} requests over "
           f"{scenario.duration:.0f} s, seed {args.seed}, plan "
@@ -817,9 +1045,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trace", action="append", choices=list(TRACES),
                         help="a trace (repeatable; default: bursty, or all with --sweep)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--seeds", type=int, default=5, help="--sweep: seeds 0..N-1")
+    parser.add_argument("--seeds", default="5",
+                        help="--sweep: N (seeds 0..N-1) or a list, e.g. 0,1,2,13,21")
     parser.add_argument("--duration", type=float, help="virtual seconds (default: the trace's)")
-    parser.add_argument("--ttft-target", type=float, default=2.0, help="modelled seconds")
+    parser.add_argument("--ttft-target", type=float,
+                        help="modelled seconds (default: the trace's, 2 s unless it says)")
     parser.add_argument("--policies", default=",".join(SWEEP_TARGETS),
                         help="comma-separated subset of " + ",".join(SWEEP_TARGETS))
     parser.add_argument("--quick", action="store_true", help="a short run for CI smoke")
@@ -831,6 +1061,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--png-dir", type=Path, help="--sweep: one frontier PNG per trace")
     parser.add_argument("--from-rows", type=Path,
                         help="--sweep: report (and plot) the rows an earlier --out wrote")
+    parser.add_argument("--reuse", type=Path, action="append",
+                        help="--sweep: take the runs an earlier --out holds instead of "
+                        "running them again (repeatable), but for --rerun's policies")
+    parser.add_argument("--rerun", default="spillway",
+                        help="--sweep --reuse: policies always run again (comma-separated; "
+                        "default: spillway, whose code this round changes)")
     args = parser.parse_args(argv)
     args.policies = [p for p in args.policies.split(",") if p]
     if args.quick:

@@ -24,6 +24,23 @@ reports separately. Token counts are words (the simulator maps a word to a token
     A flash crowd: 2 req/s, then x5 within one minute at 600 s, held for 10 minutes,
     back within one minute; model loads take 120 s, so every policy is late and the
     question is how late and how much it keeps afterwards. 1,800 s.
+``longctx``
+    Long-context retrieval: prompts of 8k-32k tokens (log-uniform), a 512-token
+    instruction shared by all, a quarter of them on one of 6 hot documents (8k-16k
+    tokens) and the rest on documents of their own, 96-token answers; 0.25 -> 2 req/s
+    (x8) and back (200 s ramps, 400 s held). Llama-3.2-1B with 1M tokens of GPU KV (what
+    an H100 holds for it): prefill throughput binds long before the KV cache does. Its
+    TTFT target is 4 s, twice what the longest prompt takes to prefill on an idle
+    replica (four 8,192-token chunks). 1,200 s (its prompts make it the costliest trace
+    to simulate).
+``agentic``
+    Agent sessions: each opens on one of 4 agents' 6,144-token system prompt and tool
+    list, then 4-16 turns; after each 192-token reply a tool call of 1-30 s (log-uniform,
+    plus 3 s for the reply) returns 100-1,500 tokens of output that the next turn
+    appends. Sessions start at 0.06 -> 0.6 per second (x10, 250 s ramps, 350 s held).
+    Llama-3.2-1B with 32,768 tokens of GPU KV: between turns the GPU drops what a
+    session's next turn needs, the host tier (262,144 tokens a replica) keeps it.
+    1,200 s.
 """
 
 from __future__ import annotations
@@ -31,6 +48,7 @@ from __future__ import annotations
 import bisect
 import math
 import random
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -58,6 +76,8 @@ class Scenario:
     phases: tuple[tuple[str, float, float], ...]  # (name, start, end)
     summary: str = ""
     rate: Callable[[float], float] | None = field(default=None, compare=False)
+    #: the trace's own TTFT target (s), where 2 s is not what its users are promised
+    ttft_target: float | None = None
 
 
 # ----------------------------------------------------------------------------- rates
@@ -311,9 +331,154 @@ def multitenant(seed: int, duration: float = 2400.0) -> Scenario:
     )  # fmt: skip
 
 
+# ----------------------------------------------------------------------------- long context
+
+
+def _tokens(rng: random.Random, n: int) -> array:
+    """``n`` random token ids (no two documents share a prefix by chance)."""
+    return array("I", rng.choices(range(16, 32000), k=n))
+
+
+@dataclass(frozen=True)
+class Retrieval:
+    """The long-context retrieval trace's shape (see the module docstring)."""
+
+    duration: float = 1200.0
+    low: float = 0.25
+    high: float = 2.0
+    start: float = 200.0
+    rise: float = 200.0
+    hold: float = 400.0
+    shortest: int = 8000
+    longest: int = 32000
+    instruction_tokens: int = 512
+    hot_documents: int = 6
+    hot_share: float = 0.25
+    question_tokens: int = 64
+    max_tokens: int = 96
+
+    def rate(self, t: float) -> float:
+        return self.low + (self.high - self.low) * _trapezoid(t, self.start, self.rise, self.hold)
+
+
+def retrieval_items(spec: Retrieval, seed: int) -> list[ReplayItem]:
+    rng = random.Random(seed * 11 + 7)
+    instruction = _tokens(rng, spec.instruction_tokens)
+    hot = [_tokens(rng, rng.randint(spec.shortest, spec.longest // 2))
+           for _ in range(spec.hot_documents)]  # fmt: skip
+    total, inverse = _warp(spec.rate, spec.duration)
+    items: list[ReplayItem] = []
+    s, n = 0.0, 0
+    lo, hi = math.log(spec.shortest), math.log(spec.longest)
+    while True:
+        s += rng.expovariate(1.0)
+        if s > total:
+            break
+        want = round(math.exp(rng.uniform(lo, hi)))
+        if rng.random() < spec.hot_share:
+            k = rng.randrange(spec.hot_documents)
+            doc, session = hot[k], f"doc/{k}"
+        else:
+            doc = _tokens(rng, max(0, want - spec.instruction_tokens - spec.question_tokens))
+            session = f"q/{n}"
+        prompt = instruction + doc + _tokens(rng, spec.question_tokens)
+        items.append(ReplayItem(inverse(s), prompt, spec.max_tokens, session=session))
+        n += 1
+    return _numbered(items)
+
+
+def longctx(seed: int, duration: float = 1200.0) -> Scenario:
+    spec = Retrieval(duration=duration)
+    end = spec.start + 2 * spec.rise + spec.hold
+    return Scenario(
+        "longctx", retrieval_items(spec, seed), duration, LLAMA_PLAN, 1 << 20, 120.0,
+        (("before", 0.0, spec.start), ("peak", spec.start, end), ("after", end, duration)),
+        f"{spec.shortest // 1000}k-{spec.longest // 1000}k-token prompts, "
+        f"{spec.hot_documents} hot documents, {spec.low:g} -> {spec.high:g} req/s, "
+        "Llama-3.2-1B, 1M tokens of GPU KV", spec.rate, ttft_target=4.0,
+    )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- agentic
+
+
+@dataclass(frozen=True)
+class Agents:
+    """The agentic trace's shape (see the module docstring)."""
+
+    duration: float = 1200.0
+    low: float = 0.06  # sessions started per second
+    high: float = 0.6
+    start: float = 200.0
+    rise: float = 250.0
+    hold: float = 350.0
+    agents: int = 4
+    system_tokens: int = 6144
+    task_tokens: int = 256
+    min_turns: int = 4
+    max_turns: int = 16
+    reply_tokens: int = 192
+    min_tool_tokens: int = 100
+    max_tool_tokens: int = 1500
+    min_pause: float = 1.0
+    max_pause: float = 30.0
+    reply_seconds: float = 3.0
+
+    def rate(self, t: float) -> float:
+        return self.low + (self.high - self.low) * _trapezoid(t, self.start, self.rise, self.hold)
+
+
+def agentic_items(spec: Agents, seed: int) -> list[ReplayItem]:
+    """Each session: a system prompt, a task, then turns whose prompt is the whole
+    session so far; a turn's reply and the tool output it asked for are appended, and
+    the next turn comes a tool call later (generators, not data: arrival times are
+    fixed in advance, as an open-loop replay needs)."""
+    rng = random.Random(seed * 13 + 3)
+    systems = [_words(rng, spec.system_tokens) for _ in range(spec.agents)]
+    total, inverse = _warp(spec.rate, spec.duration)
+    items: list[ReplayItem] = []
+    s, sid = 0.0, 0
+    log_pause = (math.log(spec.min_pause), math.log(spec.max_pause))
+    log_tool = (math.log(spec.min_tool_tokens), math.log(spec.max_tool_tokens))
+    while True:
+        s += rng.expovariate(1.0)
+        if s > total:
+            break
+        t = inverse(s)
+        agent = rng.randrange(spec.agents)
+        conv = [{"role": "system", "content": systems[agent]},
+                {"role": "user", "content": _words(rng, spec.task_tokens)}]  # fmt: skip
+        for _ in range(rng.randint(spec.min_turns, spec.max_turns)):
+            if t >= spec.duration:
+                break
+            items.append(ReplayItem(t, array("I", chat_tokens(conv)), spec.reply_tokens,
+                                    session=f"ag/{sid}"))  # fmt: skip
+            conv.append({"role": "assistant", "content": _words(rng, spec.reply_tokens)})
+            tool = round(math.exp(rng.uniform(*log_tool)))
+            conv.append({"role": "tool", "content": _words(rng, tool)})
+            t += spec.reply_seconds + math.exp(rng.uniform(*log_pause))
+        sid += 1
+    return _numbered(items)
+
+
+def agentic(seed: int, duration: float = 1200.0) -> Scenario:
+    spec = Agents(duration=duration)
+    end = spec.start + 2 * spec.rise + spec.hold
+    return Scenario(
+        "agentic", agentic_items(spec, seed), duration, LLAMA_PLAN, 32768, 120.0,
+        (("before", 0.0, spec.start), ("peak", spec.start, end), ("after", end, duration)),
+        f"agent sessions ({spec.system_tokens}-token shared context, {spec.min_turns}-"
+        f"{spec.max_turns} turns, {spec.min_pause:g}-{spec.max_pause:g} s tool calls), "
+        f"{spec.low:g} -> {spec.high:g} sessions/s, Llama-3.2-1B, 32k tokens of GPU KV",
+        spec.rate,
+    )  # fmt: skip
+
+
 TRACES: dict[str, Callable[..., Scenario]] = {
     "bursty": bursty,
     "diurnal": diurnal,
     "multitenant": multitenant,
     "flash": flash,
+    "longctx": longctx,
+    "agentic": agentic,
 }

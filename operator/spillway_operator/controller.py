@@ -73,6 +73,8 @@ class Controller:
         self.resync_seconds = resync_seconds
         self.backoff = backoff or Backoff()
         self.objects: dict[Key, dict[str, Any]] = {}  # latest body from the watch
+        if autoscaler is not None:
+            autoscaler.share_bodies(self.objects)  # the body is kept once, here
         # (0: its spec is not reconciled yet, 1: anything else; arrival order; key):
         # new and changed objects go before status follow-ups and drift checks, so a
         # burst of them is not held up by their own children's events.

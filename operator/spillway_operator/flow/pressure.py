@@ -15,8 +15,12 @@ scrapes of its /metrics and averaged over the ready pods:
                what the disk evicted: d(spillway_disk_tier_thrash) instead
     queue    = vllm:num_requests_waiting / max(1, vllm:num_requests_running) / 0.5
     preempt  = d(vllm:num_preemptions) / dt / 0.1   (preemptions per second)
+    throughput = rho / 0.75, rho = the share of the replica's serving rate its demand
+               (computed prompt + generated tokens per second) takes, the serving rate
+               learned online from the pods' own counters and inter-token-latency
+               histogram, seeded from the plan's GPU and model size (``throughput``)
 
-    pressure = max(load, thrash, queue, preempt)
+    pressure = max(load, thrash, queue, preempt, throughput)
 
 Each term is 1.0 at its own target, so "the worst constraint sets the replica
 count", as Kubernetes' HPA does with several metrics. The event-rate terms (thrash,
@@ -25,22 +29,25 @@ preemptions or re-misses in one interval (typically right after a scale change) 
 transient, a sustained rate a lack of capacity. Replicas recommended = the measured
 pods x pressure / target: a ready pod without its second scrape (just started) counts
 as idle, as the HPA counts pods without metrics when it scales up. Ahead of that, a
-forecast: the trend of the KV demand over the last two minutes, extrapolated over the
-pods' own start-up time (creation to first Ready, learned from the pods), asks for the
-replicas that demand will need when they are ready -- only for growth past what the
+forecast: the trend of the demand (the throughput term's, else the KV load's) over the
+last two minutes, extrapolated over the pods' own start-up time (creation to first
+Ready, learned from the pods), asks for the replicas that demand will need when they
+are ready -- only for growth past what the
 fleet served before the trend began, so the end of a dip is not a ramp. Host pool fill alone is not
 pressure (an LRU pool is always full once warm); the host-hit share of prompt
 tokens is reported and guards scale-down: a scale-down that would drop more warm,
 actually-hit host cache than the remaining replicas have free is delayed.
 
 Samples that are missing, NaN or negative, counters that went backwards (a pod
-restart) and time deltas that are not positive or are implausibly long (a clock
-jump) make that pod's pressure unknown; an unknown pod never lets the autoscaler
-scale down.
+restart), an inter-token histogram with missing or non-cumulative buckets, a mean step
+time of 0, and time deltas that are not positive or are implausibly long (a clock
+jump) make that pod's pressure unknown (``pod_reading`` says why); an unknown pod
+never lets the autoscaler scale down and teaches the serving rate nothing.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from dataclasses import dataclass, field, replace
@@ -49,12 +56,21 @@ from datetime import datetime
 from prometheus_client.parser import text_string_to_metric_families
 
 from spillway_engine import metrics as m
+from spillway_operator.flow.throughput import (
+    TARGET_UTILISATION,
+    BadCounters,
+    Capacity,
+    Rates,
+    rates,
+)
 
 TARGET_GPU_KV = 0.80
 TARGET_RECOMPUTED_SHARE = 0.05
 TARGET_QUEUE_RATIO = 0.5
 TARGET_PREEMPTIONS_PER_S = 0.1
 MAX_RATE_TERM = 2.0
+#: The queue term's cap (None: uncapped).
+MAX_QUEUE_TERM: float | None = None
 
 # The series read, by their catalogue entries (spillway_engine.metrics).
 GAUGES = {
@@ -73,8 +89,15 @@ COUNTERS = {
     m.HOST_POOL_THRASH.name: "thrash_chunks",
     m.HOST_POOL_EVICTIONS.name: "evictions",
     m.DISK_TIER_THRASH.name: "disk_thrash_chunks",
+    m.GENERATION_TOKENS.name: "generation_tokens",
 }
 HOST_HITS = m.PROMPT_TOKENS_CACHED_BY_SOURCE.name
+#: vllm:prompt_tokens_by_source{source="local_compute"}: prompt tokens computed here.
+BY_SOURCE = m.PROMPT_TOKENS_BY_SOURCE.name
+#: vLLM's inter-token latency histogram: the step time of the decoding batch.
+STEP_HISTOGRAM = m.INTER_TOKEN_LATENCY_SECONDS.name
+#: Every family ``parse_metrics`` reads (a scrape may be cut to these).
+FAMILIES = frozenset(GAUGES) | frozenset(COUNTERS) | {HOST_HITS, BY_SOURCE, STEP_HISTOGRAM}
 
 
 @dataclass(frozen=True)
@@ -96,20 +119,53 @@ class MetricsError(ValueError):
 def parse_metrics(text: str, now: float) -> Sample:
     """Parse Prometheus text; raises MetricsError on garbage."""
     values: dict[str, float] = {}
+    buckets: dict[float, float] = {}
     try:
         for family in text_string_to_metric_families(text):
+            if family.name == STEP_HISTOGRAM:
+                _read_histogram(family.samples, values, buckets)
+                continue
             for s in family.samples:
                 name = s.name.removesuffix("_total")
                 key = GAUGES.get(name) or COUNTERS.get(name)
                 if name == HOST_HITS and s.labels.get("source") in ("host", "device"):
                     key = f"{s.labels['source']}_hit_tokens"
+                if name == BY_SOURCE and s.labels.get("source") == "local_compute":
+                    key = "computed_tokens"
                 if key is None or s.name.endswith("_created"):
                     continue
                 values[key] = values.get(key, 0.0) + float(s.value)
     except Exception as exc:
         raise MetricsError("malformed", f"not Prometheus text ({type(exc).__name__}: "
                            f"{str(exc)[:120]})") from None
+    if buckets or "step_count" in values:
+        _check_histogram(values, buckets)
     return Sample(now, values)
+
+
+def _read_histogram(samples, values: dict[str, float], buckets: dict[float, float]) -> None:
+    """The step histogram's sum, count and cumulative buckets, summed over engines."""
+    for s in samples:
+        if s.name.endswith("_bucket"):
+            le = float(s.labels["le"])
+            buckets[le] = buckets.get(le, 0.0) + float(s.value)
+        elif s.name.endswith("_sum") or s.name.endswith("_count"):
+            key = "step_sum" if s.name.endswith("_sum") else "step_count"
+            values[key] = values.get(key, 0.0) + float(s.value)
+
+
+def _check_histogram(values: dict[str, float], buckets: dict[float, float]) -> None:
+    """Mark the sample when the step histogram cannot be trusted: no +Inf bucket, a count
+    that is not the +Inf bucket's, buckets that are not cumulative. The number of finite
+    buckets is kept, so a scrape that lost some (against the previous) shows too."""
+    bounds = sorted(buckets)
+    counts = [buckets[b] for b in bounds]
+    cumulative = all(a <= b for a, b in itertools.pairwise(counts))
+    ok = (bool(bounds) and bounds[-1] == math.inf and cumulative
+          and math.isclose(buckets[math.inf], values.get("step_count", -1.0), abs_tol=0.5))
+    values["step_buckets"] = float(len(bounds))
+    if not ok:
+        values["step_histogram_bad"] = 1.0
 
 
 def parse_body(body: bytes, now: float) -> Sample:
@@ -133,25 +189,69 @@ def _finite(v: float | None) -> bool:
     return v is not None and math.isfinite(v) and v >= 0
 
 
-def pod_pressure(prev: Sample | None, cur: Sample, max_dt: float) -> PodPressure | None:
+@dataclass(frozen=True)
+class Unmeasured:
+    """Why a pod has no pressure this interval: ``reason`` is a short label; ``bad``
+    when its metrics are wrong (not merely new: a first scrape, a stale previous one)."""
+
+    reason: str
+    message: str = ""
+    bad: bool = False
+
+
+def pod_pressure(prev: Sample | None, cur: Sample, max_dt: float,
+                 capacity: Capacity | None = None) -> PodPressure | None:
     """Pressure of one pod between two scrapes, or None when it cannot be trusted."""
+    got = pod_reading(prev, cur, max_dt, capacity)
+    return got if isinstance(got, PodPressure) else None
+
+
+def _capped(value: float, cap: float | None) -> float:
+    return value if cap is None else min(value, cap)
+
+
+def pod_rates(prev: Sample | None, cur: Sample, max_dt: float) -> Rates | Unmeasured:
+    """What the pod served between the scrapes (``throughput.rates``), or why not."""
     if prev is None:
-        return None
+        return Unmeasured("first_scrape", "no previous scrape yet")
+    if not (0 < cur.time - prev.time <= max_dt):
+        return Unmeasured("stale", "the previous scrape is too old (or a clock jump)")
+    try:
+        got = rates(prev.time, prev.values, cur.time, cur.values)
+    except BadCounters as exc:
+        return Unmeasured(exc.reason, str(exc), bad=True)
+    return got if got is not None else Unmeasured("no_token_counters", "no token counters")
+
+
+def pod_reading(prev: Sample | None, cur: Sample, max_dt: float,
+                capacity: Capacity | None = None) -> PodPressure | Unmeasured:
+    """Pressure of one pod between two scrapes, or why it has none. With ``capacity``
+    (the deployment's learned serving rate) the throughput term is one of the terms."""
+    if prev is None:
+        return Unmeasured("first_scrape", "no previous scrape yet")
     dt = cur.time - prev.time
     if not (0 < dt <= max_dt):
-        return None  # clock jump or a stale previous sample
+        return Unmeasured("stale", "the previous scrape is too old (or a clock jump)")
     v, p = cur.values, prev.values
     needed = ("gpu_kv", "waiting", "running", "prompt_tokens", "preemptions")
-    if not all(_finite(v.get(k)) for k in needed):
-        return None
+    missing = [k for k in needed if not _finite(v.get(k))]
+    if missing:
+        return Unmeasured("not_a_number", f"{', '.join(missing)} missing or not a number",
+                          bad=True)
     deltas = {}
     # the lowest tier decides what is recomputed: the disk when there is one
     thrash = "disk_thrash_chunks" if v.get("disk_budget_bytes", 0.0) > 0 else "thrash_chunks"
     for key in ("prompt_tokens", "preemptions", thrash, "host_hit_tokens"):
         a, b = p.get(key, 0.0), v.get(key, 0.0)
-        if not (_finite(a) and _finite(b)) or b < a:
-            return None  # counter reset: the pod restarted; wait for a clean pair
+        if not (_finite(a) and _finite(b)):
+            return Unmeasured("not_a_number", f"{key} is not a number", bad=True)
+        if b < a:  # the pod restarted; wait for a clean pair
+            return Unmeasured("counter_reset", f"{key} went backwards ({a:g} -> {b:g}): "
+                              "the engine restarted", bad=True)
         deltas[key] = b - a
+    served = pod_rates(prev, cur, max_dt)
+    if isinstance(served, Unmeasured) and served.bad:
+        return served
     cap_chunks = v.get("host_capacity_chunks", 0.0)
     cap_tokens = v.get("host_capacity_tokens", 0.0)
     tokens_per_chunk = cap_tokens / cap_chunks if cap_chunks > 0 else 0.0
@@ -164,12 +264,17 @@ def pod_pressure(prev: Sample | None, cur: Sample, max_dt: float) -> PodPressure
         # per decision (they grow much faster than the excess demand behind them).
         "thrash": min(recomputed / TARGET_RECOMPUTED_SHARE, MAX_RATE_TERM),
         # One request waiting for a moment is not a queue.
-        "queue": max(0.0, v["waiting"] - 1) / max(1.0, v["running"]) / TARGET_QUEUE_RATIO,
+        "queue": _capped(max(0.0, v["waiting"] - 1) / max(1.0, v["running"])
+                         / TARGET_QUEUE_RATIO, MAX_QUEUE_TERM),
         "preempt": min(deltas["preemptions"] / dt / TARGET_PREEMPTIONS_PER_S, MAX_RATE_TERM),
     }
+    info: dict[str, float] = {}
+    if capacity is not None and isinstance(served, Rates):
+        components["throughput"] = capacity.utilisation(served) / TARGET_UTILISATION
+        info["demandTokensPerSecond"] = served.tokens
     host_tokens = v.get("host_tokens", 0.0) if _finite(v.get("host_tokens")) else 0.0
     fill = v.get("host_used_chunks", 0.0) / cap_chunks if cap_chunks > 0 else 0.0
-    info = {"hostHitShare": min(host_share, 1.0), "hostFill": min(max(fill, 0.0), 1.0)}
+    info |= {"hostHitShare": min(host_share, 1.0), "hostFill": min(max(fill, 0.0), 1.0)}
     return PodPressure(
         pressure=max(components.values()),
         components={**components, **info},
@@ -189,12 +294,15 @@ class Aggregate:
     free_host_tokens: list[float] = field(default_factory=list)
 
 
-def aggregate(pods: list[PodPressure | None]) -> Aggregate:
-    known = [p for p in pods if p is not None]
+def aggregate(pods: list[PodPressure | Unmeasured | None]) -> Aggregate:
+    known = [p for p in pods if isinstance(p, PodPressure)]
     if not known:
         return Aggregate(None, {}, 0, len(pods))
-    keys = known[0].components.keys()
-    comps = {k: sum(p.components[k] for p in known) / len(known) for k in keys}
+    keys = dict.fromkeys(k for p in known for k in p.components)
+    comps = {}
+    for k in keys:
+        have = [p.components[k] for p in known if k in p.components]
+        comps[k] = sum(have) / len(have)
     return Aggregate(
         pressure=sum(p.pressure for p in known) / len(known),
         components={k: round(v, 3) for k, v in comps.items()},
@@ -230,6 +338,9 @@ class Policy:
     # burst of preemptions or of re-misses right after a scale change is a transient,
     # a sustained rate is a lack of capacity. 0: each interval on its own.
     rate_half_life: float = 120.0
+    # What the pods showed of their serving rate (the throughput term's step cost) counts
+    # half after this many seconds (throughput.learn).
+    serving_rate_half_life: float = 1800.0
 
 
 @dataclass(frozen=True)
@@ -263,6 +374,13 @@ class Decision:
     action: str  # "scale-up", "scale-down", "hold"
     reason: str
     state: State
+    # The term behind the replica count: one of TERMS, "forecast:<term>" (the trend of
+    # that term's demand asked for more), "bounds" (min/max replicas) or "" (no reading).
+    term: str = ""
+
+
+#: The pressure terms, in the order a tie names them.
+TERMS = ("throughput", "load", "queue", "thrash", "preempt")
 
 
 def decide(policy: Policy, now: float, current: int, ready: int, starting: int,
@@ -272,11 +390,13 @@ def decide(policy: Policy, now: float, current: int, ready: int, starting: int,
     if bounded != current:
         return Decision(bounded, "scale-up" if bounded > current else "scale-down",
                         f"replicas {current} outside [{policy.min_replicas}, "
-                        f"{policy.max_replicas}]", state)
+                        f"{policy.max_replicas}]", state, "bounds")
     if agg.pressure is None:
         return Decision(current, "hold", "MetricsUnavailable: no ready pod has fresh, valid "
                         "metrics; never scaling down without them", state)
-    state, pressure = _smoothed(policy, now, agg, state)
+    state, terms = _smoothed(policy, now, agg, state)
+    pressure = max(terms.values())
+    term = max(TERMS, key=lambda k: terms.get(k, -1.0))
     agg = replace(agg, pressure=pressure)
     ratio = pressure / policy.target
     # Ready pods without a reading yet (just started) count as idle, as the HPA counts
@@ -284,23 +404,33 @@ def decide(policy: Policy, now: float, current: int, ready: int, starting: int,
     # scaled up again right after each scale-up (they scale nothing down: unknown).
     measured = agg.measured if agg.measured > 0 else ready
     raw = _recommend(policy, current, measured, ratio)
-    # The trend is that of the KV held by running requests (the load term): the event
-    # and queue terms spike and clear within an interval, extrapolated they explode.
-    load = agg.components.get("load", pressure)
-    state, ahead = _forecast(policy, now, max(measured, 1) * load / policy.target, state)
-    why = f"pressure {agg.pressure:.2f} above target {policy.target:.2f}"
+    # The trend is that of the demand: the throughput term's (what the pods served over
+    # the interval, against what they can serve), else the KV held by running requests
+    # (the load term). The event and queue terms spike and clear within an interval,
+    # extrapolated they explode.
+    base = "throughput" if "throughput" in terms else "load"
+    demand = terms.get(base, pressure)
+    state, ahead = _forecast(policy, now, max(measured, 1) * demand / policy.target, state)
+    why = f"pressure {agg.pressure:.2f} above target {policy.target:.2f} ({term})"
     # A forecast is less sure than a reading: it asks for a pod only past the tolerance.
     wanted = math.ceil(ahead * (1.0 - policy.tolerance) - 1e-9)
+    # What the served demand needs (the throughput term only: what the pods served
+    # against what they can serve; KV held and queues wait for the starting pods).
+    needed = max(_recommend(policy, current, measured, demand / policy.target), wanted) \
+        if base == "throughput" else 0
     if wanted > raw:
         raw = min(wanted, policy.max_replicas)
+        term = f"forecast:{base}"
         why = (f"demand rising: {ahead:.1f} replicas at target expected in "
-               f"{policy.lead_seconds:.0f}s (pressure {agg.pressure:.2f})")
+               f"{policy.lead_seconds:.0f}s ({base}; pressure {agg.pressure:.2f})")
     state = _remember(policy, now, raw, state)
     if raw > current:
-        return _scale_up(policy, now, current, starting, agg, state, why)
-    if raw < current:
-        return _scale_down(policy, now, current, agg, state)
-    return _hold(policy, current, ratio, agg, state)
+        d = _scale_up(policy, now, current, starting, agg, state, why, needed)
+    elif raw < current:
+        d = _scale_down(policy, now, current, agg, state, term)
+    else:
+        d = _hold(policy, current, ratio, agg, state, term)
+    return replace(d, term=term)
 
 
 def _recommend(policy: Policy, current: int, ready: int, ratio: float) -> int:
@@ -316,17 +446,20 @@ RATE_TERMS = ("thrash", "preempt")
 
 
 def _smoothed(policy: Policy, now: float, agg: Aggregate, state: State
-              ) -> tuple[State, float]:  # fmt: skip
-    """The pressure with its event-rate terms averaged over ``rate_half_life``."""
+              ) -> tuple[State, dict[str, float]]:  # fmt: skip
+    """The terms, with the event-rate ones averaged over ``rate_half_life``."""
     c = agg.components
+    terms = {k: c[k] for k in TERMS if k in c}
+    if not terms:  # an aggregate without terms: its pressure stands for them
+        return state, {"load": agg.pressure}
     if policy.rate_half_life <= 0 or not all(k in c for k in ("load", "queue", *RATE_TERMS)):
-        return state, agg.pressure
+        return state, terms
     new = [c[k] for k in RATE_TERMS]
     if state.rates is not None and now > state.rates[0]:
         keep = 0.5 ** ((now - state.rates[0]) / policy.rate_half_life)
         new = [keep * old + (1 - keep) * v for old, v in zip(state.rates[1:], new, strict=True)]
     state = replace(state, rates=(now, *new))
-    return state, max(c["load"], c["queue"], *new)
+    return state, {**terms, **dict(zip(RATE_TERMS, new, strict=True))}
 
 
 def trend(points: tuple[tuple[float, float], ...]) -> float:
@@ -374,21 +507,27 @@ def _window(state: State, now: float, seconds: float) -> list[int]:
 
 
 def _scale_up(policy: Policy, now: float, current: int, starting: int, agg: Aggregate,
-              state: State, why: str) -> Decision:
+              state: State, why: str, demand: int = 0) -> Decision:
+    """``demand``: the replicas the throughput term (and its forecast) asks for. While
+    pods start, only it may scale up further: ``current`` already counts the starting
+    pods, so a served demand beyond it is demand they will not serve either; the other
+    terms, which the starting pods will relieve, wait for them."""
     in_up = _window(state, now, policy.scale_up_window)
     target = min(in_up) if in_up else state.recommendations[-1][1]
     if target <= current:
         return Decision(current, "hold", "scale-up stabilizing", state)
     if starting > 0:
-        return Decision(current, "hold", f"waiting for {starting} starting pod(s) before "
-                        "scaling up again", state)
+        if demand <= current:
+            return Decision(current, "hold", f"waiting for {starting} starting pod(s) before "
+                            "scaling up again", state)
+        target = min(target, demand)
     step = max(policy.max_scale_up_pods, math.ceil(current * policy.max_scale_up_percent / 100))
     return Decision(min(target, current + step), "scale-up", why,
                     replace(state, warm_hold_since=None))
 
 
 def _scale_down(policy: Policy, now: float, current: int, agg: Aggregate,
-                state: State) -> Decision:
+                state: State, term: str = "") -> Decision:
     if agg.unknown:
         return Decision(current, "hold", f"MetricsUnavailable: {agg.unknown} pod(s) without "
                         "fresh metrics; not scaling down", state)
@@ -408,16 +547,17 @@ def _scale_down(policy: Policy, now: float, current: int, agg: Aggregate,
                             f"{dropped:.0f} hot host-cache tokens, the rest can absorb "
                             f"{absorbable:.0f}", replace(state, warm_hold_since=held))
     return Decision(target, "scale-down", f"pressure {agg.pressure:.2f} below target "
-                    f"{policy.target:.2f}", replace(state, warm_hold_since=None))
+                    f"{policy.target:.2f} ({term})", replace(state, warm_hold_since=None))
 
 
-def _hold(policy: Policy, current: int, ratio: float, agg: Aggregate, state: State) -> Decision:
+def _hold(policy: Policy, current: int, ratio: float, agg: Aggregate, state: State,
+          term: str = "") -> Decision:
     if ratio > 1.0 + policy.tolerance and current >= policy.max_replicas:
-        reason = f"pressure {agg.pressure:.2f} above target, at maxReplicas {current}"
+        reason = f"pressure {agg.pressure:.2f} above target, at maxReplicas {current} ({term})"
     elif ratio < 1.0 - policy.tolerance and current <= policy.min_replicas:
-        reason = f"pressure {agg.pressure:.2f} below target, at minReplicas {current}"
+        reason = f"pressure {agg.pressure:.2f} below target, at minReplicas {current} ({term})"
     else:
-        reason = f"pressure {agg.pressure:.2f} within tolerance"
+        reason = f"pressure {agg.pressure:.2f} within tolerance ({term})"
     return Decision(current, "hold", reason, replace(state, warm_hold_since=None))
 
 

@@ -21,7 +21,7 @@ import logging
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiohttp
@@ -36,16 +36,20 @@ from spillway_operator.flow.pressure import (
     Aggregate,
     Candidate,
     MetricsError,
+    PodPressure,
     Policy,
+    Rates,
     Sample,
     State,
+    Unmeasured,
     aggregate,
     choose_removals,
     decide,
     hot_host_tokens,
     parse_body,
     parse_cost,
-    pod_pressure,
+    pod_rates,
+    pod_reading,
     removal_cost,
     resume_state,
     stale_marks,
@@ -54,6 +58,15 @@ from spillway_operator.flow.pressure import (
 from spillway_operator.flow.spec import InferenceDeploymentSpec
 from spillway_operator.flow.status import merge_patch, read_status, to_wire
 from spillway_operator.flow.status_model import AutoscalingStatus
+from spillway_operator.flow.throughput import (
+    Capacity,
+    Learner,
+    capacity,
+    learn,
+    learner,
+    params_from_name,
+    seed_cost,
+)
 from spillway_operator.plumbing import metrics
 from spillway_operator.plumbing.kube import Kube, NamespaceTerminating, TemporaryError, now_rfc3339
 
@@ -105,6 +118,9 @@ def policy_of(spec: InferenceDeploymentSpec) -> Policy:
         tolerance=a.tolerance,
         scale_up_window=a.scale_up_stabilization_seconds,
         scale_down_window=a.scale_down_stabilization_seconds,
+        rate_half_life=a.rate_half_life_seconds,
+        forecast_window=a.forecast_window_seconds,
+        serving_rate_half_life=a.serving_rate_half_life_seconds,
     )
 
 
@@ -130,53 +146,95 @@ def _annotation(pod: dict[str, Any], name: str) -> str | None:
     return (pod.get("metadata", {}).get("annotations") or {}).get(name)
 
 
+Key = tuple[str, str]
+
+
+@dataclass(eq=False)
+class Tracked:
+    """Everything the autoscaler keeps about one InferenceDeployment: created when the
+    object is first observed, dropped when it is deleted (``Autoscaler.observe``), its
+    readings reset when this replica starts leading (``fresh``). The object's body is
+    not here: it is kept once, in ``Autoscaler.bodies`` (the controller's)."""
+
+    task: asyncio.Task | None = None
+    # The last scrape of each ready pod: the next one's pair (pressure.pod_reading).
+    samples: dict[str, Sample] = field(default_factory=dict)
+    # The decision's windows (pressure.State); None: start from what is observed.
+    state: State | None = None
+    # Per pod: recent host-tier hits (pressure.hot_host_tokens), for scale-down.
+    hot: dict[str, float] = field(default_factory=dict)
+    # The deployment's serving rate, learned from its pods (throughput.learn), and the
+    # (GPU, parameters per GPU) its seed was made for.
+    learner: Learner | None = None
+    seeded_for: tuple[str | None, float | None] | None = None
+    # The ready pods of the last tick that could not be measured, and why (status).
+    problems: list[str] = field(default_factory=list)
+    # Pods in a bad-counter episode (restart, broken histogram...): name -> reason.
+    bad_pods: dict[str, str] = field(default_factory=dict)
+    capacity: Capacity | None = None  # the serving rate of the last tick (status)
+    exported: bool = False  # spillway_offload_pressure has its series
+    failing: bool = False  # the last tick failed (logged once per episode)
+    policy_failing: bool = False  # the policy raised (logged once per episode)
+
+    def fresh(self) -> None:
+        """Forget the readings and windows: a new leader decides from what it observes."""
+        self.samples, self.state, self.hot, self.learner = {}, None, {}, None
+        self.seeded_for, self.bad_pods, self.capacity = None, {}, None
+
+
 class Autoscaler:
-    def __init__(self, kube: Kube, port: int = render.ENGINE_PORT):
+    def __init__(self, kube: Kube, port: int = render.ENGINE_PORT,
+                 bodies: dict[Key, dict[str, Any]] | None = None):
         self.kube = kube
         self.port = port
-        self.objects: dict[tuple[str, str], dict[str, Any]] = {}
-        self._tasks: dict[tuple[str, str], asyncio.Task] = {}
-        self._samples: dict[tuple[str, str], dict[str, Sample]] = {}
-        self._states: dict[tuple[str, str], State] = {}
-        # Per key and pod: recent host-tier hits (pressure.hot_host_tokens).
-        self._hot: dict[tuple[str, str], dict[str, float]] = {}
+        # Each object's latest body, kept once: the controller's own map when it shares
+        # it (share_bodies), else the autoscaler's (observe fills it).
+        self.bodies: dict[Key, dict[str, Any]] = bodies if bodies is not None else {}
+        self._own_bodies = bodies is None
+        self.objects: dict[Key, Tracked] = {}
         self._session: aiohttp.ClientSession | None = None
-        self._exported: set[tuple[str, str]] = set()
         self._parser = ThreadPoolExecutor(PARSE_WORKERS, thread_name_prefix="metrics-parse")
-        self._failing: set[tuple[str, str]] = set()  # keys whose last tick failed
-        self._policy_failing: set[tuple[str, str]] = set()  # keys whose policy raised
-        # Per key: the ready pods of the last tick whose /metrics were unusable, and why.
-        self.problems: dict[tuple[str, str], list[str]] = {}
         # Loops run only while active: from activate() (Controller.start: on start-up
         # without election, or when this replica becomes the leader) until deactivate().
         # Objects are kept either way, so a standby knows them when it takes over.
         self.active = False
 
-    def observe(self, key: tuple[str, str], body: dict[str, Any] | None) -> None:
+    def share_bodies(self, bodies: dict[Key, dict[str, Any]]) -> None:
+        """Read the bodies from ``bodies`` (the controller's map of latest bodies, which
+        it fills before it calls observe) instead of keeping a copy."""
+        self.bodies, self._own_bodies = bodies, False
+
+    @property
+    def _tasks(self) -> dict[Key, asyncio.Task]:
+        return {k: r.task for k, r in self.objects.items() if r.task is not None}
+
+    def observe(self, key: Key, body: dict[str, Any] | None) -> None:
         if body is None:
-            task = self._tasks.pop(key, None)
-            if task:
-                task.cancel()
-            self.objects.pop(key, None)
-            self._samples.pop(key, None)
-            self._states.pop(key, None)
-            self._hot.pop(key, None)
-            self.problems.pop(key, None)
-            self._failing.discard(key)
-            self._policy_failing.discard(key)
-            if key in self._exported:
-                metrics.OFFLOAD_PRESSURE.remove(*key)
-                self._exported.discard(key)
+            self._forget(key)
             return
-        self.objects[key] = body
+        if self._own_bodies:
+            self.bodies[key] = body
+        rec = self.objects.setdefault(key, Tracked())
         # A new object's loop waits for its first reconcile (its status then has an
         # observedGeneration: the Deployment exists) and starts a while after it, as
         # the HPA's does: ticking at once read a Deployment and listed pods that did
         # not exist yet, and wrote a status, for each of a thousand new objects while
         # the reconciler was creating their children.
-        if self.active and key not in self._tasks and \
+        if self.active and rec.task is None and \
                 (body.get("status") or {}).get("observedGeneration"):
-            self._tasks[key] = asyncio.create_task(self._loop(key, settle=True))
+            rec.task = asyncio.create_task(self._loop(key, settle=True))
+
+    def _forget(self, key: Key) -> None:
+        """The object is gone: its loop, its record and its pressure series with it."""
+        rec = self.objects.pop(key, None)
+        if self._own_bodies:
+            self.bodies.pop(key, None)
+        if rec is None:
+            return
+        if rec.task is not None:
+            rec.task.cancel()
+        if rec.exported:
+            metrics.OFFLOAD_PRESSURE.remove(*key)
 
     @staticmethod
     def _first_delay(interval: float) -> float:
@@ -188,44 +246,43 @@ class Autoscaler:
         decides from what it observes from now on (see ``pressure.resume_state``), and
         the loops start spread over a second so their first scrapes do not come at once."""
         self.active = True
-        self._samples.clear()
-        self._states.clear()
-        self._hot.clear()
-        for key in list(self.objects):
-            if key not in self._tasks:
-                self._tasks[key] = asyncio.create_task(self._loop(key, random.uniform(0, 1)))
+        for key, rec in self.objects.items():
+            rec.fresh()
+            if rec.task is None:
+                rec.task = asyncio.create_task(self._loop(key, random.uniform(0, 1)))
 
     def deactivate(self) -> None:
         """Stop every loop (this replica stopped leading) and withdraw its pressure
         series: only the leader's /metrics carry spillway_offload_pressure."""
         self.active = False
-        for task in self._tasks.values():
-            task.cancel()
-        self._tasks.clear()
-        self._failing.clear()
-        self._policy_failing.clear()
-        for key in self._exported:
-            metrics.OFFLOAD_PRESSURE.remove(*key)
-        self._exported.clear()
+        for key, rec in self.objects.items():
+            if rec.task is not None:
+                rec.task.cancel()
+                rec.task = None
+            rec.failing = rec.policy_failing = False
+            if rec.exported:
+                metrics.OFFLOAD_PRESSURE.remove(*key)
+                rec.exported = False
 
     async def stop(self) -> None:
-        for t in self._tasks.values():
+        tasks = [r.task for r in self.objects.values() if r.task is not None]
+        for t in tasks:
             t.cancel()
-        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         if self._session:
             await self._session.close()
         self._parser.shutdown(wait=False, cancel_futures=True)
 
-    async def _loop(self, key: tuple[str, str], delay: float = 0.0,
-                    settle: bool = False) -> None:
+    async def _loop(self, key: Key, delay: float = 0.0, settle: bool = False) -> None:
         """``settle``: a new object, whose first tick waits ``_first_delay``."""
         if delay:
             await asyncio.sleep(delay)
         while True:
             interval = 15.0
+            rec = self.objects.get(key)
             try:
-                body = self.objects.get(key)
-                if body is None:
+                body = self.bodies.get(key)
+                if body is None or rec is None:
                     return
                 spec = InferenceDeploymentSpec.model_validate(body.get("spec") or {})
                 interval = float(spec.autoscaling.interval_seconds)
@@ -238,8 +295,8 @@ class Autoscaler:
                     await asyncio.sleep(interval)
                     continue
                 await self.tick(key, body, spec, time.monotonic())
-                if key in self._failing:
-                    self._failing.discard(key)
+                if rec.failing:
+                    rec.failing = False
                     log.info("autoscaler %s/%s: recovered", *key)
             except asyncio.CancelledError:
                 raise
@@ -251,15 +308,15 @@ class Autoscaler:
                 if exc.status != 404:  # 404: deleted meanwhile; its DELETED event stops us
                     log.exception("autoscaler %s/%s: tick failed", *key)
             except TemporaryError as exc:  # API server away: one line, then quiet
-                if key not in self._failing:
+                if rec is not None and not rec.failing:
                     log.warning("autoscaler %s/%s: %s; retrying every %.0fs", *key, exc,
                                 interval)
-                self._failing.add(key)
+                    rec.failing = True
             except Exception:  # one traceback per episode, not one per interval
-                if key not in self._failing:
+                if rec is not None and not rec.failing:
                     log.exception("autoscaler %s/%s: tick failed; retrying every %.0fs",
                                   *key, interval)
-                self._failing.add(key)
+                    rec.failing = True
             await asyncio.sleep(interval)
 
     async def _scrape(self, pod: str, ip: str) -> Scrape:
@@ -301,9 +358,15 @@ class Autoscaler:
         except TimeoutError:
             raise MetricsError("parse_timeout", f"parsing took over {PARSE_TIMEOUT:g}s") from None
 
-    async def tick(self, key: tuple[str, str], body: dict[str, Any],
-                   spec: InferenceDeploymentSpec, now: float) -> None:
+    def _record(self, key: Key) -> Tracked:
+        """The object's record; one for an object ticked without being observed (a
+        test, a tick racing a deletion) lives as long as the object does not go."""
+        return self.objects.setdefault(key, Tracked())
+
+    async def tick(self, key: Key, body: dict[str, Any], spec: InferenceDeploymentSpec,
+                   now: float) -> None:
         ns, name = key
+        rec = self._record(key)
         owner = render.Owner(name, ns, body["metadata"]["uid"])
         pods = await asyncio.to_thread(self.kube.pods_of, ns, name, render.selector_string(owner))
         # A multi-node replica is its group's leader: workers export no engine metrics.
@@ -312,47 +375,68 @@ class Autoscaler:
         ready = [p for p in live if _ready(p) and p.get("status", {}).get("podIP")]
         failed: PolicyError | None = None
         try:
-            agg = await self._measure(key, ready, spec, now)
+            agg = await self._measure(key, ready, spec, now, body)
         except PolicyError as exc:
             agg, failed = Aggregate(None, {}, 0, len(ready)), exc
         if agg.pressure is not None:
             metrics.OFFLOAD_PRESSURE.labels(ns, name).set(agg.pressure)
-            self._exported.add(key)
+            rec.exported = True
 
         current = int(body.get("spec", {}).get("replicas", spec.replicas))
         marked: list[str] = []
-        desired, decision, reason = current, "disabled", "autoscaling is off"
+        desired, decision, reason, term = current, "disabled", "autoscaling is off", None
         if spec.autoscaling.enabled and failed is None:
             starting = len(live) - len(ready)
             try:
-                desired, decision, reason, marked = await self._scale(
+                desired, decision, reason, term, marked = await self._scale(
                     key, body, spec, now, current, live, ready, starting, agg)
             except PolicyError as exc:
                 failed = exc
         if failed is not None:
             if spec.autoscaling.enabled:
-                desired, decision = current, "hold"
+                desired, decision, term = current, "hold", None
                 reason = f"PolicyFailed: {failed}; replicas held until the policy recovers"
-            if key not in self._policy_failing:
-                self._policy_failing.add(key)
+            if not rec.policy_failing:
+                rec.policy_failing = True
                 log.error("autoscaler %s/%s: the scaling policy failed (%s); holding "
                           "replicas at %d", ns, name, failed, current)
                 log.debug("autoscaler %s/%s: policy traceback", ns, name, exc_info=failed)
-        elif key in self._policy_failing:
-            self._policy_failing.discard(key)
+        elif rec.policy_failing:
+            rec.policy_failing = False
             log.info("autoscaler %s/%s: the scaling policy recovered", ns, name)
         await self._unmark_stale(ns, live, desired, marked)
-        live = (body.get("status") or {}).get("autoscaling") or {}
+        written = (body.get("status") or {}).get("autoscaling") or {}
         old = read_status(body.get("status")).autoscaling or AutoscalingStatus()
-        await self._write_status(key, live, old, agg, desired, decision, reason)
+        await self._write_status(key, written, old, agg, desired, decision, reason, term)
 
-    async def _measure(self, key: tuple[str, str], ready: list[dict[str, Any]],
-                       spec: InferenceDeploymentSpec, now: float) -> Aggregate:
+    def _learner(self, rec: Tracked, spec: InferenceDeploymentSpec,
+                 body: dict[str, Any]) -> Learner:
+        """The deployment's serving-rate learner, seeded from the plan's GPU and the
+        model's size (the emulated GPU's, when it states one), per GPU of a replica's
+        tensor/pipeline-parallel engine; a new seed when either changes."""
+        plan = (body.get("status") or {}).get("plan") or {}
+        gpu = plan.get("gpu") or spec.resources.gpu_product.value.lower()
+        emulated = spec.engine.emulate_gpu
+        params = (emulated.model_params if emulated is not None else None) or \
+            params_from_name(spec.model.name)
+        if params is not None:
+            params /= spec.engine.tensor_parallel_size * spec.engine.pipeline_parallel_size
+        if rec.learner is None or rec.seeded_for != (gpu, params):
+            rec.learner, rec.seeded_for = learner(seed_cost(gpu, params)), (gpu, params)
+        return rec.learner
+
+    async def _measure(self, key: Key, ready: list[dict[str, Any]],
+                       spec: InferenceDeploymentSpec, now: float,
+                       body: dict[str, Any] | None = None) -> Aggregate:
         """Scrape the ready pods and turn this and the last scrape into pressure.
 
-        A pod whose metrics cannot be read or parsed counts as unmeasured (its own
-        problem, listed in ``self.problems``); the other pods are measured as usual.
+        A pod whose metrics cannot be read or parsed, or whose counters cannot be
+        trusted (a restart, a histogram that lost buckets, a rate of 0 or NaN), counts
+        as unmeasured (listed in the record's ``problems``, one log line per episode of
+        bad counters) and teaches the serving rate nothing; the other pods are measured
+        as usual.
         """
+        rec = self._record(key)
         sem = asyncio.Semaphore(SCRAPE_CONCURRENCY)
 
         async def one(pod: dict[str, Any]) -> tuple[str, Sample | MetricsError]:
@@ -365,46 +449,71 @@ class Autoscaler:
                 return name, exc
 
         results = await asyncio.gather(*(one(p) for p in ready))
-        prev = self._samples.get(key, {})
-        hot = self._hot.get(key, {})
+        prev, hot = rec.samples, rec.hot
         tau = max(float(spec.autoscaling.scale_down_stabilization_seconds),
                   4 * float(spec.autoscaling.interval_seconds))
-        cur: dict[str, Sample] = {}
-        per_pod = []
-        problems: list[str] = []
         max_dt = 3 * float(spec.autoscaling.interval_seconds) + SCRAPE_TIMEOUT
+        cur = {n: r for n, r in results if isinstance(r, Sample)}
+        served = [_policy(pod_rates, prev.get(n), s, max_dt) for n, s in cur.items()]
+        state = _policy(learn, self._learner(rec, spec, body or {}), now,
+                        [r for r in served if isinstance(r, Rates)],
+                        float(spec.autoscaling.serving_rate_half_life_seconds))
+        rec.learner = state
+        cap = _policy(capacity, state)
+        per_pod: list[PodPressure | Unmeasured] = []
+        problems: list[str] = []
+        bad: dict[str, str] = {}
         for pod_name, result in results:
             if isinstance(result, MetricsError):
                 metrics.SCRAPE_FAILURES.labels(reason=result.reason).inc()
                 problems.append(f"{pod_name}: {result}")
-                per_pod.append(None)
+                per_pod.append(Unmeasured(result.reason, str(result), bad=True))
                 continue
-            cur[pod_name] = result
-            per_pod.append(_policy(pod_pressure, prev.get(pod_name), result, max_dt))
+            reading = _policy(pod_reading, prev.get(pod_name), result, max_dt, cap)
+            if isinstance(reading, Unmeasured) and reading.bad:
+                problems.append(f"{pod_name}: {reading.message}")
+                bad[pod_name] = reading.reason
+            per_pod.append(reading)
             hot[pod_name] = _policy(hot_host_tokens, hot.get(pod_name, 0.0),
                                     prev.get(pod_name), result, tau)
-        self._samples[key] = cur
+        self._log_bad_counters(key, rec, bad, cur)
+        rec.samples = cur
         # Kept while a pod is unmeasured for a tick; gone with the pod.
-        self._hot[key] = {p["metadata"]["name"]: hot.get(p["metadata"]["name"], 0.0)
-                          for p in ready}
-        self.problems[key] = problems
+        rec.hot = {p["metadata"]["name"]: hot.get(p["metadata"]["name"], 0.0) for p in ready}
+        rec.problems = problems
+        rec.capacity = cap
         return _policy(aggregate, per_pod)
 
-    async def _scale(self, key: tuple[str, str], body: dict[str, Any],
-                     spec: InferenceDeploymentSpec, now: float, current: int,
-                     live: list[dict[str, Any]], ready: list[dict[str, Any]], starting: int,
-                     agg: Aggregate) -> tuple[int, str, str, list[str]]:
+    @staticmethod
+    def _log_bad_counters(key: Key, rec: Tracked, bad: dict[str, str],
+                          measured: dict[str, Sample]) -> None:
+        """One line when a pod's counters go bad (a restart, a broken histogram...), one
+        when they are good again; quiet in between and for pods that went away."""
+        for pod, reason in bad.items():
+            if pod not in rec.bad_pods:
+                log.warning("autoscaler %s/%s: pod %s unmeasured: %s; it scales nothing "
+                            "until its counters are good again", *key, pod, reason)
+        for pod in set(rec.bad_pods) - set(bad):
+            if pod in measured:
+                log.info("autoscaler %s/%s: pod %s measured again", *key, pod)
+        rec.bad_pods = bad
+
+    async def _scale(self, key: Key, body: dict[str, Any], spec: InferenceDeploymentSpec,
+                     now: float, current: int, live: list[dict[str, Any]],
+                     ready: list[dict[str, Any]], starting: int, agg: Aggregate
+                     ) -> tuple[int, str, str, str, list[str]]:  # fmt: skip
         """Decide, and write a changed replica count; returns (replicas, action, reason,
-        the pods marked to go). A scale-down first marks the pods that should go, and
-        unmarks them again when the scale write fails."""
+        the term behind it, the pods marked to go). A scale-down first marks the pods
+        that should go, and unmarks them again when the scale write fails."""
         ns, name = key
-        state = self._states.get(key)
+        rec = self._record(key)
+        state = rec.state
         if state is None:  # operator start or a new leader: windows start from now
             state = resume_state(now, current)
         policy = replace(policy_of(spec), lead_seconds=_policy(
             startup_seconds, [_started(p) for p in ready]))
         d = _policy(decide, policy, now, current, len(ready), starting, agg, state)
-        self._states[key] = d.state
+        rec.state = d.state
         marked: list[str] = []
         if d.replicas != current:
             if d.replicas < current:
@@ -416,17 +525,16 @@ class Autoscaler:
                 raise
             going = ""
             if marked:
-                hot = self._hot.get(key, {})
                 going = "; removing " + ", ".join(
-                    f"{p} ({hot.get(p, 0.0):.0f} recent host-hit tokens)" for p in marked)
+                    f"{p} ({rec.hot.get(p, 0.0):.0f} recent host-hit tokens)" for p in marked)
             await asyncio.to_thread(
                 self.kube.post_event, body, "Normal",
                 "ScaledUp" if d.replicas > current else "ScaledDown",
                 f"replicas {current} -> {d.replicas}: {d.reason}{going}")
             log.info("%s/%s: replicas %d -> %d (%s)", ns, name, current, d.replicas, d.reason)
-        return d.replicas, d.action, d.reason, marked
+        return d.replicas, d.action, d.reason, d.term, marked
 
-    async def _mark_pools(self, key: tuple[str, str], spec: InferenceDeploymentSpec,
+    async def _mark_pools(self, key: Key, spec: InferenceDeploymentSpec,
                           live: list[dict[str, Any]], ready: list[dict[str, Any]],
                           current: int, desired: int) -> list[str]:
         """_mark, within each GPU pool whose share shrinks (its workload removes pods)."""
@@ -438,13 +546,13 @@ class Autoscaler:
             marked += await self._mark(key, mine, [p for p in ready if p in mine], give_up)
         return marked
 
-    async def _mark(self, key: tuple[str, str], live: list[dict[str, Any]],
+    async def _mark(self, key: Key, live: list[dict[str, Any]],
                     ready: list[dict[str, Any]], remove: int) -> list[str]:
         """Mark the ready pods that a scale-down taking ``remove`` of ``live`` should
         remove (a deletion cost below the kept pods', and draining); their names."""
         ns = key[0]
-        hot = self._hot.get(key, {})
-        samples = self._samples.get(key, {})
+        rec = self._record(key)
+        hot, samples = rec.hot, rec.samples
         ready_names = {p["metadata"]["name"] for p in ready}
         candidates = []
         for p in live:
@@ -500,9 +608,9 @@ class Autoscaler:
             log.info("%s: unmarking %s (no scale-down takes them)", ns, ", ".join(stale))
             await self._unmark(ns, stale)
 
-    async def _write_status(self, key: tuple[str, str], live: dict[str, Any],
+    async def _write_status(self, key: Key, live: dict[str, Any],
                             old: AutoscalingStatus, agg: Aggregate, desired: int,
-                            decision: str, reason: str) -> None:
+                            decision: str, reason: str, term: str | None = None) -> None:
         """Write status.autoscaling where it differs from ``live`` (what the API server
         holds), clearing what no longer holds (problems of a pod that recovered or is
         gone): steady state writes nothing."""
@@ -512,7 +620,9 @@ class Autoscaler:
         else:  # keep the last known reading; the reason says why there is none now
             pressure = old.pressure
             components = old.components if old.pressure is not None else None
-        problems = self.problems.get(key, [])
+        rec = self._record(key)
+        problems = rec.problems
+        cap = rec.capacity
         new = AutoscalingStatus(
             pressure=pressure,
             components=components,
@@ -523,6 +633,12 @@ class Autoscaler:
             desired_replicas=desired,
             last_decision=decision,
             last_decision_reason=reason,
+            last_decision_term=term or None,
+            serving_rate=None if cap is None else {
+                "prefillTokensPerSecond": round(cap.prefill_tokens_per_s),
+                "decodeTokensPerSecond": round(cap.decode_tokens_per_s),
+                "maxBatch": round(cap.max_batch, 1),
+                "learnedIntervals": round(cap.learned, 1)},
             last_scale_time=now_rfc3339() if decision in ("scale-up", "scale-down")
             else old.last_scale_time,
         )

@@ -585,6 +585,23 @@ class AutoscalingSpec(_Model):
         _POLICY.scale_down_window
     )
     interval_seconds: Annotated[int, Field(ge=1, le=600, description="decision interval")] = 15
+    rate_half_life_seconds: Annotated[
+        int,
+        Field(ge=0, le=3600, description="the event-rate terms (thrash, preemptions) are "
+              "averaged with this half-life: a burst right after a scale change is a "
+              "transient, a sustained rate a lack of capacity (0: each interval alone)"),
+    ] = int(_POLICY.rate_half_life)
+    forecast_window_seconds: Annotated[
+        int,
+        Field(ge=30, le=1800, description="the demand's trend over this window is "
+              "extrapolated over the pods' start-up time"),
+    ] = int(_POLICY.forecast_window)
+    serving_rate_half_life_seconds: Annotated[
+        int,
+        Field(ge=60, le=86400, description="what the pods showed of their serving rate "
+              "(the throughput term's step cost, learned from their metrics) counts half "
+              "after this long"),
+    ] = int(_POLICY.serving_rate_half_life)
 
 
 class RolloutStrategy(StrEnum):

@@ -95,6 +95,17 @@ class AutoscalingStatus(_Model):
     desired_replicas: int | None = None
     last_decision: str | None = None
     last_decision_reason: str | None = None
+    last_decision_term: Annotated[
+        str | None,
+        Field(description="the pressure term behind the last decision: throughput, load, "
+              "queue, thrash or preempt; forecast:<term> when the trend of that term's "
+              "demand asked for more; bounds when min/maxReplicas set it")] = None
+    serving_rate: Annotated[
+        dict[str, float] | None,
+        Field(description="a replica's serving rate as the throughput term uses it, "
+              "learned from the pods' metrics (the plan's roofline until they show it)",
+              json_schema_extra={"type": "object", "additionalProperties": {"type": "number"}}),
+    ] = None
     last_scale_time: Annotated[str | None, Field(json_schema_extra={"format": "date-time"})] = None
 
 

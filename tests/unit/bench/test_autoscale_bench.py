@@ -27,6 +27,8 @@ def _arrivals_in(items, lo, hi):
     (traces.diurnal, {"duration": 300.0}),
     (traces.multitenant, {"duration": 300.0}),
     (traces.flash, {"duration": 300.0, "start": 100.0, "rise": 20.0, "hold": 100.0}),
+    (traces.longctx, {"duration": 300.0}),
+    (traces.agentic, {"duration": 300.0}),
 ])  # fmt: skip
 def test_a_trace_is_a_pure_function_of_its_seed(build, kw):
     a, b, c = build(1, **kw), build(1, **kw), build(2, **kw)
@@ -68,6 +70,106 @@ def test_multitenant_conversations_share_their_tenants_system_prompt():
         for a, b in itertools.pairwise(prompts):
             assert list(b[: len(a) - 1]) == list(a[:-1])
     assert sc.plan_file == traces.GEMMA_PLAN
+
+
+def test_long_context_prompts_are_8k_to_32k_with_few_shared_prefixes():
+    sc = traces.longctx(1, duration=500.0)
+    spec = traces.Retrieval()
+    lengths = [len(i.prompt) for i in sc.items]
+    assert min(lengths) >= spec.shortest - 1 and max(lengths) <= spec.longest
+    assert max(lengths) + spec.max_tokens <= 32768  # the plan's max_model_len
+    docs = {tuple(i.prompt[spec.instruction_tokens: spec.instruction_tokens + 256])
+            for i in sc.items}
+    hot = sum(1 for i in sc.items if i.session.startswith("doc/"))
+    assert 0.15 < hot / len(sc.items) < 0.35  # a quarter on the six hot documents
+    assert len(docs) > 0.6 * len(sc.items)  # the rest each on its own
+    assert sc.ttft_target == 4.0 and bench.ttft_of(sc, None) == 4.0
+    assert bench.ttft_of(sc, 2.0) == 2.0  # --ttft-target overrides the trace's
+    assert sc.rate(0.0) == pytest.approx(0.25) and sc.rate(spec.start + spec.rise) == 2.0
+
+
+def test_agent_sessions_pause_between_turns_on_a_growing_shared_context():
+    sc = traces.agentic(2, duration=500.0)
+    spec = traces.Agents()
+    by_session: dict[str, list] = {}
+    for it in sc.items:
+        by_session.setdefault(it.session, []).append(it)
+    heads = {tuple(i.prompt[:512]) for i in sc.items}
+    assert len(heads) <= spec.agents  # every session opens on one of the agents' prompts
+    turns = [len(v) for v in by_session.values()]
+    assert max(turns) <= spec.max_turns and sum(turns) / len(turns) > spec.min_turns - 1
+    for items in by_session.values():
+        for a, b in itertools.pairwise(items):
+            gap = b.arrival - a.arrival
+            assert spec.reply_seconds + spec.min_pause - 1e-6 <= gap
+            assert gap <= spec.reply_seconds + spec.max_pause + 1e-6
+            # the next turn re-sends the session so far, with the reply and a tool's output
+            assert list(b.prompt[: len(a.prompt) - 1]) == list(a.prompt[:-1])
+            grown = len(b.prompt) - len(a.prompt)
+            assert spec.reply_tokens + spec.min_tool_tokens <= grown
+            assert grown <= spec.reply_tokens + spec.max_tool_tokens + 8
+
+
+def test_the_token_velocity_baseline_is_llm_d_s_calibration_and_triggers():
+    """V_P = CHUNK / median TTFT of sequential cache-missing CHUNK-token prompts on an
+    idle replica (calibrate.sh); replicas = max(ceil(backlog s / target), ceil(sum kv /
+    0.8)), one pod per 180 s up and per 300 s down after the 300 s window."""
+    v_p = bench.calibrate_peak_prefill(traces.LLAMA_PLAN, 1024)
+    # the simulator's engine: 4 ms a step + 60 us a prompt token, one 8,192-token chunk
+    assert v_p == pytest.approx(8192 / (0.004 + 8192 * 60e-6), rel=0.03)
+    vel = bench.make_policy("velocity", 1.5)
+    vel.peak_prefill = 10_000.0
+
+    def text(inflight: float, kv: float) -> str:
+        return _texts(gpu_kv=kv) + f"{bench.INFLIGHT_TOKENS} {inflight}\n"
+
+    backlog = {"a": text(40_000, 0.1)}  # 4 s of prefill backlog on one replica
+    assert vel.tick(15, backlog, 1, 0).replicas == 2  # raw ceil(4 / 1.5) = 3, +1 a step
+    assert vel.tick(30, backlog, 2, 1).replicas == 2  # the next pod after 180 s
+    assert vel.tick(200, backlog, 2, 0).replicas == 3
+    full = {"a": text(0, 0.95), "b": text(0, 0.95), "c": text(0, 0.9)}
+    assert vel._desired(2.8, 0.8, 3) == 4  # KV: ceil(2.8 / 0.8)
+    assert vel.tick(400, full, 3, 0).replicas == 4
+    idle = {"a": text(0, 0.1), "b": text(0, 0.1), "c": text(0, 0.1), "d": text(0, 0.1)}
+    assert vel.tick(500, idle, 4, 0).replicas == 4  # the 300 s window
+    assert vel.tick(720, idle, 4, 0).replicas == 3
+    assert vel.tick(735, idle, 3, 0).replicas == 3  # one pod per 300 s
+    assert vel.tick(1030, idle, 3, 0).replicas == 2
+
+
+def test_the_sweep_takes_a_seed_list():
+    assert bench.parse_seeds("5") == [0, 1, 2, 3, 4]
+    assert bench.parse_seeds("0,1,2,13,21") == [0, 1, 2, 13, 21]
+
+
+def test_a_sweep_reuses_an_earlier_sweeps_runs_but_reruns_spillway(tmp_path, monkeypatch):
+    old = [{"trace": "bursty", "seed": 0, "policy": p, "target": t, "rm": 1.0, "met": 1.0}
+           for p, t in (("static", 2), ("spillway", 1.0))]
+    (tmp_path / "old.json").write_text(bench.json.dumps(old))
+    ran: list[tuple] = []
+
+    def fake(job):
+        ran.append(job)
+        return {"trace": job[0], "seed": job[1], "policy": job[3], "target": job[4],
+                "rm": 2.0, "met": 0.5}
+
+    monkeypatch.setattr(bench, "_sweep_job", fake)
+
+    class Pool:
+        def __init__(self, *a, **k): ...
+        def __enter__(self): return self
+        def __exit__(self, *a): return False
+        def imap_unordered(self, f, jobs): return map(f, jobs)
+
+    monkeypatch.setattr(bench.multiprocessing, "get_context", lambda _: type(
+        "Ctx", (), {"Pool": Pool})())
+    out = tmp_path / "rows.json"
+    bench.main(["--sweep", "--trace", "bursty", "--seeds", "1", "--policies",
+                "spillway,static", "--reuse", str(tmp_path / "old.json"), "--out", str(out)])
+    rows = {(r["policy"], r["target"]): r for r in bench.json.loads(out.read_text())}
+    assert rows[("static", 2)]["rm"] == 1.0  # taken from the earlier sweep
+    assert rows[("spillway", 1.0)]["rm"] == 2.0  # run again
+    assert ("static", 2) not in {(j[3], j[4]) for j in ran}
 
 
 def _texts(**values):

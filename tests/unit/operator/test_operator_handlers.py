@@ -88,17 +88,17 @@ def test_the_autoscaler_runs_only_while_leading_and_a_standby_exports_no_pressur
         s.observe(("ns", "a"), body)
         assert s._tasks == {} and ("ns", "a") in s.objects
         s.activate()  # became the leader: one loop per known object, fresh windows
-        s._states[("ns", "a")] = State(observing_since=1.0)
+        s.objects[("ns", "a")].state = State(observing_since=1.0)
         assert set(s._tasks) == {("ns", "a")}
         metrics.OFFLOAD_PRESSURE.labels("ns", "a").set(0.5)
-        s._exported.add(("ns", "a"))
+        s.objects[("ns", "a")].exported = True
         s.deactivate()
         await asyncio.sleep(0)
         assert s._tasks == {}
         assert ("ns", "a") not in {tuple(m.labels.values()) for f in
                                     metrics.OFFLOAD_PRESSURE.collect() for m in f.samples}
         s.activate()
-        assert s._states == {}  # the new term starts from what it observes
+        assert s.objects[("ns", "a")].state is None  # the new term starts from what it observes
         await s.stop()
 
     asyncio.run(scenario())

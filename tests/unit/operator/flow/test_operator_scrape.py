@@ -152,7 +152,7 @@ def test_one_bad_pod_leaves_the_others_measured_and_the_loop_free(servers):
         finally:
             beat.cancel()
             await a.stop()
-        return agg, a.problems[("ns", "x")], max(lags)
+        return agg, a.objects[("ns", "x")].problems, max(lags)
 
     for bad_mode, needle in (("latin1", "not UTF-8"), ("huge", "body over")):
         agg, problems, lag = asyncio.run(run(bad_mode))

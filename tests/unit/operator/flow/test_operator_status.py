@@ -18,7 +18,7 @@ from spillway_operator.flow import crd
 from spillway_operator.flow import scaler as scaler_module
 from spillway_operator.flow.pressure import Aggregate
 from spillway_operator.flow.reconciler import Reconciler
-from spillway_operator.flow.scaler import Autoscaler
+from spillway_operator.flow.scaler import Autoscaler, Tracked
 from spillway_operator.flow.spec import InferenceDeploymentSpec
 from spillway_operator.flow.status import (
     Observed,
@@ -351,11 +351,11 @@ def test_scaler_clears_metrics_problems_once_they_are_gone():
         old = read_status(obj.get("status")).autoscaling or AutoscalingStatus()
         asyncio.run(scaler._write_status(key, live, old, agg, 2, "hold", "why"))
 
-    scaler.problems[key] = ["chat-1: body over 4194304 bytes"]
+    scaler.objects[key] = Tracked(problems=["chat-1: body over 4194304 bytes"])
     write(Aggregate(0.5, {"load": 0.5}, 1, 1))
     auto = obj["status"]["autoscaling"]
     assert auto["unmeasuredPods"] == 1 and auto["metricsProblems"][0].startswith("chat-1")
-    scaler.problems[key] = []  # recovered
+    scaler.objects[key].problems = []  # recovered
     write(Aggregate(0.5, {"load": 0.5}, 2, 0))
     auto = obj["status"]["autoscaling"]
     assert "unmeasuredPods" not in auto and "metricsProblems" not in auto
