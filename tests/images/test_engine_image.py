@@ -89,11 +89,11 @@ def test_engine_image_is_pruned_and_keeps_what_the_engine_loads(images):
              .splitlines() if line and not line.startswith("#")]
     code = ("import json, os, sys, sysconfig\n"
             "site = sysconfig.get_paths()['purelib']\n"
-            "paths = sys.stdin.read().split()\n"
+            "paths = sys.stdin.read().splitlines()  # a path may hold a space\n"
             "# files of distributions the image does not install (the probe's test harness)\n"
             "ours = [p for p in paths if os.path.exists(os.path.join(site, p.split('/')[0]))]\n"
             "missing = [p for p in ours if not os.path.exists(os.path.join(site, p))]\n"
-            "pruned = open('/usr/local/share/spillway/engine-cpu-pruned.txt').read().split()\n"
+            "pruned = open('/usr/local/share/spillway/engine-cpu-pruned.txt').read().splitlines()\n"
             "gone = [p for p in pruned if os.path.exists(os.path.join(site, p))]\n"
             "print(json.dumps({'missing': missing, 'checked': len(ours), 'pruned': len(pruned), "
             "'gone': gone}))")
