@@ -12,6 +12,7 @@ import time
 import pytest
 
 from e2e.cluster.controlplane import REPO_ROOT, free_port, port_is_free
+from e2e.processes import alive
 
 # Needs the local control plane harness itself (not an external cluster).
 pytestmark = pytest.mark.local_only
@@ -35,11 +36,9 @@ def consecutive_free_ports(n: int = 9) -> int:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+    """The harness's own answer: an exited daemon left a zombie under an init that does
+    not reap is dead (no ports, no memory), as ``down`` judges it."""
+    return alive(pid)
 
 
 def test_missing_binary_fails_fast_with_a_clear_message(tmp_path):
