@@ -415,7 +415,7 @@ class Autoscaler:
         model's size (the emulated GPU's, when it states one), per GPU of a replica's
         tensor/pipeline-parallel engine; a new seed when either changes."""
         plan = (body.get("status") or {}).get("plan") or {}
-        gpu = plan.get("gpu") or spec.resources.gpu_product.value.lower()
+        gpu = plan.get("gpu") or spec.resources.gpu_product.lower()
         emulated = spec.engine.emulate_gpu
         params = (emulated.model_params if emulated is not None else None) or \
             params_from_name(spec.model.name)
