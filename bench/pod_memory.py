@@ -70,6 +70,7 @@ from e2e import engine_process  # noqa: E402
 from e2e.engine_process import (  # noqa: E402
     Server,
     free_port,
+    group_pids,
     kill_group,
     launch,
     plan_for,
@@ -145,19 +146,6 @@ def _role(pid: int, root: int) -> str:
     return "others"
 
 
-def _pids(root: int) -> list[int]:
-    out, todo = [], [root]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        try:
-            for task in Path(f"/proc/{p}/task").iterdir():
-                todo += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            continue
-    return out
-
-
 def _shm_used(volume: Path) -> int:
     st = os.statvfs(volume)
     return (st.f_blocks - st.f_bfree) * st.f_frsize
@@ -165,7 +153,7 @@ def _shm_used(volume: Path) -> int:
 
 def _sample(server: Server, volume: Path, cgroup: Path, peak: Peak) -> None:
     roles: dict[str, int] = {"api": 0, "cores": 0, "dp": 0, "others": 0, "workers": 0}
-    for pid in _pids(server.proc.pid):
+    for pid in group_pids(server.proc.pid):
         s = _status(pid)
         role = _role(pid, server.proc.pid)
         if role in roles:
