@@ -86,11 +86,26 @@ class Group:
                 if not p.metadata.deletion_timestamp]
 
     def mark_ready(self):
-        """The engines loaded: every running pod not yet marked turns Ready."""
-        for p in self.pods():
-            if p.status.phase == "Running" and (p.metadata.annotations or {}).get(READY) != "true":
-                self.core.patch_namespaced_pod(p.metadata.name, self.ns,
-                                               {"metadata": {"annotations": {READY: "true"}}})
+        """The engines loaded: a running worker turns Ready, and a leader only once every
+        worker of its group is Ready, as vLLM's leader serves only after all ranks joined.
+        (LeaderWorkerSet counts a group ready from its leader's Ready and its workers merely
+        created, so a leader marked first would let a rollout take the next group down.)"""
+        pods = self.pods()
+        workers_ready: dict[str, bool] = {}
+        for p in pods:
+            labels = p.metadata.labels or {}
+            if labels.get(LWS_WORKER_INDEX) != "0":
+                group = labels.get(LWS_GROUP_INDEX)
+                workers_ready[group] = workers_ready.get(group, True) and is_ready(p)
+        for p in pods:
+            labels = p.metadata.labels or {}
+            leader = labels.get(LWS_WORKER_INDEX) == "0"
+            if p.status.phase != "Running" or (p.metadata.annotations or {}).get(READY) == "true":
+                continue
+            if leader and not workers_ready.get(labels.get(LWS_GROUP_INDEX), False):
+                continue
+            self.core.patch_namespaced_pod(p.metadata.name, self.ns,
+                                           {"metadata": {"annotations": {READY: "true"}}})
 
     def ready_groups(self, name):
         self.mark_ready()
@@ -114,6 +129,10 @@ class Group:
     def events(self, name):
         return self.core.list_namespaced_event(
             self.ns, field_selector=f"involvedObject.name={name}").items
+
+
+def is_ready(pod) -> bool:
+    return any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions or [])
 
 
 def by_group(pods):
@@ -207,8 +226,7 @@ def test_sixteen_gpus_on_eight_gpu_nodes_run_as_leader_worker_set_groups(api, ga
         pods = g.pods()
         groups = by_group(pods)
         ready = sum(1 for m in groups.values() if len(m) == 2 and all(
-            any(c.type == "Ready" and c.status == "True" for c in p.status.conditions or [])
-            for p in m.values()))
+            is_ready(p) for p in m.values()))
         serving_low = min(serving_low, ready)
         hashes = {(p.metadata.annotations or {}).get("spillway.dev/plan-hash") for p in pods}
         if ready == 2 and hashes == {new_hash} and len(pods) == 4 and g.lws("big").get(
