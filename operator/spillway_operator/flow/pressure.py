@@ -69,6 +69,9 @@ TARGET_RECOMPUTED_SHARE = 0.05
 TARGET_QUEUE_RATIO = 0.5
 TARGET_PREEMPTIONS_PER_S = 0.1
 MAX_RATE_TERM = 2.0
+#: The requests already waiting are demand to clear within this many seconds (about
+#: one model load) when the policy knows no start-up time of its own.
+BACKLOG_DRAIN_SECONDS = 120.0
 #: The queue term's cap (None: uncapped).
 MAX_QUEUE_TERM: float | None = None
 
@@ -90,6 +93,7 @@ COUNTERS = {
     m.HOST_POOL_EVICTIONS.name: "evictions",
     m.DISK_TIER_THRASH.name: "disk_thrash_chunks",
     m.GENERATION_TOKENS.name: "generation_tokens",
+    m.REQUEST_SUCCESS.name: "finished",
 }
 HOST_HITS = m.PROMPT_TOKENS_CACHED_BY_SOURCE.name
 #: vllm:prompt_tokens_by_source{source="local_compute"}: prompt tokens computed here.
@@ -224,9 +228,12 @@ def pod_rates(prev: Sample | None, cur: Sample, max_dt: float) -> Rates | Unmeas
 
 
 def pod_reading(prev: Sample | None, cur: Sample, max_dt: float,
-                capacity: Capacity | None = None) -> PodPressure | Unmeasured:
+                capacity: Capacity | None = None,
+                drain_seconds: float = BACKLOG_DRAIN_SECONDS) -> PodPressure | Unmeasured:
     """Pressure of one pod between two scrapes, or why it has none. With ``capacity``
-    (the deployment's learned serving rate) the throughput term is one of the terms."""
+    (the deployment's learned serving rate) the throughput term is one of the terms:
+    what the pod served and what waits (``Capacity.backlog``, the queue cleared within
+    ``drain_seconds``) against what a replica can serve."""
     if prev is None:
         return Unmeasured("first_scrape", "no previous scrape yet")
     dt = cur.time - prev.time
@@ -270,8 +277,13 @@ def pod_reading(prev: Sample | None, cur: Sample, max_dt: float,
     }
     info: dict[str, float] = {}
     if capacity is not None and isinstance(served, Rates):
-        components["throughput"] = capacity.utilisation(served) / TARGET_UTILISATION
-        info["demandTokensPerSecond"] = served.tokens
+        rho = capacity.utilisation(served)
+        backlog = capacity.backlog(p["waiting"], v["waiting"], dt, drain_seconds) \
+            if _finite(p.get("waiting")) else 0.0  # fmt: skip
+        demand = max(0.0, rho + backlog)
+        components["throughput"] = demand / TARGET_UTILISATION
+        info["demandTokensPerSecond"] = served.tokens * (demand / rho if rho > 0 else 1.0)
+        info["backlogShare"] = max(0.0, backlog) / demand if demand > 0 else 0.0
     host_tokens = v.get("host_tokens", 0.0) if _finite(v.get("host_tokens")) else 0.0
     fill = v.get("host_used_chunks", 0.0) / cap_chunks if cap_chunks > 0 else 0.0
     info |= {"hostHitShare": min(host_share, 1.0), "hostFill": min(max(fill, 0.0), 1.0)}

@@ -31,6 +31,7 @@ from pydantic import ValidationError
 from spillway_operator.flow import render
 from spillway_operator.flow.pools import POOL_LABEL, removals
 from spillway_operator.flow.pressure import (
+    BACKLOG_DRAIN_SECONDS,
     DELETION_COST,
     DRAINING,
     Aggregate,
@@ -460,6 +461,8 @@ class Autoscaler:
                         float(spec.autoscaling.serving_rate_half_life_seconds))
         rec.learner = state
         cap = _policy(capacity, state)
+        # What waits is demand to clear within about one model load of this deployment.
+        drain = _policy(startup_seconds, [_started(p) for p in ready]) or BACKLOG_DRAIN_SECONDS
         per_pod: list[PodPressure | Unmeasured] = []
         problems: list[str] = []
         bad: dict[str, str] = {}
@@ -469,7 +472,7 @@ class Autoscaler:
                 problems.append(f"{pod_name}: {result}")
                 per_pod.append(Unmeasured(result.reason, str(result), bad=True))
                 continue
-            reading = _policy(pod_reading, prev.get(pod_name), result, max_dt, cap)
+            reading = _policy(pod_reading, prev.get(pod_name), result, max_dt, cap, drain)
             if isinstance(reading, Unmeasured) and reading.bad:
                 problems.append(f"{pod_name}: {reading.message}")
                 bad[pod_name] = reading.reason

@@ -33,6 +33,14 @@ least squares (half-life ``serving_rate_half_life``), with the seed as a prior w
 direction the data does not pin keeps the seed's value). ``R_max`` is learned the same
 way from ``vllm:kv_cache_usage_perc / vllm:num_requests_running``.
 
+The demand is what arrives, not only what was served: a replica that runs out of
+serving rate serves at most its rate, and the requests it cannot take wait. So the
+queue counts too (:meth:`Capacity.backlog`): its growth over the interval is demand
+beyond what was served, and what already waits is demand to clear within about one
+model load. A request's cost in rho-seconds comes from the same fit and the mean
+computed prompt and generated tokens per finished request (``vllm:request_success``),
+learned with the same forgetting.
+
 A pod whose counters went backwards (a restart), whose histogram lost buckets or is
 not cumulative, or whose mean step time is 0 or not a number teaches nothing and is
 not measured (:class:`BadCounters`, with the reason as a short label).
@@ -144,6 +152,7 @@ class Rates:
     step: float | None  # mean inter-token latency (s): the decoding batch's step time
     step_samples: float  # inter-token samples behind ``step``
     kv_per_seq: float | None  # GPU KV share one running sequence holds (at the scrape)
+    finished: float | None = None  # requests finished per second (None: no counter)
 
     @property
     def tokens(self) -> float:
@@ -201,7 +210,9 @@ def rates(prev_time: float, prev: dict[str, float], cur_time: float,
     running, kv = cur.get("running"), cur.get("gpu_kv")
     kv_per_seq = kv / running if _finite(running) and _finite(kv) and running >= 1 and kv > 0 \
         else None  # fmt: skip
-    return Rates(dt, computed / dt, generated / dt, step, samples, kv_per_seq)
+    finished = _delta(prev, cur, "finished")
+    return Rates(dt, computed / dt, generated / dt, step, samples, kv_per_seq,
+                 None if finished is None else finished / dt)
 
 
 # ---------------------------------------------------------------- learning
@@ -218,6 +229,9 @@ class Learner:
     weight: float = 0.0  # sum of w: how many (forgotten) intervals the fit holds
     kv_per_seq: float | None = None  # the KV share one running sequence holds (mean)
     kv_weight: float = 0.0
+    # Computed prompt tokens, generated tokens and finished requests (forgotten sums):
+    # the work one request brings, what a waiting request will cost.
+    per_request: tuple[float, float, float] = (0.0, 0.0, 0.0)
     at: float | None = None  # time of the last update
 
 
@@ -236,11 +250,15 @@ def learn(state: Learner, now: float, observed: list[Rates], half_life: float) -
     weight = state.weight * keep
     kv_sum = (state.kv_per_seq or 0.0) * state.kv_weight * keep
     kv_weight = state.kv_weight * keep
+    work = [v * keep for v in state.per_request]
     s = state.seed
     for r in observed:
         if r.kv_per_seq is not None:
             kv_sum += r.kv_per_seq
             kv_weight += 1.0
+        if r.finished is not None and r.finished > 0:
+            work = [work[0] + r.prefill * r.dt, work[1] + r.decode * r.dt,
+                    work[2] + r.finished * r.dt]
         if r.step is None or r.step_samples < MIN_STEP_SAMPLES:
             continue
         # s0 + a * (P m) + b * (D m) = m, divided by m: relative errors, scale-free.
@@ -252,7 +270,8 @@ def learn(state: Learner, now: float, observed: list[Rates], half_life: float) -
         weight += 1.0
     return replace(state, info=tuple(info), moment=(moment[0], moment[1], moment[2]),
                    weight=weight, kv_per_seq=kv_sum / kv_weight if kv_weight > 0 else None,
-                   kv_weight=kv_weight, at=now)  # fmt: skip
+                   kv_weight=kv_weight, per_request=(work[0], work[1], work[2]),
+                   at=now)  # fmt: skip
 
 
 def _solve3(a: list[float], b: list[float]) -> list[float] | None:
@@ -306,11 +325,30 @@ class Capacity:
     max_batch: float
     learned: float = 0.0  # pod-intervals behind it (0: the seed alone)
     info: dict[str, float] = field(default_factory=dict, compare=False)
+    #: (computed prompt, generated) tokens one request brings (None: none finished yet)
+    request_tokens: tuple[float, float] | None = None
 
     def utilisation(self, r: Rates) -> float:
         """rho: the share of one replica's serving rate this pod's demand takes."""
+        return self._rho(r.prefill, r.decode)
+
+    def _rho(self, prefill: float, decode: float) -> float:
         c = self.cost
-        return r.decode * (c.step_s / self.max_batch + c.decode_s) + r.prefill * c.prefill_s
+        return decode * (c.step_s / self.max_batch + c.decode_s) + prefill * c.prefill_s
+
+    @property
+    def request_cost(self) -> float:
+        """rho-seconds one request takes (0 before any request finished)."""
+        return self._rho(*self.request_tokens) if self.request_tokens else 0.0
+
+    def backlog(self, waiting_before: float, waiting: float, dt: float,
+                drain_seconds: float) -> float:
+        """rho of the demand the pod did not serve: the queue's growth over the
+        interval (arrivals beyond what was served; negative while it drains) and the
+        requests already waiting, to clear within ``drain_seconds``."""
+        if not (dt > 0 and drain_seconds > 0):
+            return 0.0
+        return self.request_cost * ((waiting - waiting_before) / dt + waiting / drain_seconds)
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -329,4 +367,7 @@ def capacity(state: Learner, max_num_seqs: int = MAX_NUM_SEQS) -> Capacity:
     batch = float(max_num_seqs)
     if state.kv_per_seq is not None and state.kv_per_seq > 0:
         batch = min(batch, max(1.0, 1.0 / state.kv_per_seq))
-    return Capacity(state.seed.scaled((k[0], k[1], k[2])), batch, state.weight)
+    prefill, decode, requests = state.per_request
+    per_request = (prefill / requests, decode / requests) if requests > 0 else None
+    return Capacity(state.seed.scaled((k[0], k[1], k[2])), batch, state.weight,
+                    request_tokens=per_request)

@@ -328,3 +328,64 @@ def test_the_term_is_at_one_at_the_target_utilisation():
     prev, cur = sample(0.0), sample(15.0, computed_tokens=BASE["computed_tokens"] + r.prefill * 15,
                                     prompt_tokens=BASE["prompt_tokens"] + r.prefill * 15)
     assert pod_reading(prev, cur, 60.0, cap).components["throughput"] == pytest.approx(1.0)
+
+
+# ---------------------------------------------------------------- what waits
+
+
+def _learned_with_requests(prompt: float, generated: float) -> Learner:
+    """The true engine learned at a few loads, every request bringing ``prompt`` computed
+    prompt tokens and ``generated`` generated ones."""
+    state, rng = learner(SEED), random.Random(4)
+    for i in range(30):
+        load = 0.2 + 0.6 * rng.random()
+        prev, cur = engine_interval(TRUE, prefill=3000 * load, decode=3000 * load * generated / prompt)
+        finished = 3000 * load * 15.0 / prompt
+        cur = Sample(cur.time, {**cur.values, "finished": 40.0 + finished})
+        prev = Sample(prev.time, {**prev.values, "finished": 40.0})
+        r = rates(prev.time, prev.values, cur.time, cur.values)
+        state = learn(state, 15.0 * i, [r], half_life=1800.0)
+    return state
+
+
+def test_what_one_request_costs_is_learned_from_vllm_s_finished_requests():
+    text = ('# TYPE vllm:request_success counter\n'
+            'vllm:request_success_total{engine="0",finished_reason="stop"} 30\n'
+            'vllm:request_success_total{engine="0",finished_reason="length"} 12\n')
+    assert parse_metrics(text, 0.0).values["finished"] == 42
+    cap = capacity(_learned_with_requests(prompt=2000.0, generated=100.0))
+    assert cap.request_tokens == pytest.approx((2000.0, 100.0), rel=1e-6)
+    c = cap.cost
+    assert cap.request_cost == pytest.approx(
+        2000 * c.prefill_s + 100 * (c.step_s / cap.max_batch + c.decode_s))
+    # before any request finished, nothing is known of a request: what waits costs 0
+    assert capacity(learner(SEED)).request_cost == 0.0
+
+
+def test_a_queue_the_replica_cannot_serve_is_demand_beyond_what_it_served():
+    """A replica serving at its full rate serves no more however much arrives: what it
+    does not take waits, and the throughput term counts the queue's growth and what
+    already waits (cleared within a model load) as demand, which the served tokens alone
+    never show."""
+    cap = capacity(_learned_with_requests(prompt=2000.0, generated=100.0))
+    prev, cur = engine_interval(TRUE, prefill=9000, decode=450)
+    calm = pod_reading(prev, cur, 60.0, cap, 120.0)
+    grow = pod_reading(Sample(prev.time, {**prev.values, "waiting": 10.0}),
+                       Sample(cur.time, {**cur.values, "waiting": 40.0}), 60.0, cap, 120.0)
+    served = calm.components["throughput"]
+    # 30 more requests in 15 s, and 40 waiting to clear within 120 s
+    extra = cap.request_cost * (30 / 15 + 40 / 120) / TARGET_UTILISATION
+    assert grow.components["throughput"] == pytest.approx(served + extra)
+    assert grow.components["throughput"] > 1.5 * served
+    assert grow.components["backlogShare"] == pytest.approx(extra / (served + extra))
+    assert grow.components["demandTokensPerSecond"] > calm.components["demandTokensPerSecond"]
+    # a queue draining faster than it is cleared lowers the demand, never below nothing
+    drain = pod_reading(Sample(prev.time, {**prev.values, "waiting": 400.0}),
+                        Sample(cur.time, {**cur.values, "waiting": 0.0}), 60.0, cap, 120.0)
+    assert drain.components["throughput"] == 0.0
+    # a longer model load spreads what waits thinner
+    slow = pod_reading(Sample(prev.time, {**prev.values, "waiting": 40.0}),
+                       Sample(cur.time, {**cur.values, "waiting": 40.0}), 60.0, cap, 480.0)
+    fast = pod_reading(Sample(prev.time, {**prev.values, "waiting": 40.0}),
+                       Sample(cur.time, {**cur.values, "waiting": 40.0}), 60.0, cap, 120.0)
+    assert served < slow.components["throughput"] < fast.components["throughput"]
