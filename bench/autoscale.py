@@ -99,6 +99,7 @@ from prometheus_client import generate_latest  # noqa: E402
 
 from bench.autoscale_traces import TRACES, Scenario  # noqa: E402
 from spillway_cli.loadgen import percentile  # noqa: E402
+from spillway_engine import metrics as m  # noqa: E402
 from spillway_engine.simulator.cluster import Replica, VirtualCluster  # noqa: E402
 from spillway_engine.simulator.core import (  # noqa: E402
     EngineCore,
@@ -112,6 +113,7 @@ from spillway_engine.simulator.plan_input import (  # noqa: E402
     load_plan,
 )
 from spillway_operator.flow.pressure import (  # noqa: E402
+    BACKLOG_DRAIN_SECONDS,
     FAMILIES,
     Aggregate,
     Policy,
@@ -145,14 +147,16 @@ _SAMPLES = frozenset(f"{family}{suffix}" for family in FAMILIES
 class StepObserver:
     """The core's observer, lean: only vLLM's inter-token-latency histogram (the step
     time the throughput term learns from), accumulated in plain floats and moved into
-    the replica's Prometheus histogram before each scrape. The exposition is what the
-    full observer would write for that family; the other latency histograms, which no
+    the replica's Prometheus histogram before each scrape, and the finished-requests
+    counter (what a request costs, for the backlog). The exposition is what the full
+    observer would write for those families; the other latency histograms, which no
     policy reads, are not observed at all."""
 
-    __slots__ = ("bounds", "counts", "hist", "sum")
+    __slots__ = ("bounds", "counts", "finished", "hist", "sum")
 
     def __init__(self, metrics) -> None:
         self.hist = metrics.h_itl
+        self.finished = metrics.series(m.REQUEST_SUCCESS, "length")
         self.bounds = list(self.hist._upper_bounds)
         self.counts = [0] * len(self.bounds)
         self.sum = 0.0
@@ -163,7 +167,7 @@ class StepObserver:
             self.counts[bisect.bisect_left(self.bounds, itl)] += 1
 
     def on_finished(self, req) -> None:
-        pass
+        self.finished.inc()
 
     def flush(self) -> None:
         hist = self.hist
@@ -304,7 +308,9 @@ class SpillwayPolicy:
             self.learner = learn(self.learner, now, [r for r in served if isinstance(r, Rates)],
                                  self.policy.serving_rate_half_life)
             cap = capacity(self.learner)
-        pods = [pod_reading(self.samples.get(n), s, self.max_dt, cap) for n, s in cur.items()]
+        drain = self.policy.lead_seconds or BACKLOG_DRAIN_SECONDS
+        pods = [pod_reading(self.samples.get(n), s, self.max_dt, cap, drain)
+                for n, s in cur.items()]
         self.samples = cur
         agg: Aggregate = aggregate(pods)
         d = decide(self.policy, now, current, len(texts), starting, agg, self.state)
@@ -518,6 +524,27 @@ class StaticPolicy:
 
     def tick(self, now: float, texts: dict[str, str], current: int, starting: int) -> Tick:
         return Tick(now, current, len(texts), starting, self.n, "static")
+
+
+class OnsetPolicy:
+    """Not an autoscaler either: a clairvoyant reaction. One replica until the trace's
+    rate first rises 1 % above where it started, then ``n`` from that very instant to the
+    end of the rise phase, then one again. No policy that reads the fleet can react
+    sooner, so what this one misses (the model load after the onset) is what any
+    reactive policy misses unless it held spare replicas before (``--onset N``)."""
+
+    def __init__(self, n: int, scenario: Scenario) -> None:
+        self.n, self.name = int(n), "onset"
+        assert scenario.rate is not None, f"{scenario.name} has no rate to react to"
+        base = scenario.rate(0.0)
+        rising = (t for t in range(int(scenario.duration)) if scenario.rate(t) > 1.01 * base)
+        self.start = next(rising)
+        self.end = next((end for _, start, end in scenario.phases if start <= self.start < end),
+                        scenario.duration)  # fmt: skip
+
+    def tick(self, now: float, texts: dict[str, str], current: int, starting: int) -> Tick:
+        n = self.n if self.start <= now < self.end else 1
+        return Tick(now, current, len(texts), starting, n, f"onset at {self.start}s")
 
 
 #: Each policy and the targets it is swept over; the first Spillway entry is its
@@ -1040,6 +1067,21 @@ def run_one(scenario: Scenario, args) -> None:
                       f"starting={tk.starting} -> {tk.replicas}  {tk.reason}  {comps}")
 
 
+def run_onset(args) -> int:
+    """``--onset N``: the clairvoyant reaction's replica-minutes and attainment per seed."""
+    for trace in args.trace or list(TRACES):
+        for seed in parse_seeds(args.seeds):
+            scenario = scenario_of(trace, seed, args.duration)
+            res = run_policy(OnsetPolicy(args.onset, scenario), scenario, seed)
+            target = ttft_of(scenario, args.ttft_target)
+            s = summarize(res, target)
+            print(f"{trace} seed {seed}: onset {args.onset} at "
+                  f"{res.ticks[-1].reason.split()[-1]}: {s['rm']:.1f} replica-minutes, "
+                  f"{s['met']:.2%} within {target:g} s")
+            print("\n".join(phase_table([res], scenario, target)))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trace", action="append", choices=list(TRACES),
@@ -1064,6 +1106,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reuse", type=Path, action="append",
                         help="--sweep: take the runs an earlier --out holds instead of "
                         "running them again (repeatable), but for --rerun's policies")
+    parser.add_argument("--onset", type=int, metavar="N",
+                        help="the clairvoyant reaction (N replicas from the rise's first "
+                        "second) on each --trace and --seeds seed: what no policy that "
+                        "reacts can beat")
     parser.add_argument("--rerun", default="spillway",
                         help="--sweep --reuse: policies always run again (comma-separated; "
                         "default: spillway, whose code this round changes)")
@@ -1071,6 +1117,8 @@ def main(argv: list[str] | None = None) -> int:
     args.policies = [p for p in args.policies.split(",") if p]
     if args.quick:
         args.duration = args.duration or 600.0
+    if args.onset:
+        return run_onset(args)
     if args.sweep:
         return run_sweep(args)
     started = time.perf_counter()
