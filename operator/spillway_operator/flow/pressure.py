@@ -634,6 +634,8 @@ class Candidate:
     host_tokens: float = 0.0  # tokens held in its host pool now
     created: str = ""  # creationTimestamp: RFC 3339 in UTC sorts as time does
     marked: bool = False  # already carries our draining mark (a scale-down in flight)
+    #: a LeaderWorkerSet group's leader: its group index (None: a Deployment's pod)
+    group: int | None = None
 
 
 def choose_removals(pods: list[Candidate], remove: int) -> list[str]:
@@ -642,7 +644,15 @@ def choose_removals(pods: list[Candidate], remove: int) -> list[str]:
     The ReplicaSet controller removes unready pods before it looks at deletion costs,
     so each unready pod takes one of the places and is not marked. Then pods already
     marked (still going), then the least hot host cache, the emptiest host pool, the
-    newest pod (the controller's own preference), and the name, so the choice is stable."""
+    newest pod (the controller's own preference), and the name, so the choice is stable.
+
+    A LeaderWorkerSet knows no deletion cost: it removes the groups of the highest
+    indices, ready or not, so those leaders are the ones marked (to drain), whatever
+    their cache holds."""
+    if any(p.group is not None for p in pods):
+        going = sorted(pods, key=lambda p: (p.group if p.group is not None else -1, p.name),
+                       reverse=True)[:max(0, remove)]
+        return [p.name for p in going if p.ready]
     take = max(0, min(remove, len(pods)) - sum(1 for p in pods if not p.ready))
     ready = sorted((p for p in pods if p.ready), key=lambda p: p.name)
     ready.sort(key=lambda p: p.created, reverse=True)

@@ -68,6 +68,7 @@ from spillway_operator.flow.throughput import (
     params_from_name,
     seed_cost,
 )
+from spillway_operator.names import LWS_GROUP_INDEX
 from spillway_operator.plumbing import metrics
 from spillway_operator.plumbing.kube import Kube, NamespaceTerminating, TemporaryError, now_rfc3339
 
@@ -145,6 +146,15 @@ def _started(pod: dict[str, Any]) -> tuple[str | None, str | None]:
 
 def _annotation(pod: dict[str, Any], name: str) -> str | None:
     return (pod.get("metadata", {}).get("annotations") or {}).get(name)
+
+
+def _group_index(meta: dict[str, Any]) -> int | None:
+    """A LeaderWorkerSet pod's group index (None: not one, or a label not a number)."""
+    value = (meta.get("labels") or {}).get(LWS_GROUP_INDEX)
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
 
 
 Key = tuple[str, str]
@@ -566,7 +576,8 @@ class Autoscaler:
                 name=pod, ready=pod in ready_names, hot=hot.get(pod, 0.0),
                 host_tokens=sample.values.get("host_tokens", 0.0) if sample else 0.0,
                 created=meta.get("creationTimestamp") or "",
-                marked=_annotation(p, DRAINING) == "true"))
+                marked=_annotation(p, DRAINING) == "true",
+                group=_group_index(meta)))
         chosen = _policy(choose_removals, candidates, remove)
         kept = [parse_cost(_annotation(p, DELETION_COST)) for p in live
                 if p["metadata"]["name"] not in chosen]

@@ -71,6 +71,23 @@ def test_the_least_hot_host_cache_goes() -> None:
     assert choose_removals(pods, 0) == [] and choose_removals(pods, -1) == []
 
 
+def test_a_leader_worker_set_loses_its_highest_groups_whatever_they_cache() -> None:
+    """LeaderWorkerSet removes the groups of the highest indices and reads no deletion
+    cost: marking the coldest leader would drain a group that stays and leave the one
+    that goes serving to the end."""
+    pods = [c("g0", 10, group=0), c("g1", 9000, group=1), c("g2", 8000, group=2),
+            c("g3", 20, group=3, ready=False)]
+    # g3 (unready) and g2 go, the hottest caches or not; g3 is not marked (nothing to drain)
+    assert choose_removals(pods, 2) == ["g2"]
+    assert choose_removals(pods, 3) == ["g2", "g1"]
+    assert choose_removals(pods, 0) == []
+    from spillway_operator.flow.scaler import _group_index
+    from spillway_operator.names import LWS_GROUP_INDEX
+    assert _group_index({"labels": {LWS_GROUP_INDEX: "12"}}) == 12
+    assert _group_index({"labels": {LWS_GROUP_INDEX: "x"}}) is None
+    assert _group_index({"labels": {}}) is None and _group_index({}) is None
+
+
 def test_ties_go_by_host_pool_fill_then_newest_then_name() -> None:
     pods = [c("a", host_tokens=5.0, created="2026-01-01T00:00:00Z"),
             c("b", host_tokens=1.0, created="2026-01-01T00:00:00Z"),
