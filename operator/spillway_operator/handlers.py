@@ -249,6 +249,9 @@ def _child_changed(state: Running, body: Mapping[str, Any], type: str | None,
 
 
 WATCHED = (watch.DEPLOYMENTS, watch.SERVICES, watch.POD_DISRUPTION_BUDGETS, watch.PODS)
+#: What the operator does without the LeaderWorkerSets' watch (LWS not installed, or a
+#: role from before it was granted): it reads a multi-node replica's LWS each reconcile.
+LWS_UNWATCHED = "multi-node replicas' LeaderWorkerSets are read at each reconcile"
 
 
 def start_watches(namespaces: list[str] | None, loop: asyncio.AbstractEventLoop,
@@ -271,10 +274,15 @@ def start_watches(namespaces: list[str] | None, loop: asyncio.AbstractEventLoop,
         loop.call_soon_threadsafe(_owner_changed, controller, meta.get("namespace"),
                                   meta.get("labels") or {})
 
-    api = _api_client(len(WATCHED) * len(namespaces or [None]) + 1)  # one connection each
+    scopes = namespaces or [None]
+    api = _api_client((len(WATCHED) + 1) * len(scopes) + 1)  # one connection each
+    groups = [watch.Reflector(api, watch.LEADER_WORKER_SETS, namespace, MANAGED_SELECTOR, child,
+                              timeout=timeout, optional=LWS_UNWATCHED, absent=LWS_UNWATCHED)
+              for namespace in scopes]
+    kube.watching_leader_worker_sets(lambda: all(r.current() for r in groups))
     return [watch.Reflector(api, kind, namespace, MANAGED_SELECTOR,
                             pod if kind is watch.PODS else child, timeout=timeout).start()
-            for namespace in namespaces or [None] for kind in WATCHED] + [
+            for namespace in scopes for kind in WATCHED] + [r.start() for r in groups] + [
         watch.Reflector(api, watch.NAMESPACES, None, "", kube.observe_namespace,
                         timeout=timeout,
                         optional="a namespace being deleted is known from refused writes")

@@ -61,9 +61,10 @@ NAMESPACED_RULES = {
     ("", "persistentvolumeclaims", "get"),  # a shared disk tier's claim, checked
     ("", "events", "create"),
     *{("monitoring.coreos.com", "servicemonitors", v) for v in ("get", "patch", "create")},
-    # A replica across nodes: its LeaderWorkerSet, applied and read (no list, watch or
-    # delete: a change of node count scales it to 0 by a patch).
-    *{("leaderworkerset.x-k8s.io", "leaderworkersets", v) for v in ("get", "patch", "create")},
+    # A replica across nodes: its LeaderWorkerSet, applied and watched (no delete: a
+    # change of node count scales it to 0 by a patch).
+    *{("leaderworkerset.x-k8s.io", "leaderworkersets", v)
+      for v in ("get", "list", "watch", "patch", "create")},
 }
 CRD_READS = {("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("list", "watch")}
 # Leader election (operator/spillway_operator/plumbing/leader.py): read, create and update the one
@@ -523,7 +524,7 @@ def test_operator_runs_as_the_chart_service_account(helm, cluster, api, namespac
                ["patch", "pods", "-n", work],
                ["patch", "poddisruptionbudgets.policy", "-n", work],
                *[[v, "leaderworkersets.leaderworkerset.x-k8s.io", "-n", work]
-                 for v in ("get", "patch", "create")],
+                 for v in ("get", "list", "watch", "patch", "create")],
                ["watch", "customresourcedefinitions.apiextensions.k8s.io"],
                ["list", "namespaces"], ["watch", "namespaces"],
                ["get", "persistentvolumeclaims", "-n", work],
@@ -536,7 +537,7 @@ def test_operator_runs_as_the_chart_service_account(helm, cluster, api, namespac
               ["deletecollection", "poddisruptionbudgets.policy", "-n", work],
               ["update", "deployments.apps", "-n", work],
               *[[v, "leaderworkersets.leaderworkerset.x-k8s.io", "-n", work]
-                for v in ("list", "watch", "delete", "update")],
+                for v in ("delete", "update")],
               ["create", "pods", "-n", work], ["delete", "pods", "-n", work],
               ["get", "pods", "-n", work], ["update", "pods", "-n", work],
               ["patch", "pods", "-n", work, "--subresource", "status"],

@@ -1,8 +1,8 @@
 """Quiet when nothing changes: against the real control plane and the operator process,
-objects in every state a user can leave them in are watched for several autoscaler
-intervals and a resync while the operator's request log counts its writes. Once each
-status is right the operator writes nothing (no status PATCH, no Event, no child), and
-a namespace being deleted draws no write at all.
+objects in every state a user can leave them in (a multi-node group among them) are
+watched for several autoscaler intervals and a resync while the operator's request log
+counts its writes. Once each status is right the operator writes nothing (no status
+PATCH, no Event, no child), and a namespace being deleted draws no write at all.
 
 The operator fixture logs every API request it sends ("PATCH /apis/... HTTP/1.1" 200),
 so the writes into a namespace are counted from its log, by namespace."""
@@ -87,6 +87,10 @@ def test_steady_state_writes_nothing_in_every_state(api, cluster, operator, seco
     env.create(infdep("pools", replicas=2, resources={"gpuPools": [
         {"name": "hopper", "gpuProduct": "h100"}, {"name": "second", "gpuProduct": SECOND}]}))
     env.create(infdep("mixed", resources={"nodeSelector": {"type": "kwok"}}))
+    # A replica across two nodes: one LeaderWorkerSet group, which the operator watches
+    # rather than reads at every reconcile.
+    env.create(infdep("groups", engine={"tensorParallelSize": 1, "pipelineParallelSize": 2,
+                                        "nodes": 2}))
 
     healthy = _pod_ips(env, "healthy", 2)
     recovered = _pod_ips(env, "recovered", 2)
@@ -122,6 +126,7 @@ def test_steady_state_writes_nothing_in_every_state(api, cluster, operator, seco
         env.wait_condition("no-config", "PlanReady", "False", "ModelConfigUnavailable")
         env.wait_condition("pools", "Available", "True")
         env.wait_condition("mixed", "MixedGPUProducts", "True", "MixedGPUProducts")
+        env.wait_condition("groups", "Available", "True")
         for name in ("healthy", "recovered"):
             env.wait_condition(name, "Available", "True")
             wait_for(lambda n=name: ((env.get(n).get("status") or {}).get("autoscaling")
@@ -129,7 +134,7 @@ def test_steady_state_writes_nothing_in_every_state(api, cluster, operator, seco
         # The autoscaler's first word on the others ("autoscaling is off"): a new object's
         # first tick comes up to one interval (15 s by default) after its first reconcile.
         for e, name in ((env, "refused"), (env, "no-config"), (genv, "never-starts"),
-                        (env, "pools"), (env, "mixed")):
+                        (env, "pools"), (env, "mixed"), (env, "groups")):
             wait_for(lambda e=e, n=name: (e.get(n).get("status") or {}).get("autoscaling"),
                      30, f"{name}'s status.autoscaling")
         time.sleep(3)  # the last ticks' writes of the states just reached
@@ -142,6 +147,11 @@ def test_steady_state_writes_nothing_in_every_state(api, cluster, operator, seco
         # It was looking all along: the scrapes went on, and so did the retries.
         assert sum(s.hits for s in servers) - hits >= 2 * QUIET_SECONDS
         assert re.search(rf'"GET /api/v1/namespaces/{namespace}/configmaps/absent ', log)
+        # The converged group's LeaderWorkerSet comes from the watch, not a GET per
+        # reconcile (the resync's included) or per autoscaler tick.
+        reads = re.findall(rf'"GET /apis/leaderworkerset\.x-k8s\.io/v1/namespaces/{namespace}/'
+                           r'leaderworkersets/[^ "]*', log)
+        assert reads == [], reads[:5]
     finally:
         for s in servers:
             s.shutdown()

@@ -74,10 +74,11 @@ runs the operator with this ServiceAccount's token against a real API server.
   label-selected, for deployments and services; kopf's for configmaps), which feed
   that cache. configmaps get also reads the model's
   config.json ConfigMap, whose watch re-plans when it changes.
-- leaderworkersets get, patch, create: the engine's LeaderWorkerSet when a replica spans
-  nodes (spec.engine.nodes), applied like the Deployment; get = its status (groups ready),
-  read each reconcile, so no list or watch. Moving between one node and several scales
-  the other workload to 0 replicas (patch), so no delete.
+- leaderworkersets get, list, watch, patch, create: the engine's LeaderWorkerSet when a
+  replica spans nodes (spec.engine.nodes), applied like the Deployment; list, watch = its
+  label-selected drift watch, which feeds the cache (no read per reconcile); get = a read
+  after an apply races its event. Moving between one node and several scales the other
+  workload to 0 replicas (patch), so no delete.
 - poddisruptionbudgets get, list, watch, patch, create: the engine pods' budget, applied
   like the other children (the watch feeds the operator's cache and repairs a hand
   edit at once); no delete.
@@ -108,7 +109,7 @@ Events, pods/exec, pods/log, nodes, and any write to the InferenceDeployment's s
   verbs: ["get", "list", "watch", "patch", "create"]
 - apiGroups: ["leaderworkerset.x-k8s.io"]
   resources: ["leaderworkersets"]
-  verbs: ["get", "patch", "create"]
+  verbs: ["get", "list", "watch", "patch", "create"]
 - apiGroups: [""]
   resources: ["services", "configmaps"]
   verbs: ["get", "list", "watch", "patch", "create"]

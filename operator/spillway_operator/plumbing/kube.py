@@ -254,6 +254,8 @@ class Kube:
         self._terminating: dict[str, float] = {}
         # Namespaces the namespace watch shows being deleted (observe_namespace).
         self._deleting: set[str] = set()
+        # Whether the LeaderWorkerSets' watch holds them all (watching_leader_worker_sets).
+        self._lws_current: Callable[[], bool] = lambda: False
 
     #: How long a namespace the API server called terminating is taken as such without
     #: asking again (a namespace of that name may be created anew after it is gone).
@@ -521,9 +523,17 @@ class Kube:
         span nodes need it."""
         return self._served(LWS_API, LWS_KIND, max_age)
 
+    def watching_leader_worker_sets(self, current: Callable[[], bool]) -> None:
+        """The LeaderWorkerSets' watch: ``current`` says whether the cache holds every
+        one there is (listed, the API installed and the watch granted)."""
+        self._lws_current = current
+
     def get_leader_worker_set(self, namespace: str, name: str) -> dict | None:
-        """Read each time: no watch keeps a copy (its status moves with every group),
-        and the cache must not hold one that goes stale."""
+        """The watch's copy while its watch is current (a miss then means absent);
+        else read each time, since a copy the operator remembered from its own write
+        goes stale with no watch to move it (its status moves with every group)."""
+        if self.cache is not None and self._lws_current():
+            return self._cached(LWS_API, LWS_KIND, namespace, name)
         return self.get(resource_path(LWS_API, LWS_KIND, namespace, name))
 
     def scale_to_zero(self, api_version: str, kind: str, namespace: str, name: str,
@@ -605,9 +615,16 @@ class Kube:
         return pods
 
     def pods_of(self, namespace: str, name: str, selector: str) -> list[dict]:
-        """owned_pods, with the Deployment the watches hold (the autoscaler's tick)."""
-        return self.owned_pods((namespace, name), selector,
-                               self.watched_deployment(namespace, name))
+        """owned_pods, with the workload the watches hold (the autoscaler's tick): the
+        Deployment, or a LeaderWorkerSet's groups counted as the pods they ask for."""
+        workload = self.watched_deployment(namespace, name)
+        if workload is None and self.cache is not None and self._lws_current():
+            lws = self._cached(LWS_API, LWS_KIND, namespace, name)
+            if lws is not None:
+                spec = lws.get("spec") or {}
+                size = int((spec.get("leaderWorkerTemplate") or {}).get("size") or 1)
+                workload = {"status": {"replicas": int(spec.get("replicas") or 0) * size}}
+        return self.owned_pods((namespace, name), selector, workload)
 
     def annotate_pod(self, namespace: str, name: str, annotations: dict[str, str | None]) -> None:
         """Merge-patch a pod's annotations (None removes one): the autoscaler's

@@ -32,6 +32,7 @@ import urllib3
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from spillway_operator.names import LWS_API, LWS_KIND
 from spillway_operator.plumbing import metrics
 from spillway_operator.plumbing.kube import api_path
 
@@ -57,6 +58,9 @@ SERVICES = Kind("v1", "Service", "services")
 POD_DISRUPTION_BUDGETS = Kind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets")
 PODS = Kind("v1", "Pod", "pods")
 NAMESPACES = Kind("v1", "Namespace", "namespaces")
+LEADER_WORKER_SETS = Kind(LWS_API, LWS_KIND, "leaderworkersets")
+#: How long a watch whose API is not installed waits before it looks again.
+ABSENT_RETRY_SECONDS = 60.0
 
 
 class Gone(Exception):
@@ -65,6 +69,10 @@ class Gone(Exception):
 
 class WatchFailed(Exception):
     """Any other failure of a list or watch: retried after a back-off."""
+
+
+class NotServed(WatchFailed):
+    """404 on the list: the API server serves no such resource (a CRD not installed)."""
 
 
 class Forbidden(WatchFailed):
@@ -96,15 +104,20 @@ class Reflector:
 
     def __init__(self, api: client.ApiClient, kind: Kind, namespace: str | None,
                  selector: str, deliver: Deliver, *, timeout: int = 300,
-                 page_size: int = 500, optional: str | None = None):
+                 page_size: int = 500, optional: str | None = None,
+                 absent: str | None = None):
         """``optional``: what the operator does without this watch; a role that does
-        not grant it (403) ends the watch with that line instead of retrying for ever."""
-        self.optional = optional
+        not grant it (403) ends the watch with that line instead of retrying for ever.
+        ``absent``: what it does while the kind's API is not installed (404): said
+        once, and the watch looks again every ABSENT_RETRY_SECONDS (it may be
+        installed later)."""
+        self.optional, self.absent = optional, absent
         self.api, self.kind, self.namespace = api, kind, namespace
         self.selector, self.deliver = selector, deliver
         self.timeout, self.page_size = timeout, page_size
         self.version: str | None = None  # where the next watch resumes; None: list first
         self.synced = threading.Event()  # set once the first list was delivered
+        self._said_absent = False
         # What each object delivered last carried that a DELETED needs (its owner).
         self._known: dict[tuple[str, str], dict[str, Any]] = {}
         self._stopped = threading.Event()
@@ -141,6 +154,17 @@ class Reflector:
                          self._name(), self.version)
                 self.version = None
                 continue
+            except NotServed as exc:
+                if self.absent is None:
+                    healthy = False
+                    log.warning("%s: %s", self._name(), exc)
+                else:
+                    self.version = None  # nothing it held is current any more
+                    if not self._said_absent:
+                        log.info("%s: the API is not installed; %s", self._name(), self.absent)
+                        self._said_absent = True
+                    self._stopped.wait(ABSENT_RETRY_SECONDS)
+                    continue
             except Forbidden as exc:
                 if self.optional is None:
                     healthy = False
@@ -165,6 +189,11 @@ class Reflector:
     def _name(self) -> str:
         return f"watch {self.kind.plural} in {self.namespace or 'all namespaces'}"
 
+    def current(self) -> bool:
+        """Whether what it delivered is every object there is: listed, and the API
+        neither absent nor refused since (then a miss in the cache means absent)."""
+        return self.version is not None
+
     def _open(self, query: dict[str, Any], read_timeout: float) -> urllib3.HTTPResponse:
         if self.selector:
             query = {"labelSelector": self.selector, **query}
@@ -181,7 +210,7 @@ class Reflector:
             raise Gone()
         if resp.status >= 400:
             text = resp.read().decode("utf-8", "replace")
-            error = Forbidden if resp.status == 403 else WatchFailed
+            error = {403: Forbidden, 404: NotServed}.get(resp.status, WatchFailed)
             raise error(f"HTTP {resp.status}: {' '.join(text.split())[:300]}")
         return resp.response
 
@@ -218,6 +247,7 @@ class Reflector:
             self.deliver("DELETED", gone)
         self.version = version
         self.synced.set()
+        self._said_absent = False  # said again if the API goes away again
         log.info("%s: listed %d, watching from resourceVersion %s", self._name(),
                  len(items), version)
 
