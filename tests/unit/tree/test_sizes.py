@@ -25,10 +25,6 @@ NOT_YET = "not split yet: outside the files of the branch that split the others 
 
 #: "path" (a file over 800 lines) or "path::function" (over 80) -> why it may be.
 EXCEPTIONS: dict[str, str] = {
-    "engine/spillway_engine/planner/kv_layout.py": SPLITTING,
-    "engine/spillway_engine/planner/kv_layout.py::compute_layout": SPLITTING,
-    "engine/spillway_engine/planner/kv_layout.py::_group": SPLITTING,
-    "engine/spillway_engine/planner/kv_layout.py::_with_stages": SPLITTING,
     "engine/spillway_engine/planner/plan.py": SPLITTING,
     "engine/spillway_engine/planner/plan.py::_make_plan": SPLITTING,
     "engine/spillway_engine/vllm_cli.py::preprocess": (
