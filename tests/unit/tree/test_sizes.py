@@ -25,7 +25,6 @@ EXCEPTIONS: dict[str, str] = {
         "a line-for-line port of vLLM 0.33.0's FlexibleArgumentParser rewriting, "
         "kept whole to be read against vLLM's own"
     ),
-    "engine/spillway_engine/planner/families/glm5next.py::_glm5next": NOT_YET,
     "engine/spillway_engine/launcher/serve.py::serve_main": NOT_YET,
     "engine/spillway_engine/offloader/copy_plan.py::plan_copies": NOT_YET,
     "operator/spillway_cli/main.py::render_table": NOT_YET,
