@@ -319,38 +319,7 @@ def render_table(plan: Plan) -> str:
             for i, g in enumerate(plan.kv_groups)
         ],
     )
-    s = plan.spillway
-    lines += ["", f"Spillway offloader: one chunk = {s.chunk_tokens} tokens in every group"]
-    lines += _table(
-        ("#", "blocks/chunk", "chunk bytes", "units", "slot bytes", "window chunks"),
-        [
-            (
-                g.group_index,
-                g.blocks_per_chunk,
-                g.chunk_bytes,
-                g.units,
-                g.row_bytes,
-                g.window_chunks if g.window_chunks is not None else "-",
-            )
-            for g in s.groups
-        ],
-    )
-    lines.append(
-        f"  {s.num_units} units x {human_bytes(s.unit_bytes * s.copies)} = "
-        f"{human_bytes(s.region_bytes)}; {s.num_chunks} chunks of every group "
-        f"({human_bytes(s.chunk_set_bytes)} each), capacity {s.capacity_tokens} tokens"
-    )
-    if plan.upstream is not None:
-        u = plan.upstream
-        lines += [
-            "",
-            f"vLLM offloader: {u.blocks_per_chunk} block(s) per chunk, every group key takes "
-            f"a row of {human_bytes(u.row_bytes)}",
-            f"  {u.num_chunks} rows = {human_bytes(u.region_bytes)}, capacity "
-            f"{u.capacity_tokens} tokens (gauge at max_model_len: {u.gauge_tokens})",
-        ]
-    else:
-        lines += ["", f"vLLM offloader: refuses ({plan.upstream_refusal})"]
+    lines += _offloader_lines(plan)
     pod = plan.pod
     lines += [
         "",
@@ -370,6 +339,42 @@ def render_table(plan: Plan) -> str:
     lines += _stage_lines(plan)
     lines += [f"note       {n}" for n in plan.notes]
     return "\n".join(lines)
+
+
+def _offloader_lines(plan: Plan) -> list[str]:
+    """Both offloaders' geometry: Spillway's per-group chunks and pool, vLLM's rows."""
+    s = plan.spillway
+    lines = ["", f"Spillway offloader: one chunk = {s.chunk_tokens} tokens in every group"]
+    lines += _table(
+        ("#", "blocks/chunk", "chunk bytes", "units", "slot bytes", "window chunks"),
+        [
+            (
+                g.group_index,
+                g.blocks_per_chunk,
+                g.chunk_bytes,
+                g.units,
+                g.row_bytes,
+                g.window_chunks if g.window_chunks is not None else "-",
+            )
+            for g in s.groups
+        ],
+    )
+    lines.append(
+        f"  {s.num_units} units x {human_bytes(s.unit_bytes * s.copies)} = "
+        f"{human_bytes(s.region_bytes)}; {s.num_chunks} chunks of every group "
+        f"({human_bytes(s.chunk_set_bytes)} each), capacity {s.capacity_tokens} tokens"
+    )
+    u = plan.upstream
+    if u is None:
+        return [*lines, "", f"vLLM offloader: refuses ({plan.upstream_refusal})"]
+    return [
+        *lines,
+        "",
+        f"vLLM offloader: {u.blocks_per_chunk} block(s) per chunk, every group key takes "
+        f"a row of {human_bytes(u.row_bytes)}",
+        f"  {u.num_chunks} rows = {human_bytes(u.region_bytes)}, capacity "
+        f"{u.capacity_tokens} tokens (gauge at max_model_len: {u.gauge_tokens})",
+    ]
 
 
 def _stage_lines(plan: Plan) -> list[str]:

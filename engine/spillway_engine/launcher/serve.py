@@ -600,18 +600,7 @@ def serve_main(argv: Sequence[str], parser: argparse.ArgumentParser | None = Non
             print(f"{PROG}: note: {note}", file=sys.stderr)
         print(shlex.join(cmd))
         return 0
-    found = installed_vllm_version()
-    if found != plan.vllm_version:
-        raise EngineCliError(
-            f"the plan needs vLLM {plan.vllm_version}, but "
-            + (f"vLLM {found} is installed" if found else "vLLM is not installed")
-        )
-    if not plugin_registered():
-        raise EngineCliError(
-            f"the Spillway vLLM plugin is not registered (entry point {ENTRY_POINT_NAME} = "
-            f"{ENTRY_POINT_VALUE} in group {ENTRY_POINT_GROUP}); without it the start-up "
-            "plan check cannot run -- reinstall the spillway package"
-        )
+    _check_install(plan)
     for note in notes:
         print(f"{PROG}: note: {note}", file=sys.stderr)
     # vLLM and the GPU workers pin the region only on a real GPU, and only with offloading.
@@ -642,6 +631,22 @@ def serve_main(argv: Sequence[str], parser: argparse.ArgumentParser | None = Non
         except OSError as e:
             raise EngineCliError(str(e)) from None
     return _exec(cmd, env)
+
+
+def _check_install(plan: Plan) -> None:
+    """The vLLM the plan was made for, and Spillway's plugin registered with it."""
+    found = installed_vllm_version()
+    if found != plan.vllm_version:
+        raise EngineCliError(
+            f"the plan needs vLLM {plan.vllm_version}, but "
+            + (f"vLLM {found} is installed" if found else "vLLM is not installed")
+        )
+    if not plugin_registered():
+        raise EngineCliError(
+            f"the Spillway vLLM plugin is not registered (entry point {ENTRY_POINT_NAME} = "
+            f"{ENTRY_POINT_VALUE} in group {ENTRY_POINT_GROUP}); without it the start-up "
+            "plan check cannot run -- reinstall the spillway package"
+        )
 
 
 def prepare_host(plan: Plan, shm: Path, cgroups: Path, *, offload: bool, pins: bool,

@@ -199,6 +199,30 @@ def _coalesce(
     return t[starts], gpu[starts], host[starts], np.add.reduceat(size, starts)
 
 
+def _chunks_per_group(
+    layout: HostLayout, sizes: list[int], first_blocks: list[int], unit_ids: np.ndarray
+) -> list[int]:
+    """The chunks each group's blocks touch; raises ValueError when the CPU spec does not
+    name exactly their units, or names a unit outside the pool."""
+    groups = layout.groups
+    chunks = [
+        cdiv(b % g.blocks_per_chunk + n, g.blocks_per_chunk) if n else 0
+        for g, n, b in zip(groups, sizes, first_blocks, strict=True)
+    ]
+    expected = sum(c * g.units for c, g in zip(chunks, groups, strict=True))
+    if expected != len(unit_ids):
+        detail = ", ".join(
+            f"group {g.group_id}: {c} chunks x {g.units} units"
+            for c, g in zip(chunks, groups, strict=True)
+        )
+        raise ValueError(
+            f"CPU spec names {len(unit_ids)} units, the GPU spec needs {expected} ({detail})"
+        )
+    if len(unit_ids) and (unit_ids.min() < 0 or unit_ids.max() >= layout.num_units):
+        raise ValueError(f"CPU spec unit ids out of range [0, {layout.num_units})")
+    return chunks
+
+
 def plan_copies(
     layout: HostLayout,
     group_refs: Sequence[Sequence[PageRef]],
@@ -232,23 +256,8 @@ def plan_copies(
     unit_ids_all = np.asarray(cpu_spec.block_ids, dtype=np.int64)
     row_bytes = np.asarray(gpu_row_bytes, dtype=np.int64)
     host_row = layout.unit_bytes if host_row_bytes is None else host_row_bytes
-
     # Count units first so a mismatch fails before any copy.
-    chunks = [
-        cdiv(b % g.blocks_per_chunk + n, g.blocks_per_chunk) if n else 0
-        for g, n, b in zip(groups, sizes, first_blocks, strict=True)
-    ]
-    expected = sum(c * g.units for c, g in zip(chunks, groups, strict=True))
-    if expected != len(unit_ids_all):
-        detail = ", ".join(
-            f"group {g.group_id}: {c} chunks x {g.units} units"
-            for c, g in zip(chunks, groups, strict=True)
-        )
-        raise ValueError(
-            f"CPU spec names {len(unit_ids_all)} units, the GPU spec needs {expected} ({detail})"
-        )
-    if len(unit_ids_all) and (unit_ids_all.min() < 0 or unit_ids_all.max() >= layout.num_units):
-        raise ValueError(f"CPU spec unit ids out of range [0, {layout.num_units})")
+    chunks = _chunks_per_group(layout, sizes, first_blocks, unit_ids_all)
 
     parts: list[tuple[np.ndarray, ...]] = []
     gpu_off = unit_off = 0

@@ -17,28 +17,13 @@ ROOT = Path(__file__).resolve().parents[3]
 SCOPE = ("operator", "engine")
 MAX_FILE_LINES = 800
 MAX_FUNCTION_LINES = 80
-SPLITTING = (
-    "not split yet: the planner grew Blackwell in this round; its split is what keeps "
-    "issue 47 open"
-)
-NOT_YET = "not split yet: outside the files of the branch that split the others (issue 47)"
 
 #: "path" (a file over 800 lines) or "path::function" (over 80) -> why it may be.
 EXCEPTIONS: dict[str, str] = {
-    "engine/spillway_engine/planner/kv_layout.py": SPLITTING,
-    "engine/spillway_engine/planner/kv_layout.py::compute_layout": SPLITTING,
-    "engine/spillway_engine/planner/kv_layout.py::_group": SPLITTING,
-    "engine/spillway_engine/planner/kv_layout.py::_with_stages": SPLITTING,
-    "engine/spillway_engine/planner/plan.py": SPLITTING,
-    "engine/spillway_engine/planner/plan.py::_make_plan": SPLITTING,
     "engine/spillway_engine/vllm_cli.py::preprocess": (
         "a line-for-line port of vLLM 0.33.0's FlexibleArgumentParser rewriting, "
         "kept whole to be read against vLLM's own"
     ),
-    "engine/spillway_engine/planner/families/glm5next.py::_glm5next": NOT_YET,
-    "engine/spillway_engine/launcher/serve.py::serve_main": NOT_YET,
-    "engine/spillway_engine/offloader/copy_plan.py::plan_copies": NOT_YET,
-    "operator/spillway_cli/main.py::render_table": NOT_YET,
 }
 
 

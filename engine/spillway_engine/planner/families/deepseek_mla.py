@@ -31,7 +31,7 @@ def _deepseek_mla(config: dict[str, Any], arch: str) -> ModelShape:
         architecture=arch,
         model_type=str(cfg.get("model_type", "")),
         dtype=model_dtype(config, cfg.data),
-        layers=(LayerKind("mla"),) * n,  # one shared object: see kv_layout
+        layers=(LayerKind("mla"),) * n,  # one shared object: see layer_specs
         num_attention_heads=cfg.int("num_attention_heads"),
         num_kv_heads=1,
         head_size=latent,

@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 from spillway_engine.planner.shape import (
+    ConfigReader,
     LayerKind,
     MambaState,
     ModelConfigError,
@@ -80,14 +81,7 @@ def _glm5next(config: dict[str, Any], arch: str) -> ModelShape:
     if layer_types is None:  # Glm5NextTextConfig: every fourth layer is MLA
         layer_types = ["indexed_attention" if i % 4 == 3 else "linear_attention" for i in range(n)]
     kda = LayerKind("mamba")
-    indexer = LayerKind(
-        "mla",
-        bytes_per_token=head + head // _INDEXER_QUANT_BLOCK * 4,
-        tokens_per_state=kpool,
-        kernel_block_tokens=kpool * max(_MQA_PAGES),
-    )
-    tail = LayerKind("circular_buffer", bytes_per_token=2 * head * 2, ring_unit=kpool)
-    mla = LayerKind("mla")
+    indexer, tail, mla = _mla_caches(kpool, head)
     layers: list[LayerKind] = []
     positions: list[int] = []
     for i, kind in enumerate(layer_types):
@@ -97,6 +91,49 @@ def _glm5next(config: dict[str, Any], arch: str) -> ModelShape:
     # Glm5NextMTPModel (model_type glm5_next only): each MTP layer is an MLA decoder
     # layer (is_mtp_layer) with its own indexer keys, tail ring and latent
     mtp = cfg.int("num_nextn_predict_layers", 0, minimum=0)
+    kda_state = _kda_state(cfg)
+    latent = cfg.int("kv_lora_rank")
+    if not layers:
+        raise ModelConfigError(f"{cfg.where}: the model has no layers")
+    return ModelShape(
+        architecture=arch,
+        model_type=str(cfg.get("model_type", "")),
+        dtype=model_dtype(config, cfg.data),
+        layers=tuple(layers),
+        num_attention_heads=cfg.int("num_attention_heads", 64),
+        num_kv_heads=1,
+        head_size=latent,
+        head_size_v=0,
+        mla_latent=latent,
+        sparse_mla=True,
+        block_alignment=kpool * min(_MQA_PAGES),
+        mamba=kda_state,
+        mtp_layers=(indexer, tail, mla) * mtp,
+        num_hidden_layers=n,
+        layer_positions=tuple(positions),
+        derived_max_model_len=derived_max_len(cfg),
+        notes=(
+            f"kpool indexer: one {indexer.bytes_per_token}-byte key per {kpool} tokens beside "
+            f"each {latent}-wide NoPE latent; a circular tail ring per MLA layer, never "
+            "offloaded (not prefix-cacheable)",
+        ),
+    )
+
+
+def _mla_caches(kpool: int, head: int) -> tuple[LayerKind, LayerKind, LayerKind]:
+    """An MLA layer's three caches: the indexer's pooled keys, the tail ring, the latent."""
+    indexer = LayerKind(
+        "mla",
+        bytes_per_token=head + head // _INDEXER_QUANT_BLOCK * 4,
+        tokens_per_state=kpool,
+        kernel_block_tokens=kpool * max(_MQA_PAGES),
+    )
+    tail = LayerKind("circular_buffer", bytes_per_token=2 * head * 2, ring_unit=kpool)
+    return indexer, tail, LayerKind("mla")
+
+
+def _kda_state(cfg: ConfigReader) -> MambaState:
+    """The KDA layers' state per rank, and FlashKDA's prefill checkpoint."""
     heads, head_dim = cfg.int("linear_num_heads"), cfg.int("linear_head_dim")
     kernel = cfg.int("linear_conv_kernel_dim")
     bounded = cfg.get("linear_lower_bound") is not None
@@ -116,32 +153,7 @@ def _glm5next(config: dict[str, Any], arch: str) -> ModelShape:
         flash = major in (9, 10, 12) and head_dim == 128 and dtype == "bfloat16" and bounded
         return _FLASHKDA_CHECKPOINT if flash else None
 
-    latent = cfg.int("kv_lora_rank")
-    if not layers:
-        raise ModelConfigError(f"{cfg.where}: the model has no layers")
-    return ModelShape(
-        architecture=arch,
-        model_type=str(cfg.get("model_type", "")),
-        dtype=model_dtype(config, cfg.data),
-        layers=tuple(layers),
-        num_attention_heads=cfg.int("num_attention_heads", 64),
-        num_kv_heads=1,
-        head_size=latent,
-        head_size_v=0,
-        mla_latent=latent,
-        sparse_mla=True,
-        block_alignment=kpool * min(_MQA_PAGES),
-        mamba=MambaState("kda", states, checkpoint),
-        mtp_layers=(indexer, tail, mla) * mtp,
-        num_hidden_layers=n,
-        layer_positions=tuple(positions),
-        derived_max_model_len=derived_max_len(cfg),
-        notes=(
-            f"kpool indexer: one {indexer.bytes_per_token}-byte key per {kpool} tokens beside "
-            f"each {latent}-wide NoPE latent; a circular tail ring per MLA layer, never "
-            "offloaded (not prefix-cacheable)",
-        ),
-    )
+    return MambaState("kda", states, checkpoint)
 
 
 ARCHITECTURES: dict[str, ShapeRule] = {

@@ -39,7 +39,7 @@ def _granite_hybrid(config: dict[str, Any], arch: str) -> ModelShape:
     unknown = sorted(set(layer_types) - {"mamba", "attention"})
     if unknown:
         raise UnsupportedModel(f"{arch}: layer types {unknown} are not modelled")
-    mamba, attention = LayerKind("mamba"), LayerKind("full_attention")  # shared: see kv_layout
+    mamba, attention = LayerKind("mamba"), LayerKind("full_attention")  # shared: see layer_specs
     layers = tuple(mamba if t == "mamba" else attention for t in layer_types)
     hidden = cfg.int("hidden_size")
     inner = cfg.int("mamba_expand") * hidden

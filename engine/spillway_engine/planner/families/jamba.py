@@ -20,7 +20,7 @@ def _jamba(config: dict[str, Any], arch: str) -> ModelShape:
     cfg = text_config(config, {"attn_layer_period": 8, "attn_layer_offset": 4})
     n = cfg.int("num_hidden_layers")
     period, offset = cfg.int("attn_layer_period"), cfg.int("attn_layer_offset", minimum=0)
-    attention, mamba = LayerKind("full_attention"), LayerKind("mamba")  # shared: see kv_layout
+    attention, mamba = LayerKind("full_attention"), LayerKind("mamba")  # shared: see layer_specs
     layers = tuple(attention if i % period == offset else mamba for i in range(n))
     inner = cfg.int("mamba_expand", 2) * cfg.int("hidden_size")
     d_state, d_conv = cfg.int("mamba_d_state", 16), cfg.int("mamba_d_conv", 4)

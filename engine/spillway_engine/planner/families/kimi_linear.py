@@ -37,7 +37,7 @@ def _kimi_linear(config: dict[str, Any], arch: str) -> ModelShape:
         # vLLM asserts it while building the model
         raise UnsupportedModel(f"{arch}: Kimi-K3 MLA (MultiHeadLatentAttention) is NoPE-only")
     kda = set(kda_layers)
-    kda_layer, mla = LayerKind("mamba"), LayerKind("mla")  # shared: see kv_layout
+    kda_layer, mla = LayerKind("mamba"), LayerKind("mla")  # shared: see layer_specs
     layers = tuple(kda_layer if i + 1 in kda else mla for i in range(n))
     linear_cfg = type(cfg)(linear, f"{cfg.where} linear_attn_config")
     heads, head_dim = linear_cfg.int("num_heads"), linear_cfg.int("head_dim")

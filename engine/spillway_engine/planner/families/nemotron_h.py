@@ -27,7 +27,7 @@ def _nemotron_h(config: dict[str, Any], arch: str) -> ModelShape:
     unknown = set(pattern) - set("M*-E")
     if unknown:
         raise UnsupportedModel(f"{arch}: layer codes {sorted(unknown)} are not modelled")
-    mamba, attention = LayerKind("mamba"), LayerKind("full_attention")  # shared: see kv_layout
+    mamba, attention = LayerKind("mamba"), LayerKind("full_attention")  # shared: see layer_specs
     layers = tuple(mamba if c == "M" else attention for c in pattern if c in "M*")
     m_heads, head_dim = cfg.int("mamba_num_heads"), cfg.int("mamba_head_dim")
     groups, d_state = cfg.int("n_groups"), cfg.int("ssm_state_size")

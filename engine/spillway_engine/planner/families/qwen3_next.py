@@ -30,7 +30,7 @@ def _qwen3_next(config: dict[str, Any], arch: str) -> ModelShape:
             "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)
         ]
     layers = []
-    attention, gdn = LayerKind("full_attention"), LayerKind("mamba")  # shared: see kv_layout
+    attention, gdn = LayerKind("full_attention"), LayerKind("mamba")  # shared: see layer_specs
     for t in layer_types:
         if t not in ("full_attention", "linear_attention"):
             raise UnsupportedModel(f"{arch}: layer type {t!r} is not modelled")
