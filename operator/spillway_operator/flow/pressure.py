@@ -15,7 +15,7 @@ scrapes of its /metrics and averaged over the ready pods:
                what the disk evicted: d(spillway_disk_tier_thrash) instead
     queue    = vllm:num_requests_waiting / max(1, vllm:num_requests_running) / 0.5
     preempt  = d(vllm:num_preemptions) / dt / 0.1   (preemptions per second)
-    throughput = rho / 0.75, rho = the share of the replica's serving rate its demand
+    throughput = rho / 0.6, rho = the share of the replica's serving rate its demand
                (computed prompt + generated tokens per second) takes, the serving rate
                learned online from the pods' own counters and inter-token-latency
                histogram, seeded from the plan's GPU and model size (``throughput``)
