@@ -528,8 +528,9 @@ class StaticPolicy:
 
 class OnsetPolicy:
     """Not an autoscaler either: a clairvoyant reaction. One replica until the trace's
-    rate first rises 1 % above where it started, then ``n`` from that very instant to the
-    end of the rise phase, then one again. No policy that reads the fleet can react
+    rate first rises 1 % above where it started, then ``n`` from the first decision after
+    that second (decisions come every INTERVAL, as for every policy) to the end of the
+    rise's phase, then one again. No policy that reads the fleet can react
     sooner, so what this one misses (the model load after the onset) is what any
     reactive policy misses unless it held spare replicas before (``--onset N``)."""
 

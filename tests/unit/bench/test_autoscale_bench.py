@@ -296,3 +296,26 @@ def test_the_replay_reads_the_engines_scheduler_limits_from_vllms_log():
     got = replay._scheduler(log, 1024)
     assert (got.max_num_batched_tokens, got.max_num_seqs, got.max_model_len) == (2048, 64, 1024)
     assert replay._scheduler("", 512).max_num_batched_tokens == 8192
+
+
+def test_the_onset_oracle_reacts_at_the_rise_s_first_second_and_no_sooner():
+    """--onset: one replica until the rate leaves its starting level, N from then to the
+    end of that phase, one after; the ceiling of any policy that holds no spare replica."""
+    sc = traces.flash(0, duration=300.0, start=100.0, rise=20.0, hold=100.0)
+    oracle = bench.OnsetPolicy(3, sc)
+    assert oracle.start == 101  # the first whole second the rate is above 2 req/s
+    ask = {t: oracle.tick(float(t), {}, 1, 0).replicas for t in (0, 90, 101, 150, 239, 240)}
+    assert ask == {0: 1, 90: 1, 101: 3, 150: 3, 239: 3, 240: 1}
+
+
+def test_the_spillway_policy_learns_what_a_request_costs_from_the_replicas():
+    """The throughput term's backlog needs the cost of a request, learned from
+    vllm:request_success: the bench's lean observer must export it as the engine does."""
+    from spillway_operator.flow.throughput import capacity
+
+    sc = traces.bursty(0, duration=240.0)
+    policy = bench.make_policy("spillway", 1.0)
+    res = bench.run_policy(policy, sc, 0)
+    finished = sum(1 for r in res.requests if r.finish_time is not None)
+    assert finished > 0 and policy.learner.per_request[2] > 0
+    assert capacity(policy.learner).request_cost > 0
