@@ -339,7 +339,8 @@ def _learned_with_requests(prompt: float, generated: float) -> Learner:
     state, rng = learner(SEED), random.Random(4)
     for i in range(30):
         load = 0.2 + 0.6 * rng.random()
-        prev, cur = engine_interval(TRUE, prefill=3000 * load, decode=3000 * load * generated / prompt)
+        prev, cur = engine_interval(TRUE, prefill=3000 * load,
+                                    decode=3000 * load * generated / prompt)
         finished = 3000 * load * 15.0 / prompt
         cur = Sample(cur.time, {**cur.values, "finished": 40.0 + finished})
         prev = Sample(prev.time, {**prev.values, "finished": 40.0})
