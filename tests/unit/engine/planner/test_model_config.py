@@ -87,7 +87,8 @@ class _Hub(BaseHTTPRequestHandler):
         self.server.requests += 1
         self.send_response(status)
         for k, v in {"X-Repo-Commit": "a" * 40, "ETag": '"e1"', **headers}.items():
-            self.send_header(k, v)
+            if v is not None:  # None: a header this answer lacks
+                self.send_header(k, v)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         if with_body:
@@ -129,7 +130,13 @@ LLAMA = json.dumps({"architectures": ["LlamaForCausalLM"], "hidden_size": 64})
     ((404, b"{}", {"X-Error-Code": "RepoNotFound"}), "was not found"),
     ((404, b"{}", {"X-Error-Code": "EntryNotFound"}), "has no config.json"),
     ((401, b"{}", {}), "401"),
-], ids=["too-deep", "truncated", "not-an-object", "no-repo", "no-config", "unauthorised"])
+    # a plain mirror: no X-Error-Code; huggingface_hub calls it "not in the cache"
+    ((404, b"Not Found", {}), r"the hub answered HTTP 404 \(not found\)"),
+    ((403, b"Forbidden", {}), "the hub answered HTTP 403"),
+    ((200, LLAMA.encode(), {"X-Repo-Commit": None}), "does not seem to be served by a "
+                                                     "Hugging Face Hub endpoint"),
+], ids=["too-deep", "truncated", "not-an-object", "no-repo", "no-config", "unauthorised",
+        "plain-404", "plain-403", "not-a-hub"])
 def test_what_the_hub_answers_is_permanent(hub, tmp_path, answer, needle):
     """Content that is not a config.json, and the hub's own answers, are the same the
     next time: ModelConfigSourceError, never ModelConfigUnreachable."""
@@ -172,3 +179,4 @@ def test_the_operator_refuses_a_hostile_hub_config_once(hub, tmp_path):
     reason, message, outcome = plan_failure(info.value)
     assert (reason, outcome) == ("ModelConfigInvalid", "refused")
     assert "nests arrays/objects" in message
+
