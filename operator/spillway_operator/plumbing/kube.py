@@ -585,11 +585,17 @@ class Kube:
         return self.get(f"{api_path('storage.k8s.io/v1')}/storageclasses/{name}")
 
     def read_secret_key(self, namespace: str, name: str, key: str) -> str | None:
+        return self.read_secret_key_version(namespace, name, key)[0]
+
+    def read_secret_key_version(self, namespace: str, name: str,
+                                key: str) -> tuple[str | None, str | None]:
+        """A key of a Secret and the Secret's resourceVersion (None, None: no Secret)."""
         secret = self.get(resource_path("v1", "Secret", namespace, name))
         if secret is None:
-            return None
+            return None, None
         value = (secret.get("data") or {}).get(key)
-        return base64.b64decode(value).decode() if value else None
+        version = (secret.get("metadata") or {}).get("resourceVersion")
+        return (base64.b64decode(value).decode() if value else None), version
 
     def list_pods(self, namespace: str, selector: str) -> list[dict]:
         data = self.request("get", resource_path("v1", "Pod", namespace),

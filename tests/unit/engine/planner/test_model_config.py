@@ -180,3 +180,51 @@ def test_the_operator_refuses_a_hostile_hub_config_once(hub, tmp_path):
     assert (reason, outcome) == ("ModelConfigInvalid", "refused")
     assert "nests arrays/objects" in message
 
+
+class _TokenSecret:
+    """The one read the resolver makes of the API server for a hub model: the token
+    Secret's key and resourceVersion."""
+
+    def __init__(self) -> None:
+        self.token, self.version = "hf_1", "100"
+
+    def read_secret_key_version(self, namespace, name, key):
+        return self.token, self.version
+
+
+def test_a_refused_model_is_asked_again_only_when_what_was_asked_changes(hub, tmp_path):
+    """The hub's refusal is remembered: a resync (same spec, Secret and revision) asks
+    the hub nothing; a new resourceVersion of the token Secret, a new generation of the
+    spec, or another revision asks again. Before, every resync fetched again."""
+    from spillway_operator.flow.reconciler import ConfigInvalid, ConfigResolver
+    from spillway_operator.flow.spec import InferenceDeploymentSpec
+
+    hub.answer = (404, b"{}", {"X-Error-Code": "RepoNotFound"})
+    secret = _TokenSecret()
+    resolver = ConfigResolver(secret, hub_endpoint=f"http://127.0.0.1:{hub.server_port}",
+                              hub_cache_dir=str(tmp_path))
+
+    def asks(version=("uid-1", 1), revision=None) -> int:
+        """The hub's requests for one reconcile's resolve."""
+        spec = InferenceDeploymentSpec.model_validate({
+            "model": {"name": "org/model", "revision": revision,
+                      "tokenSecretRef": {"name": "hf"}},
+            "offload": {"hostMemory": "1Gi"}})
+        before = hub.requests
+        with pytest.raises(ConfigInvalid, match="was not found"):
+            resolver.resolve("ns", spec, "chat", version)
+        return hub.requests - before
+
+    assert asks() >= 1
+    assert asks() == asks() == 0  # resyncs
+    secret.version = "101"  # a new token, say
+    assert asks() >= 1 and asks() == 0
+    assert asks(("uid-1", 2)) >= 1 and asks(("uid-1", 2)) == 0  # the spec changed
+    assert asks(("uid-2", 1)) >= 1  # deleted and created again
+    assert asks(("uid-2", 1), revision="v2") >= 1
+    hub.answer = (200, LLAMA.encode(), {})  # the model is published: next spec change
+    assert asks(("uid-2", 1)) == 0
+    spec = InferenceDeploymentSpec.model_validate({
+        "model": {"name": "org/model", "tokenSecretRef": {"name": "hf"}},
+        "offload": {"hostMemory": "1Gi"}})
+    assert resolver.resolve("ns", spec, "chat", ("uid-2", 2))["hidden_size"] == 64
