@@ -99,6 +99,11 @@ def test_a_child_the_api_server_refuses_is_a_condition_and_an_event(env, operato
     ({"env": [{"name": "SPILLWAY_PLAN", "value": "/tmp/x"}]}, "SPILLWAY_PLAN"),
     ({"env": [{"name": "PYTHONPATH", "value": "/evil"}]}, "PYTHONPATH"),
     ({"env": [{"name": "VLLM_PLUGINS", "value": ""}]}, "VLLM_PLUGINS"),
+    # what vLLM reads that the plan assumed: refused naming the field the plan follows
+    ({"env": [{"name": "VLLM_PP_LAYER_PARTITION", "value": "10,6"}]},
+     "the plan follows from spec.engine.pipelineParallelSize"),
+    ({"env": [{"name": "VLLM_DP_SIZE", "value": "2"}]},
+     "the plan follows from spec.engine.dataParallelSize"),
 ])
 def test_plan_owned_flags_and_env_are_refused_at_admission(env, tmp_path, engine, needle):
     body = infdep("owned")

@@ -19,6 +19,7 @@ from spillway_operator.flow.spec_input import (
     MAX_CPU,
     MAX_MEMORY,
     MODEL_ID_PART_MAX,
+    PLAN_ENV_OWNERS,
     RESERVED_ENV_NAMES,
     RESERVED_ENV_PREFIXES,
 )
@@ -114,6 +115,17 @@ def _env_rule() -> dict[str, str]:
     }
 
 
+def _env_owner_rule() -> dict[str, str]:
+    """spec_input.env_owner_message in CEL: the reasons are a map literal."""
+    why = "{" + ", ".join(
+        f"'{name}': 'it changes {what}, which the plan follows from spec.{field}'"
+        for name, (what, field) in sorted(PLAN_ENV_OWNERS.items())) + "}"
+    return {
+        "rule": f"!(self.name in {_cel_strings(sorted(PLAN_ENV_OWNERS))})",
+        "messageExpression": f"'engine.env: ' + self.name + ' is refused: ' + {why}[self.name]",
+    }
+
+
 # CEL rules for what can be checked statically, attached to the object they read
 # ("a.b[]": each item of the list a.b).
 CEL_RULES: dict[str, list[dict[str, str]]] = {
@@ -162,7 +174,7 @@ CEL_RULES: dict[str, list[dict[str, str]]] = {
             ".name",
         ),
     ],
-    "spec.engine.env[]": [_env_rule()],
+    "spec.engine.env[]": [_env_owner_rule(), _env_rule()],
     "spec.autoscaling": [
         cel(
             "self.minReplicas <= self.maxReplicas",
