@@ -280,16 +280,35 @@ class Kube:
 
     def namespace_terminating(self, namespace: str) -> bool:
         """Whether ``namespace`` is being deleted: the namespace watch says so, or a
-        write into it was refused as "being terminated" within the last
-        TERMINATING_MEMORY seconds (an operator whose role may not watch namespaces)."""
+        write into it was refused as "being terminated" (an operator whose role may not
+        watch namespaces), which holds TERMINATING_MEMORY seconds and then as long as
+        reading the namespace shows its deletion."""
         with self._lock:
             if namespace in self._deleting:
                 return True
             said = self._terminating.get(namespace)
-            if said is not None and time.monotonic() - said >= self.TERMINATING_MEMORY:
-                del self._terminating[namespace]
-                said = None
-        return said is not None
+            if said is None:
+                return False
+            if time.monotonic() - said < self.TERMINATING_MEMORY:
+                return True
+            del self._terminating[namespace]
+        # Pods taking their grace period keep a namespace Terminating for minutes:
+        # forgetting it then wrote statuses, plan ConfigMaps and Events into it again
+        # every TERMINATING_MEMORY seconds until a create was refused once more.
+        if self._still_terminating(namespace):
+            with self._lock:
+                self._terminating[namespace] = time.monotonic()
+            return True
+        return False
+
+    def _still_terminating(self, namespace: str) -> bool:
+        """Whether a read of the namespace shows its deletion; False when it is gone,
+        new, or cannot be read (no role for it: it is forgotten, as it was before)."""
+        try:
+            live = self.get(f"{api_path('v1')}/namespaces/{namespace}")
+        except (ApiException, TemporaryError):
+            return False
+        return live is not None and bool((live.get("metadata") or {}).get("deletionTimestamp"))
 
     # ------------------------------------------------------------ raw requests
 
