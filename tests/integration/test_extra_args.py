@@ -1,8 +1,9 @@
 """engine.extraArgs that vLLM 0.33.0's own parser would refuse never reach a pod: an
 unknown long option is refused by the API server at ``kubectl apply`` (the CRD's CEL
 rule, built from the committed table of vLLM's options), and what needs the whole list
-(a stray positional, a flag without its value, an ambiguous abbreviation, a bad choice)
-is a ``SpecInvalid`` condition and a Warning Event with vLLM's message, and no pods."""
+(a stray positional, a flag without its value, an ambiguous abbreviation, a bad choice,
+a value of the wrong type) is a ``SpecInvalid`` condition and a Warning Event with
+vLLM's message, and no pods."""
 
 from __future__ import annotations
 
@@ -51,8 +52,10 @@ def test_an_unknown_option_is_refused_at_kubectl_apply(env, tmp_path, args, need
     (["--max-num", "8"], "ambiguous option: --max-num could match"),
     (["--enforce-eager=yes"], "ignored explicit argument 'yes'"),
     (["--scheduling-policy", "lifo"], "argument --scheduling-policy: invalid choice: 'lifo'"),
+    (["--max-num-seqs", "abc"], "argument --max-num-seqs: invalid int value: 'abc'"),
+    (["--gpu-memory-utilization=most"], "invalid float value: 'most'"),
 ], ids=["positional", "flag-value", "no-value", "value-is-a-flag", "ambiguous",
-        "explicit-on-a-switch", "choice"])
+        "explicit-on-a-switch", "choice", "int-value", "float-value"])
 def test_what_vllm_refuses_in_context_is_spec_invalid(env, args, message):
     """Admitted (no single item is unknown), refused by the operator's full check with
     vLLM's own message: no Deployment, one Warning Event."""
