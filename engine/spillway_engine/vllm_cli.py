@@ -151,6 +151,37 @@ def unknown_long_flag(token: str) -> bool:
     return len(key) > 2 and key[2:] not in name_prefixes()
 
 
+def int_options(table: dict[str, Any] | None = None) -> dict[str, str]:
+    """Each long option name (no ``--``) whose values vLLM converts with ``int``, with
+    the option as argparse names it in messages (``--api-server-count/-asc``)."""
+    table = table or load_table()
+    return {s[2:]: "/".join(o.get("shown", o["strings"])) for o in table["options"]
+            if o.get("type") == "int" for s in o["strings"] if s.startswith("--")}
+
+
+#: A value no ``int`` takes, and simple enough for a CEL regex: letters only (or none).
+_NOT_AN_INT = re.compile(r"[A-Za-z]*")
+
+
+def bad_int_value(token: str) -> bool:
+    """The CRD's per-item value rule: ``--name=value`` naming an int option exactly
+    (``_`` read as ``-``, no ``.``) with a value of letters only, which vLLM refuses
+    (``invalid int value``) wherever it stands, except as the value a dotted argument
+    without ``=`` swallows, which this over-refuses as :func:`unknown_long_flag` does.
+    A space-separated value is the next item, left to :func:`refusal`."""
+    if not token.startswith("--") or "=" not in token:
+        return False
+    key, value = token.split("=", 1)
+    if "." in key:
+        return False
+    return key[2:].replace("_", "-") in _int_names() and bool(_NOT_AN_INT.fullmatch(value))
+
+
+@functools.cache
+def _int_names() -> frozenset[str]:
+    return frozenset(int_options())
+
+
 # ------------------------------------------------------ FlexibleArgumentParser
 
 

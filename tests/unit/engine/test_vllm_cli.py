@@ -202,3 +202,25 @@ def test_an_int_options_value_is_refused_exactly_when_int_refuses_it(number, jun
         else:
             assert vllm_cli.refusal(["--max-num-seqs", value]) is None or value.lstrip(
                 " ").startswith("-"), value  # a negative reads as an option to argparse
+
+
+@settings(max_examples=1000, deadline=None)
+@given(TOKENS | st.sampled_from(sorted(vllm_cli.int_options())).flatmap(
+    lambda n: st.tuples(st.booleans(), st.text(alphabet="aZx19 .-_", max_size=4)).map(
+        lambda t: "--" + (n.replace("-", "_") if t[0] else n) + "=" + t[1])))
+def test_a_value_the_crd_rule_refuses_vllm_refuses(token):
+    """The CRD's value rule (vllm_cli.bad_int_value) never admits less than vLLM: a
+    token it refuses is refused by vLLM's parser alone, with argparse's message."""
+    if vllm_cli.bad_int_value(token):
+        assert "invalid int value" in vllm_cli.refusal([token]), token
+
+
+def test_the_crd_value_rule_is_built_from_the_table():
+    rule = CEL_RULES["spec.engine.extraArgs[]"][2]
+    assert '"max-num-seqs":"--max-num-seqs"' in rule["rule"]
+    assert '"api-server-count":"--api-server-count/-asc"' in rule["rule"]
+    assert "invalid int value" in rule["messageExpression"]
+    assert vllm_cli.bad_int_value("--max_num_seqs=abc") and vllm_cli.bad_int_value(
+        "--seed=") and not vllm_cli.bad_int_value("--max-num-seqs=8")
+    assert not vllm_cli.bad_int_value("--max-num-seqs abc")  # a space: a positional
+    assert not vllm_cli.bad_int_value("--max-num-seqs.a=abc")  # a dotted JSON argument
