@@ -27,6 +27,7 @@ from spillway_engine.planner.model_config import (
 )
 from spillway_engine.planner.plan import Plan, PlanRefused, make_plan
 from spillway_operator.flow import render, rollout, routing
+from spillway_operator.flow.hub_fetch import FetchPending, FetchTimedOut, HubFetches
 from spillway_operator.flow.placement import placement_refusal
 from spillway_operator.flow.pools import (
     POOL_LABEL,
@@ -107,11 +108,13 @@ class ConfigResolver:
     the planner's results can be kept by the config's identity (``Reconciler._plan``)."""
 
     def __init__(self, kube: Kube, hub_endpoint: str | None = None,
-                 hub_cache_dir: str | None = None):
+                 hub_cache_dir: str | None = None, fetches: HubFetches | None = None):
         """``hub_endpoint``, ``hub_cache_dir``: another hub and cache than
-        huggingface_hub's defaults (HF_ENDPOINT, HF_HOME)."""
+        huggingface_hub's defaults (HF_ENDPOINT, HF_HOME); ``fetches``: the threads hub
+        fetches run in, off the reconcile path (flow.hub_fetch)."""
         self.kube = kube
         self._hub = {"endpoint": hub_endpoint, "cache_dir": hub_cache_dir}
+        self.fetches = fetches or HubFetches()
         self._hub_cache: dict[tuple[str, str | None], dict[str, Any]] = {}
         # The hub's refusals (not found, gated, no config.json, hostile content) by what
         # was asked: the model, its revision, the reader's spec (uid, generation) and the
@@ -170,8 +173,12 @@ class ConfigResolver:
         if (refused := self._hub_refusals.get(asked)) is not None:
             raise ConfigInvalid(refused)
         try:
-            self._hub_cache[key] = load_hub(model.name, revision=model.revision,
-                                            token=token, **self._hub)
+            self._hub_cache[key] = self.fetches.get(
+                asked, lambda: load_hub(model.name, revision=model.revision, token=token,
+                                        **self._hub),
+                f"config.json of {model.name}", None if reader is None else (namespace, reader))
+        except (FetchPending, FetchTimedOut) as exc:  # retried, and queued when it ends
+            raise ConfigUnavailable(str(exc)) from None
         except ModelConfigUnreachable as exc:  # the transport: ask again later
             raise ConfigUnavailable(str(exc)) from None
         except ModelConfigSourceError as exc:  # the hub's answer, or its content

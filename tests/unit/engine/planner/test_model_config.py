@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -228,3 +229,56 @@ def test_a_refused_model_is_asked_again_only_when_what_was_asked_changes(hub, tm
         "model": {"name": "org/model", "tokenSecretRef": {"name": "hf"}},
         "offload": {"hostMemory": "1Gi"}})
     assert resolver.resolve("ns", spec, "chat", ("uid-2", 2))["hidden_size"] == 64
+
+
+def test_a_slow_hub_holds_no_reconcile_worker(hub, tmp_path):
+    """The hub fetch runs off the reconcile path: a resolve waits at most the fetch
+    threads' wait and answers "fetching" (temporary); the object is queued again when
+    the hub answers, and the next resolve takes the answer without asking again. Past
+    the fetch's budget its askers are told the hub gave no answer. Before, a reconcile
+    worker waited for the whole fetch (huggingface_hub's retries: about 23 s)."""
+    from spillway_operator.flow.hub_fetch import HubFetches
+    from spillway_operator.flow.reconciler import ConfigResolver, ConfigUnavailable
+    from spillway_operator.flow.spec import InferenceDeploymentSpec
+
+    gate = threading.Event()
+    real = _Hub._answer
+
+    def slow(self, with_body):
+        gate.wait(10)
+        real(self, with_body)
+
+    hub.RequestHandlerClass = type("SlowHub", (_Hub,), {"_answer": slow})
+    hub.answer = (200, LLAMA.encode(), {})
+    fetches = HubFetches(wait_seconds=0.2, budget_seconds=30)
+    queued: list[tuple[str, str]] = []
+    fetches.on_done = queued.append
+    resolver = ConfigResolver(None, hub_endpoint=f"http://127.0.0.1:{hub.server_port}",
+                              hub_cache_dir=str(tmp_path), fetches=fetches)
+    spec = InferenceDeploymentSpec.model_validate(
+        {"model": {"name": "org/model"}, "offload": {"hostMemory": "1Gi"}})
+    for _ in range(2):  # the retry meets the same fetch, still running
+        started = time.monotonic()
+        with pytest.raises(ConfigUnavailable, match="fetching it from the hub"):
+            resolver.resolve("ns", spec, "chat", ("u", 1))
+        assert time.monotonic() - started < 2
+    gate.set()
+    deadline = time.monotonic() + 10
+    while not queued and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert queued == [("ns", "chat")]
+    requests = hub.requests
+    assert resolver.resolve("ns", spec, "chat", ("u", 1))["hidden_size"] == 64
+    assert hub.requests == requests
+
+    gate.clear()  # a hub that never answers: the budget ends the wait
+    fetches.budget_seconds = 0.5
+    other = InferenceDeploymentSpec.model_validate(
+        {"model": {"name": "org/other"}, "offload": {"hostMemory": "1Gi"}})
+    with pytest.raises(ConfigUnavailable, match="fetching"):
+        resolver.resolve("ns", other, "b", ("u", 1))
+    time.sleep(0.6)
+    with pytest.raises(ConfigUnavailable, match="the hub gave no answer within"):
+        resolver.resolve("ns", other, "b", ("u", 1))
+    gate.set()
+    fetches.shutdown(wait=True)  # the hung fetch ends before the hub does
