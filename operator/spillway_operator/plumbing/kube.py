@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import logging
 import queue
 import threading
 import time
@@ -39,6 +40,8 @@ from spillway_operator.names import (
 )
 from spillway_operator.plumbing import metrics
 from spillway_operator.plumbing.cache import Key, WatchCache, ref_of
+
+log = logging.getLogger("spillway.kube")
 
 # Keys whose values are resource quantities: compared by value ("1Gi" == "1024Mi").
 _QUANTITY_PARENTS = {"requests", "limits", "capacity", "allocatable"}
@@ -273,10 +276,13 @@ class Kube:
             meta.get("deletionTimestamp")
             or (namespace.get("status") or {}).get("phase") == "Terminating")
         with self._lock:
+            news = deleting and name not in self._deleting
             if deleting:
                 self._deleting.add(name)
             else:
                 self._deleting.discard(name)
+        if news:  # from here on no write goes into it (tests count from this line)
+            log.info("namespace %s is being deleted: no writes into it from now on", name)
 
     def namespace_terminating(self, namespace: str) -> bool:
         """Whether ``namespace`` is being deleted: the namespace watch says so, or a
@@ -331,6 +337,8 @@ class Kube:
                 raise NamespaceTerminating(
                     f"{verb} {path}: namespace {namespace} is being deleted; write not sent",
                     403)
+            # urllib3 logs a request when its answer comes: this says when it went
+            log.debug("sending %s %s", verb.upper(), path)
         metrics.API_REQUESTS.labels(verb=verb.lower()).inc()
         method, url, headers, body, post = self.api.param_serialize(
             verb.upper(),
