@@ -34,10 +34,14 @@ What vLLM does, and what the checker reproduces:
   does not have (vLLM exits 1); ``-h``/``--help`` print help and exit 0. Both are
   refused: neither serves.
 
-Not checked here (vLLM checks them when it starts): values' types (a number where a
-number is due, JSON), except the choices of options that have them; ``--lora-modules``'
-value format; combinations vLLM's ``validate_parsed_serve_args`` and engine config
-refuse.
+Values are converted as vLLM's parser converts them where the option's type is a plain
+one (:data:`TYPES`: ``int``, ``float``, their ``optional_type`` forms, human-readable
+sizes), so
+``--max-num-seqs abc`` is refused with argparse's ``invalid int value: 'abc'``, and
+choices are checked on the converted value. Not checked here (vLLM checks them when it
+starts): values of other types (JSON of a config class and kin), whose options the
+table leaves without a ``type``; ``--lora-modules``' value format;
+combinations vLLM's ``validate_parsed_serve_args`` and engine config refuse.
 
 The table (``vllm_serve_args.json`` beside this file) is generated from vLLM's real
 parser: ``python -m spillway_engine.vllm_cli --write`` (needs vLLM; sets
@@ -147,6 +151,37 @@ def unknown_long_flag(token: str) -> bool:
     return len(key) > 2 and key[2:] not in name_prefixes()
 
 
+def int_options(table: dict[str, Any] | None = None) -> dict[str, str]:
+    """Each long option name (no ``--``) whose values vLLM converts with ``int``, with
+    the option as argparse names it in messages (``--api-server-count/-asc``)."""
+    table = table or load_table()
+    return {s[2:]: "/".join(o.get("shown", o["strings"])) for o in table["options"]
+            if o.get("type") == "int" for s in o["strings"] if s.startswith("--")}
+
+
+#: A value no ``int`` takes, and simple enough for a CEL regex: letters only (or none).
+_NOT_AN_INT = re.compile(r"[A-Za-z]*")
+
+
+def bad_int_value(token: str) -> bool:
+    """The CRD's per-item value rule: ``--name=value`` naming an int option exactly
+    (``_`` read as ``-``, no ``.``) with a value of letters only, which vLLM refuses
+    (``invalid int value``) wherever it stands, except as the value a dotted argument
+    without ``=`` swallows, which this over-refuses as :func:`unknown_long_flag` does.
+    A space-separated value is the next item, left to :func:`refusal`."""
+    if not token.startswith("--") or "=" not in token:
+        return False
+    key, value = token.split("=", 1)
+    if "." in key:
+        return False
+    return key[2:].replace("_", "-") in _int_names() and bool(_NOT_AN_INT.fullmatch(value))
+
+
+@functools.cache
+def _int_names() -> frozenset[str]:
+    return frozenset(int_options())
+
+
 # ------------------------------------------------------ FlexibleArgumentParser
 
 
@@ -252,8 +287,8 @@ def preprocess(args: Sequence[str]) -> list[str]:
 
 
 def human_readable_int(value: str) -> int:
-    """vLLM's ``human_readable_int`` (``1k`` = 1000, ``1K`` = 1024), as ported for
-    :func:`preprocess` (only whether it succeeds matters there)."""
+    """vLLM's ``human_readable_int`` (``1k`` = 1000, ``1K`` = 1024), ported with its
+    messages: :func:`preprocess` uses it, and options of this type are checked with it."""
     value = value.strip()
     match = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgGtT])", value)
     if match:
@@ -265,9 +300,19 @@ def human_readable_int(value: str) -> int:
             return int(number) * 2 ** (10 * "KMGT".index(suffix) + 10)
         except ValueError as e:
             raise argparse.ArgumentTypeError(
-                f"Decimals are not allowed with binary suffixes like {suffix}."
+                "Decimals are not allowed "
+                f"with binary suffixes like {suffix}. Did you mean to use "
+                f"{number}{suffix.lower()} instead?"
             ) from e
     return int(value)
+
+
+def human_readable_int_or_auto(value: str) -> int:
+    """vLLM's ``human_readable_int_or_auto``: also ``-1`` or ``auto`` (-1)."""
+    value = value.strip()
+    if value == "-1" or value.lower() == "auto":
+        return -1
+    return human_readable_int(value)
 
 
 # --------------------------------------------------------------- the parser
@@ -304,9 +349,29 @@ class _Exit(argparse.Action):
         raise _Exits(option_string or "")
 
 
-def _optional_str(val: str) -> str | None:
-    """vLLM's ``optional_type(str)``."""
-    return None if val in ("", "None") else val
+def _parse(return_type: Callable[[str], Any]) -> Callable[[str], Any]:
+    """vLLM's ``parse_type(return_type)``: its ValueError as vLLM words it."""
+
+    def _parse_type(val: str) -> Any:
+        try:
+            return return_type(val)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(
+                f"Value {val} cannot be converted to {return_type}."
+            ) from e
+
+    return _parse_type
+
+
+def _optional(return_type: Callable[[str], Any]) -> Callable[[str], Any]:
+    """vLLM's ``optional_type(return_type)``."""
+
+    def _optional_type(val: str) -> Any:
+        if val == "" or val == "None":
+            return None
+        return _parse(return_type)(val)
+
+    return _optional_type
 
 
 def _lower_snake(val: str) -> str:
@@ -314,13 +379,22 @@ def _lower_snake(val: str) -> str:
     return val.lower().replace("-", "_")
 
 
-#: The value types the checker reproduces (options with choices only: the choice is
-#: checked on the converted value, as argparse does).
+_lower_snake.__name__ = "<lambda>"  # as argparse names vLLM's lambda in its message
+
+#: The value types the checker reproduces, with the names argparse shows when one
+#: fails (``invalid int value: 'x'``): the table names each option's type when one of
+#: these behaves as it does on every probe (:func:`_type_name`); an option whose type
+#: is none of them (JSON of a config class, ...) is left to vLLM at start.
 TYPES: dict[str, Callable[[str], Any]] = {
     "str": str,
     "int": int,
-    "optional_str": _optional_str,
+    "float": float,
+    "optional_str": _optional(str),
+    "optional_int": _optional(int),
+    "optional_float": _optional(float),
     "lower_snake": _lower_snake,
+    "human_readable_int": human_readable_int,
+    "human_readable_int_or_auto": human_readable_int_or_auto,
 }
 
 
@@ -345,7 +419,8 @@ def build_parser(table: dict[str, Any]) -> _Parser:
         kwargs: dict[str, Any] = {"nargs": o["nargs"], "dest": o["dest"]}
         if "choices" in o:
             kwargs["choices"] = o["choices"]
-            kwargs["type"] = TYPES[o["type"]] if o["type"] else None
+        if o.get("type"):
+            kwargs["type"] = TYPES[o["type"]]
         action = serve.add_argument(*o["strings"], action=_Exit if o.get("exits") else _Takes,
                                     **kwargs)
         action.option_strings = o.get("shown", o["strings"])  # vLLM hides some from messages
@@ -390,23 +465,40 @@ def one_line(message: str) -> str:
 
 
 def _outcome(func: Callable[[str], Any] | None, value: str) -> tuple[str, Any]:
+    """What argparse makes of ``value`` with type ``func``: the value, or its message
+    (``argparse.ArgumentParser._get_value``'s wording), or the exception it lets out."""
     if func is None:
-        return ("ok", value)
+        return ("ok", repr(value))
     try:
-        return ("ok", func(value))
+        return ("ok", repr(func(value)))  # repr: nan is not nan
+    except argparse.ArgumentTypeError as e:
+        return ("error", str(e))
+    except (TypeError, ValueError):
+        name = getattr(func, "__name__", repr(func))
+        return ("error", f"invalid {name} value: {value!r}")
     except Exception as e:
-        return ("error", type(e).__name__)
+        return ("crash", type(e).__name__)
+
+
+#: Values a type is tried on before the table says the checker's type is the option's.
+_PROBES = frozenset({
+    "", "None", "none", "x", "X-Y_z", "1", "-1", "0", "1.5", "-0.5", "1e3", "inf", "nan",
+    "AUTO", "a_b", "a-b", "  1 ", "1k", "1K", "0x10", "1_000", "{}", "[1]", "true", "\u0663",
+})
 
 
 def _type_name(action: argparse.Action) -> str | None:
-    """The :data:`TYPES` entry that behaves as the action's type on every probe."""
-    probes = {"", "None", "none", "x", "X-Y_z", "1", "-1", "1.5", "AUTO", "a_b", "a-b", "  1 "}
+    """The :data:`TYPES` entry that behaves as the action's type on every probe (None:
+    no type); for an option without choices, "" when none does (not checked)."""
+    probes = set(_PROBES)
     for c in action.choices or ():
         probes |= {str(c), str(c).upper(), str(c).replace("_", "-"), str(c).replace("-", "_")}
     candidates = {None: None, **TYPES}
     for name, func in candidates.items():
         if all(_outcome(action.type, p) == _outcome(func, p) for p in sorted(probes)):
             return name
+    if action.choices is None:
+        return ""
     raise SystemExit(
         f"{'/'.join(action.option_strings)}: its choices need a value type the checker does "
         f"not know ({action.type!r}); add it to vllm_cli.TYPES"
@@ -462,6 +554,9 @@ def build_table() -> dict[str, Any]:
         if action.choices is not None:
             entry["choices"] = list(action.choices)
             entry["type"] = _type_name(action)
+        elif action.nargs != 0 and action.type is not None and (
+                kind := _type_name(action)) not in (None, "", "str", "optional_str"):
+            entry["type"] = kind  # a type that refuses values: checked as vLLM does
         if action.nargs == "?" and action.choices is not None and action.const is not None:
             raise SystemExit(f"{strings[0]}: an optional value with a constant and choices")
         options.append(entry)

@@ -184,6 +184,10 @@ async def startup(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
                  "cluster serves inference.networking.k8s.io/v1 InferencePools", picker,
                  f" in {picker.namespace}" if picker.namespace else "")
     kube.hold_events = lambda: controller.bursting
+    # A hub fetch that outlasted its reconcile's wait queues its object when it ends.
+    loop = asyncio.get_running_loop()
+    controller.reconciler.configs.fetches.on_done = (
+        lambda key: loop.call_soon_threadsafe(controller.enqueue, key))
     state = memo.running = Running(controller, cache)
     state.watches = start_watches(getattr(memo, "namespaces", None),
                                   asyncio.get_running_loop(),

@@ -4,10 +4,11 @@ real parser (``spillway_engine.vllm_cli``).
 (a) the table equals what vLLM's parser holds, so it cannot drift; (b) random extra
 argument lists, placed where the launcher places them (``build_command``), get the
 same verdict from vLLM's parser and from the checker, and the same message when
-refused. The checker does not check value types (vLLM does, at start): a list whose
-first problem for vLLM is a value of the wrong type for an option without choices is
-out of its scope and discarded (hypothesis ``reject``); the generator gives such
-options values of their own type, so few are.
+refused. The checker checks values of the types it reproduces (int, float, their
+optional forms, choices) with vLLM's message; a list whose first problem for vLLM is a
+value of another type (JSON of a config class) is out of its scope and discarded
+(hypothesis ``reject``); the generator gives such options values of their own type, so
+few are.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ PLAN = make_plan(
 )
 OPTIONS = dict(model="org/model", served_model_name="served", eviction_policy="lru")
 TABLE = vllm_cli.load_table()
+_ENTRIES = {string: o for o in TABLE["options"] for string in o["strings"]}
 
 
 @pytest.fixture(scope="module")
@@ -61,15 +63,36 @@ def test_committed_table_is_vllms_parser(vllm_parsers):
     )
 
 
+VALUES = st.one_of(
+    st.sampled_from(["x", "None", "", "A-B", "-1", "0", "1.5", "1e9", "-inf", "nan", "1k",
+                     "0x1f", "1_0", " 7 ", "\u0663", "+3", "--"]),
+    st.integers(-(10**20), 10**20).map(str),
+    st.floats(allow_nan=True).map(str),
+    st.text(max_size=6),
+)
+
+
 def test_every_type_the_checker_applies_is_the_options_own(vllm_parsers):
-    """Options with choices: the checker converts values as vLLM's type does."""
+    """Options with a type in the table (with choices, or a type that refuses values:
+    int, float, ...): the checker converts values as vLLM's type does, and refuses with
+    argparse's own message, over generated values."""
     _, parser = vllm_parsers
-    for o in TABLE["options"]:
-        if "choices" not in o:
-            continue
+    typed = [o for o in TABLE["options"] if "type" in o]
+    assert sum("choices" not in o for o in typed) > 50  # numbers' types are checked
+
+    @settings(max_examples=300, deadline=None, database=None)
+    @given(st.sampled_from(typed), VALUES)
+    def check(o, value):
         action = parser._option_string_actions[o["strings"][0]]
         mine = vllm_cli.TYPES[o["type"]] if o["type"] else None
-        for value in [*(str(c) for c in action.choices), "x", "None", "", "A-B", "-1"]:
+        assert vllm_cli._outcome(mine, value) == vllm_cli._outcome(action.type, value), (
+            o["strings"], value)
+
+    check()
+    for o in typed:
+        action = parser._option_string_actions[o["strings"][0]]
+        mine = vllm_cli.TYPES[o["type"]] if o["type"] else None
+        for value in [*(str(c) for c in action.choices or ()), "x", "None", "", "A-B", "-1"]:
             assert vllm_cli._outcome(mine, value) == vllm_cli._outcome(action.type, value), (
                 o["strings"], value)
 
@@ -101,7 +124,7 @@ def vllm_verdict(parsers, argv: list[str]) -> str | None:
         try:
             return real_get_value(parser, action, arg_string)
         except argparse.ArgumentError:
-            if action.choices is None:
+            if action.choices is None and "type" not in _ENTRIES[action.option_strings[0]]:
                 raise _OutOfScope() from None
             raise
 
@@ -228,7 +251,7 @@ def _flags() -> list[dict[str, Any]]:
     ]
 
 
-JUNK_VALUES = ["-1", "-1e3", "x", "", "a b", "--", "-x", "1k", "a.b"]
+JUNK_VALUES = ["-1", "-1e3", "x", "", "a b", "--", "-x", "1k", "a.b", "1.5", "None", "nan"]
 LOOSE = [
     "--bogus", "--max-num-seqz", "--enable-bogus", "--no-bogus", "--no-max-num-seqs",
     "--x_y", "--task", "--task=embed", "x", "8", "a.b", "a b", "", "-1", "-0.5", "-1e3",

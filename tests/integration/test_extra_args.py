@@ -1,8 +1,9 @@
 """engine.extraArgs that vLLM 0.33.0's own parser would refuse never reach a pod: an
 unknown long option is refused by the API server at ``kubectl apply`` (the CRD's CEL
 rule, built from the committed table of vLLM's options), and what needs the whole list
-(a stray positional, a flag without its value, an ambiguous abbreviation, a bad choice)
-is a ``SpecInvalid`` condition and a Warning Event with vLLM's message, and no pods."""
+(a stray positional, a flag without its value, an ambiguous abbreviation, a bad choice,
+a value of the wrong type) is a ``SpecInvalid`` condition and a Warning Event with
+vLLM's message, and no pods."""
 
 from __future__ import annotations
 
@@ -43,6 +44,18 @@ def test_an_unknown_option_is_refused_at_kubectl_apply(env, tmp_path, args, need
     assert env.deployment("unknown") is None
 
 
+def test_a_letters_value_of_an_int_option_is_refused_at_kubectl_apply(env, tmp_path):
+    """``--name=value`` is one item: the CRD's rule refuses a value no int takes, with
+    vLLM's own words."""
+    body = infdep("int-value")
+    body["spec"]["engine"]["extraArgs"] = ["--max_num_seqs=many"]
+    proc = kubectl_apply(env, body, tmp_path)
+    assert proc.returncode != 0, proc.stdout
+    assert "spec.engine.extraArgs[0]" in proc.stderr, proc.stderr
+    assert vllm_cli.refusal(["--max_num_seqs=many"]) in proc.stderr, proc.stderr
+    assert env.deployment("int-value") is None
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (["--max-num-seqs", "8", "stray"], "unrecognized arguments: stray"),
     (["--enforce-eager", "8"], "unrecognized arguments: 8"),
@@ -51,8 +64,10 @@ def test_an_unknown_option_is_refused_at_kubectl_apply(env, tmp_path, args, need
     (["--max-num", "8"], "ambiguous option: --max-num could match"),
     (["--enforce-eager=yes"], "ignored explicit argument 'yes'"),
     (["--scheduling-policy", "lifo"], "argument --scheduling-policy: invalid choice: 'lifo'"),
+    (["--max-num-seqs", "abc"], "argument --max-num-seqs: invalid int value: 'abc'"),
+    (["--mm-processor-cache-gb=most"], "invalid float value: 'most'"),
 ], ids=["positional", "flag-value", "no-value", "value-is-a-flag", "ambiguous",
-        "explicit-on-a-switch", "choice"])
+        "explicit-on-a-switch", "choice", "int-value", "float-value"])
 def test_what_vllm_refuses_in_context_is_spec_invalid(env, args, message):
     """Admitted (no single item is unknown), refused by the operator's full check with
     vLLM's own message: no Deployment, one Warning Event."""
@@ -94,22 +109,23 @@ def _names() -> st.SearchStrategy[str]:
     return st.one_of(
         st.builds(spell, st.sampled_from(names), st.integers(0, 30), st.booleans(),
                   st.integers(0, 5).map(lambda n: n == 0),
-                  st.sampled_from(["", "=8", ".a=1", ".a", "=x y", "+"]),
+                  st.sampled_from(["", "=8", ".a=1", ".a", "=x y", "+", "=abc", "=", "=1x"]),
                   st.sampled_from(["", "", "", "x", "-", "z-q"])),
         st.text(alphabet="-_=.aceklmnoprstxz19 ", max_size=14),
     )
 
 
 def test_admission_refuses_exactly_the_unknown_options_the_table_has(env):
-    """The CRD's CEL rule for unknown options is built from the committed table: over
-    200 generated tokens (server-side dry run) the API server agrees with the rule's
-    Python form (vllm_cli.unknown_long_flag) and the plan-owned rule's."""
+    """The CRD's CEL rules for unknown options and int options' values are built from
+    the committed table: over 200 generated tokens (server-side dry run) the API server
+    agrees with the rules' Python forms (vllm_cli.unknown_long_flag, bad_int_value) and
+    the plan-owned rule's."""
 
     @settings(max_examples=200, deadline=None, database=None,
               suppress_health_check=list(HealthCheck))
     @given(_names())
     def check(token):
-        unknown = vllm_cli.unknown_long_flag(token)
+        unknown = vllm_cli.unknown_long_flag(token) or vllm_cli.bad_int_value(token)
         assert admits_extra_arg(env, token) == (refused_flag(token) is None and not unknown), token
         if unknown:  # and vLLM refuses it, alone, too
             assert vllm_cli.refusal([token]) is not None, token

@@ -20,7 +20,7 @@ from kubernetes import client
 
 from e2e.cluster.controlplane import locate_binaries
 from spillway_engine.seam import PROTECTED_FLAGS, PROTECTED_SHORT_FLAGS, refused_flag
-from spillway_engine.vllm_cli import unknown_long_flag
+from spillway_engine.vllm_cli import bad_int_value, unknown_long_flag
 from spillway_operator.flow.spec import GROUP, PLURAL, VERSION
 from tests.helpers import wait_for
 from tests.integration.test_operator import Env, infdep, model_configmap
@@ -99,6 +99,11 @@ def test_a_child_the_api_server_refuses_is_a_condition_and_an_event(env, operato
     ({"env": [{"name": "SPILLWAY_PLAN", "value": "/tmp/x"}]}, "SPILLWAY_PLAN"),
     ({"env": [{"name": "PYTHONPATH", "value": "/evil"}]}, "PYTHONPATH"),
     ({"env": [{"name": "VLLM_PLUGINS", "value": ""}]}, "VLLM_PLUGINS"),
+    # what vLLM reads that the plan assumed: refused naming the field the plan follows
+    ({"env": [{"name": "VLLM_PP_LAYER_PARTITION", "value": "10,6"}]},
+     "the plan follows from spec.engine.pipelineParallelSize"),
+    ({"env": [{"name": "VLLM_DP_SIZE", "value": "2"}]},
+     "the plan follows from spec.engine.dataParallelSize"),
 ])
 def test_plan_owned_flags_and_env_are_refused_at_admission(env, tmp_path, engine, needle):
     body = infdep("owned")
@@ -152,7 +157,8 @@ def test_admission_refuses_exactly_the_flags_the_engine_refuses(env):
     def check(token):
         # and vLLM's own refusal of unknown long options (tests/integration/test_extra_args.py)
         assert admits_extra_arg(env, token) == (
-            refused_flag(token) is None and not unknown_long_flag(token)), token
+            refused_flag(token) is None and not unknown_long_flag(token)
+            and not bad_int_value(token)), token
 
     check()
 

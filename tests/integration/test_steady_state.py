@@ -28,6 +28,7 @@ pytestmark = [pytest.mark.usefixtures("operator"), pytest.mark.local_only]
 #: the object whose config is missing.
 QUIET_SECONDS = 25
 BAD_METRICS = b"vllm:num_requests_running 1\n" * (5 * 2**20 // 28)  # over the 4 MiB cap
+READY = "spillway.dev/harness-ready"  # KWOK's pods in gated-* namespaces turn Ready on it
 
 
 def writes_into(log: str, namespaces: set[str]) -> list[str]:
@@ -192,3 +193,53 @@ def test_a_namespace_being_deleted_draws_no_write(api, cluster, operator):
         for s in servers:
             s.shutdown()
             s.server_close()
+
+
+def test_a_namespace_deleted_mid_rollout_draws_no_write(api, cluster, operator):
+    """Objects mid-rollout (a new plan's pods unready beside the old ready ones) when
+    their namespace is deleted: no write into it once the operator has seen the
+    deletion until it is gone, whatever was queued (issue 48 counted 3-7: plan
+    ConfigMap and status PATCHes, Events)."""
+    ns = f"gated-mid-{uuid.uuid4().hex[:6]}"
+    core = client.CoreV1Api(api)
+    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=ns)))
+    env = Env(api, ns, cluster)
+    model_configmap(env.core, ns, "model", "gemma-3-1b-it.json")
+    names = [f"mid-{i}" for i in range(3)]
+
+    def mark_ready():
+        for pod in env.core.list_namespaced_pod(ns).items:
+            if not (pod.metadata.annotations or {}).get(READY):
+                env.core.patch_namespaced_pod(pod.metadata.name, ns, {
+                    "metadata": {"annotations": {READY: "true"}}})
+
+    try:
+        for name in names:
+            env.create(infdep(name, replicas=2))
+        wait_for(lambda: len(env.core.list_namespaced_pod(ns).items) == 6 or None, 60,
+                 "six pods")
+        mark_ready()
+        for name in names:
+            env.wait_condition(name, "Available", "True")
+        for name in names:  # a new plan: new pods, left unready (still loading)
+            env.patch(name, {"spec": {"offload": {"hostMemory": "12Gi"}}})
+        for name in names:
+            env.wait_condition(name, "Progressing", "True")  # RollingOut or InPlace
+        start = len(operator.log_text())
+        core.delete_namespace(ns)
+        wait_for(lambda: not [n for n in core.list_namespace().items
+                              if n.metadata.name == ns], 90, f"{ns} to go")
+        time.sleep(3)
+        text = operator.log_text()[start:]
+        # A write sent before the namespaces' watch brought the news cannot be called
+        # back (its answer may be logged after the news); from the news on, nothing is
+        # sent, queued Events and the retries of the objects' reconciles included.
+        seen = text.find(f"namespace {ns} is being deleted: no writes into it from now on")
+        assert seen >= 0, text[-3000:]
+        sent = re.findall(rf"sending (?:POST|PUT|PATCH|DELETE) \S*/namespaces/{ns}/\S*",
+                          text[seen:])
+        assert sent == [], "\n".join(sent[:20])
+        print(f"writes answered after the DELETE: {writes_into(text, {ns})}")
+    finally:
+        if [n for n in core.list_namespace().items if n.metadata.name == ns]:
+            core.delete_namespace(ns)

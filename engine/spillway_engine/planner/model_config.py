@@ -121,8 +121,13 @@ def load_hub(
             cache_dir=cache_dir,
             endpoint=endpoint,
         )
-    except (LocalEntryNotFoundError, OfflineModeIsEnabled):
-        # before EntryNotFoundError: the "not cached while offline" error subclasses it
+    except (LocalEntryNotFoundError, OfflineModeIsEnabled) as e:
+        # before EntryNotFoundError: the "not cached while offline" error subclasses it.
+        # huggingface_hub also says "not cached" when the hub answered without its own
+        # headers (a plain mirror's 404, a web server's 200): an answer, not silence.
+        if (answer := _answer_without_hub_headers(e.__cause__)) is not None:
+            raise ModelConfigSourceError(
+                f"cannot fetch config.json of {model_id}: {answer}") from None
         raise ModelConfigUnreachable(
             f"cannot fetch config.json of {model_id}: the Hugging Face hub is unreachable "
             "(or HF_HUB_OFFLINE is set) and it is not in the local cache; use "
@@ -151,6 +156,25 @@ def _status_code(exc: BaseException) -> int | None:
     response = getattr(exc, "response", None)
     code = getattr(response, "status_code", None)
     return code if isinstance(code, int) else None
+
+
+def _answer_without_hub_headers(cause: BaseException | None) -> str | None:
+    """What the hub answered, when huggingface_hub reports it as "not cached": an
+    HTTP status that is the hub's answer (a 404 without X-Error-Code, a 403) or a
+    success without the hub's metadata headers (a server that is no hub). None for no
+    answer at all or a transient one (5xx, 429), which are worth asking again."""
+    if cause is None:
+        return None
+    code = _status_code(cause)
+    if code is not None and not _transient(cause):
+        said = _one_line(cause).split(" For more information", 1)[0]
+        return f"the hub answered HTTP {code}" + (" (not found)" if code == 404 else "") + (
+            f", which it gives again: {said}")
+    from huggingface_hub import errors
+
+    if isinstance(cause, getattr(errors, "FileMetadataError", ())):  # lacking hub headers
+        return _one_line(cause)
+    return None
 
 
 def _transient(exc: BaseException) -> bool:

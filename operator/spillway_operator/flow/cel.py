@@ -19,6 +19,7 @@ from spillway_operator.flow.spec_input import (
     MAX_CPU,
     MAX_MEMORY,
     MODEL_ID_PART_MAX,
+    PLAN_ENV_OWNERS,
     RESERVED_ENV_NAMES,
     RESERVED_ENV_PREFIXES,
 )
@@ -105,12 +106,43 @@ def _vllm_option_rule() -> dict[str, str]:
     }
 
 
+def _int_value_rule() -> dict[str, str]:
+    """vllm serve's refusal of a value of letters only for an int option, per item in
+    its ``--name=value`` form (``vllm_cli.bad_int_value``), with argparse's message: the
+    names are a map literal from the committed table, to the option as argparse names
+    it. A value given as the next item needs the whole list: the operator's (SpecInvalid)."""
+    names = "{" + ",".join(f'"{n}":"{shown}"' for n, shown in
+                           sorted(vllm_cli.int_options().items())) + "}"
+    name = "self.split('=')[0].substring(2).replace('_', '-')"
+    value = "self.substring(size(self.split('=')[0]) + 1)"
+    version = vllm_cli.load_table()["vllm_version"]
+    return {
+        "rule": f"!self.startsWith('--') || !self.contains('=') || "
+        f"self.split('=')[0].contains('.') || !({name} in {names}) || "
+        f"!{value}.matches('^[A-Za-z]*$')",
+        "messageExpression": f"'engine.extraArgs: ' + (size(self) > 80 ? self.substring(0, 80) "
+        f"+ '...' : self) + ' is refused: vllm serve {version} would exit 2: argument ' + "
+        f"{names}[{name}] + ': invalid int value: \\'' + {value} + '\\''",
+    }
+
+
 def _env_rule() -> dict[str, str]:
     prefixes = " || ".join(f"self.name.startsWith('{p}')" for p in RESERVED_ENV_PREFIXES)
     return {
         "rule": f"!({prefixes} || self.name in {_cel_strings(RESERVED_ENV_NAMES)})",
         "messageExpression": "'engine.env: ' + self.name + ' is refused: Spillway sets it or "
         "it changes what the engine runs'",
+    }
+
+
+def _env_owner_rule() -> dict[str, str]:
+    """spec_input.env_owner_message in CEL: the reasons are a map literal."""
+    why = "{" + ", ".join(
+        f"'{name}': 'it changes {what}, which the plan follows from spec.{field}'"
+        for name, (what, field) in sorted(PLAN_ENV_OWNERS.items())) + "}"
+    return {
+        "rule": f"!(self.name in {_cel_strings(sorted(PLAN_ENV_OWNERS))})",
+        "messageExpression": f"'engine.env: ' + self.name + ' is refused: ' + {why}[self.name]",
     }
 
 
@@ -140,7 +172,7 @@ CEL_RULES: dict[str, list[dict[str, str]]] = {
         cel("!self.name.endsWith('.git')", "model.name: a model id cannot end in .git", ".name"),
     ],
     "spec.engine.image": [cel(rule, f"engine.image: {why}") for rule, why in IMAGE_CEL_CHECKS],
-    "spec.engine.extraArgs[]": [_extra_arg_rule(), _vllm_option_rule()],
+    "spec.engine.extraArgs[]": [_extra_arg_rule(), _vllm_option_rule(), _int_value_rule()],
     "spec.engine.speculative": [
         cel(
             "self.method == 'mtp' ? !has(self.model) : has(self.model)",
@@ -162,7 +194,7 @@ CEL_RULES: dict[str, list[dict[str, str]]] = {
             ".name",
         ),
     ],
-    "spec.engine.env[]": [_env_rule()],
+    "spec.engine.env[]": [_env_owner_rule(), _env_rule()],
     "spec.autoscaling": [
         cel(
             "self.minReplicas <= self.maxReplicas",

@@ -27,6 +27,7 @@ from spillway_engine.planner.model_config import (
 )
 from spillway_engine.planner.plan import Plan, PlanRefused, make_plan
 from spillway_operator.flow import render, rollout, routing
+from spillway_operator.flow.hub_fetch import FetchPending, FetchTimedOut, HubFetches
 from spillway_operator.flow.placement import placement_refusal
 from spillway_operator.flow.pools import (
     POOL_LABEL,
@@ -107,32 +108,41 @@ class ConfigResolver:
     the planner's results can be kept by the config's identity (``Reconciler._plan``)."""
 
     def __init__(self, kube: Kube, hub_endpoint: str | None = None,
-                 hub_cache_dir: str | None = None):
+                 hub_cache_dir: str | None = None, fetches: HubFetches | None = None):
         """``hub_endpoint``, ``hub_cache_dir``: another hub and cache than
-        huggingface_hub's defaults (HF_ENDPOINT, HF_HOME)."""
+        huggingface_hub's defaults (HF_ENDPOINT, HF_HOME); ``fetches``: the threads hub
+        fetches run in, off the reconcile path (flow.hub_fetch)."""
         self.kube = kube
         self._hub = {"endpoint": hub_endpoint, "cache_dir": hub_cache_dir}
+        self.fetches = fetches or HubFetches()
         self._hub_cache: dict[tuple[str, str | None], dict[str, Any]] = {}
+        # The hub's refusals (not found, gated, no config.json, hostile content) by what
+        # was asked: the model, its revision, the reader's spec (uid, generation) and the
+        # token Secret's resourceVersion. A resync asks nothing new of the hub: before, every
+        # one fetched again (9-10 requests per object in 150 s).
+        self._hub_refusals = Memo(4096)
         self._parsed = Memo()
 
     def resolve(self, namespace: str, spec: InferenceDeploymentSpec,
-                reader: str | None = None) -> dict[str, Any]:
+                reader: str | None = None, version: Any = None) -> dict[str, Any]:
         """``reader``: the InferenceDeployment's name, queued again when its ConfigMap
-        changes."""
-        return self._resolve(namespace, spec.model, spec, reader)
+        changes; ``version``: its spec's (uid, generation), which a remembered hub
+        refusal is for."""
+        return self._resolve(namespace, spec.model, spec, reader, version)
 
     def resolve_draft(
-        self, namespace: str, spec: InferenceDeploymentSpec, reader: str | None = None
+        self, namespace: str, spec: InferenceDeploymentSpec, reader: str | None = None,
+        version: Any = None,
     ) -> dict[str, Any] | None:
         """The separate drafter's config.json (engine.speculative.model), or None."""
         speculative = spec.engine.speculative
         if speculative is None or speculative.model is None:
             return None
-        return self._resolve(namespace, speculative.model, spec, reader)
+        return self._resolve(namespace, speculative.model, spec, reader, version)
 
     def _resolve(
         self, namespace: str, model: ModelSpec | DraftModelSpec, spec: InferenceDeploymentSpec,
-        reader: str | None = None,
+        reader: str | None = None, version: Any = None,
     ) -> dict[str, Any]:
         ref = model.config_map_ref
         if ref:
@@ -151,20 +161,29 @@ class ConfigResolver:
             self._parsed.put(text, parsed)
             return parsed
         key = (model.name, model.revision)
-        if key not in self._hub_cache:
-            token = None
-            if spec.model.token_secret_ref:
-                s = spec.model.token_secret_ref
-                token = self.kube.read_secret_key(namespace, s.name, s.key)
-                if token is None:
-                    raise ConfigUnavailable(f"Secret {namespace}/{s.name} key {s.key!r} not found")
-            try:
-                self._hub_cache[key] = load_hub(model.name, revision=model.revision,
-                                                token=token, **self._hub)
-            except ModelConfigUnreachable as exc:  # the transport: ask again later
-                raise ConfigUnavailable(str(exc)) from None
-            except ModelConfigSourceError as exc:  # the hub's answer, or its content
-                raise ConfigInvalid(str(exc)) from None
+        if key in self._hub_cache:
+            return self._hub_cache[key]
+        token, token_version = None, None
+        if spec.model.token_secret_ref:
+            s = spec.model.token_secret_ref
+            token, token_version = self.kube.read_secret_key_version(namespace, s.name, s.key)
+            if token is None:
+                raise ConfigUnavailable(f"Secret {namespace}/{s.name} key {s.key!r} not found")
+        asked = (namespace, reader, version, *key, token_version)
+        if (refused := self._hub_refusals.get(asked)) is not None:
+            raise ConfigInvalid(refused)
+        try:
+            self._hub_cache[key] = self.fetches.get(
+                asked, lambda: load_hub(model.name, revision=model.revision, token=token,
+                                        **self._hub),
+                f"config.json of {model.name}", None if reader is None else (namespace, reader))
+        except (FetchPending, FetchTimedOut) as exc:  # retried, and queued when it ends
+            raise ConfigUnavailable(str(exc)) from None
+        except ModelConfigUnreachable as exc:  # the transport: ask again later
+            raise ConfigUnavailable(str(exc)) from None
+        except ModelConfigSourceError as exc:  # the hub's answer, or its content
+            self._hub_refusals.put(asked, str(exc))
+            raise ConfigInvalid(str(exc)) from None
         return self._hub_cache[key]
 
 
@@ -426,8 +445,9 @@ class Reconciler:
         try:
             spec = self._spec(meta, obj.get("spec") or {})
             obs.desired_replicas = spec.replicas
-            config = self.configs.resolve(owner.namespace, spec, owner.name)
-            draft = self.configs.resolve_draft(owner.namespace, spec, owner.name)
+            version = (meta.get("uid"), meta.get("generation"))
+            config = self.configs.resolve(owner.namespace, spec, owner.name, version)
+            draft = self.configs.resolve_draft(owner.namespace, spec, owner.name, version)
             views = pool_views(spec)
             obs.desired_replicas = sum(v.spec.replicas for v in views)
             planned = [(view, self._plan(config, view, draft)) for view in views]

@@ -34,6 +34,7 @@ from spillway_operator.flow.spec_input import (
     QUANTITY_PATTERN,
     at_most,
     cpu_cores,
+    env_owner_message,
     model_id_problem,
     reserved_env,
 )
@@ -164,6 +165,8 @@ class EnvVar(_Model):
     @field_validator("name")
     @classmethod
     def _not_reserved(cls, name: str) -> str:
+        if owned := env_owner_message(name):
+            raise ValueError(owned)
         if reserved_env(name):
             raise ValueError(f"{name} is set by Spillway or changes what the engine runs; "
                              "it is refused")

@@ -74,6 +74,30 @@ RESERVED_ENV_NAMES = (
 )
 
 
+#: vLLM's own variables (vllm/envs.py of 0.33.0) that change what the plan assumed:
+#: refused in engine.env with what they change and the spec field the plan follows, as
+#: a pod started with one would serve other than planned (its pages, stages or ranks).
+PLAN_ENV_OWNERS: dict[str, tuple[str, str]] = {
+    # vLLM's default split, or the plan's own, which the launcher exports
+    "VLLM_PP_LAYER_PARTITION": ("the layers each pipeline stage holds",
+                                "engine.pipelineParallelSize"),
+    # read by vLLM when its data-parallel size is 1 (offline SPMD): ranks never planned
+    **dict.fromkeys(
+        ("VLLM_DP_SIZE", "VLLM_DP_RANK", "VLLM_DP_RANK_LOCAL", "VLLM_DP_MASTER_IP",
+         "VLLM_DP_MASTER_PORT"), ("the data-parallel ranks", "engine.dataParallelSize")),
+    # full keys and values instead of MLA's latent: pages many times the planned ones
+    "VLLM_MLA_DISABLE": ("the KV cache of MLA models", "model.name (its config.json)"),
+}
+
+
+def env_owner_message(name: str) -> str | None:
+    """Why engine.env may not set ``name`` (a variable the plan depends on), or None."""
+    if name not in PLAN_ENV_OWNERS:
+        return None
+    what, field = PLAN_ENV_OWNERS[name]
+    return f"{name} is refused: it changes {what}, which the plan follows from spec.{field}"
+
+
 def reserved_env(name: str) -> bool:
     return name.startswith(RESERVED_ENV_PREFIXES) or name in RESERVED_ENV_NAMES
 

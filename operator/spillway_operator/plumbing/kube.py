@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import logging
 import queue
 import threading
 import time
@@ -39,6 +40,8 @@ from spillway_operator.names import (
 )
 from spillway_operator.plumbing import metrics
 from spillway_operator.plumbing.cache import Key, WatchCache, ref_of
+
+log = logging.getLogger("spillway.kube")
 
 # Keys whose values are resource quantities: compared by value ("1Gi" == "1024Mi").
 _QUANTITY_PARENTS = {"requests", "limits", "capacity", "allocatable"}
@@ -273,23 +276,45 @@ class Kube:
             meta.get("deletionTimestamp")
             or (namespace.get("status") or {}).get("phase") == "Terminating")
         with self._lock:
+            news = deleting and name not in self._deleting
             if deleting:
                 self._deleting.add(name)
             else:
                 self._deleting.discard(name)
+        if news:  # from here on no write goes into it (tests count from this line)
+            log.info("namespace %s is being deleted: no writes into it from now on", name)
 
     def namespace_terminating(self, namespace: str) -> bool:
         """Whether ``namespace`` is being deleted: the namespace watch says so, or a
-        write into it was refused as "being terminated" within the last
-        TERMINATING_MEMORY seconds (an operator whose role may not watch namespaces)."""
+        write into it was refused as "being terminated" (an operator whose role may not
+        watch namespaces), which holds TERMINATING_MEMORY seconds and then as long as
+        reading the namespace shows its deletion."""
         with self._lock:
             if namespace in self._deleting:
                 return True
             said = self._terminating.get(namespace)
-            if said is not None and time.monotonic() - said >= self.TERMINATING_MEMORY:
-                del self._terminating[namespace]
-                said = None
-        return said is not None
+            if said is None:
+                return False
+            if time.monotonic() - said < self.TERMINATING_MEMORY:
+                return True
+            del self._terminating[namespace]
+        # Pods taking their grace period keep a namespace Terminating for minutes:
+        # forgetting it then wrote statuses, plan ConfigMaps and Events into it again
+        # every TERMINATING_MEMORY seconds until a create was refused once more.
+        if self._still_terminating(namespace):
+            with self._lock:
+                self._terminating[namespace] = time.monotonic()
+            return True
+        return False
+
+    def _still_terminating(self, namespace: str) -> bool:
+        """Whether a read of the namespace shows its deletion; False when it is gone,
+        new, or cannot be read (no role for it: it is forgotten, as it was before)."""
+        try:
+            live = self.get(f"{api_path('v1')}/namespaces/{namespace}")
+        except (ApiException, TemporaryError):
+            return False
+        return live is not None and bool((live.get("metadata") or {}).get("deletionTimestamp"))
 
     # ------------------------------------------------------------ raw requests
 
@@ -312,6 +337,8 @@ class Kube:
                 raise NamespaceTerminating(
                     f"{verb} {path}: namespace {namespace} is being deleted; write not sent",
                     403)
+            # urllib3 logs a request when its answer comes: this says when it went
+            log.debug("sending %s %s", verb.upper(), path)
         metrics.API_REQUESTS.labels(verb=verb.lower()).inc()
         method, url, headers, body, post = self.api.param_serialize(
             verb.upper(),
@@ -585,11 +612,17 @@ class Kube:
         return self.get(f"{api_path('storage.k8s.io/v1')}/storageclasses/{name}")
 
     def read_secret_key(self, namespace: str, name: str, key: str) -> str | None:
+        return self.read_secret_key_version(namespace, name, key)[0]
+
+    def read_secret_key_version(self, namespace: str, name: str,
+                                key: str) -> tuple[str | None, str | None]:
+        """A key of a Secret and the Secret's resourceVersion (None, None: no Secret)."""
         secret = self.get(resource_path("v1", "Secret", namespace, name))
         if secret is None:
-            return None
+            return None, None
         value = (secret.get("data") or {}).get(key)
-        return base64.b64decode(value).decode() if value else None
+        version = (secret.get("metadata") or {}).get("resourceVersion")
+        return (base64.b64decode(value).decode() if value else None), version
 
     def list_pods(self, namespace: str, selector: str) -> list[dict]:
         data = self.request("get", resource_path("v1", "Pod", namespace),

@@ -63,6 +63,20 @@ def test_the_table_is_vllm_0_33_0s_and_package_data():
     (["--omni"], "--omni flag requires a valid instance of vllm-omni to be installed."),
     (["--help"], "--help: vllm serve prints its help and exits (status 0) instead of serving"),
     (["--config", "x.yaml"], "--config: vllm serve reads the named YAML file"),
+    # values of the wrong type, in vLLM's words (its parser exits 2 on them)
+    (["--max-num-seqs", "abc"], "argument --max-num-seqs: invalid int value: 'abc'"),
+    (["--max_num_seqs=1.5"], "argument --max-num-seqs: invalid int value: '1.5'"),
+    (["--max-num-se", "8x"], "argument --max-num-seqs: invalid int value: '8x'"),
+    (["--gpu-memory-utilization", "most"],
+     "argument --gpu-memory-utilization/--device-memory-utilization: invalid float value: "
+     "'most'"),
+    (["--max-log-len", "1.5"], "argument --max-log-len: Value 1.5 cannot be converted to "
+                               "<class 'int'>."),
+    (["--safetensors-prefetch-block-size", "1.5K"],
+     "argument --safetensors-prefetch-block-size: Decimals are not allowed with binary "
+     "suffixes like K. Did you mean to use 1.5k instead?"),
+    (["--kv-offloading-size", "lots"], "argument --kv-offloading-size: Value lots cannot be "
+                                       "converted to <class 'float'>."),
 ])
 def test_what_vllms_parser_refuses_is_refused_with_its_message(args, message):
     assert vllm_cli.refusal(args).startswith(message)
@@ -79,6 +93,10 @@ def test_what_vllms_parser_refuses_is_refused_with_its_message(args, message):
     ["--moe-backend", "AUTO"],  # its type lowers the value before the choice
     ["--log-level", "DEBUG"],
     ["--chat-template", "--x y"],  # a value with a space is a value, even with --
+    # values as vLLM's types take them
+    ["--max-num-seqs", " 8 ", "--seed", "+3", "--max-num-batched-tokens", "1_000"],
+    ["--gpu-memory-utilization", "9e-1", "--max-log-len", "None", "--kv-offloading-size", ""],
+    ["--safetensors-prefetch-block-size", "1.5k"],
 ])
 def test_what_vllms_parser_takes_passes(args):
     assert vllm_cli.refusal(args) is None
@@ -110,6 +128,7 @@ def test_plan_owned_flags_keep_their_own_message():
     (["--bogus-flag", "1"], "unrecognized arguments: --bogus-flag 1"),
     (["--max-num-seqs", "8", "stray"], "unrecognized arguments: stray"),
     (["--max-num-seqs"], "argument --max-num-seqs: expected one argument"),
+    (["--max-num-seqs", "abc"], "argument --max-num-seqs: invalid int value: 'abc'"),
 ])
 def test_the_spec_refuses_with_vllms_message(args, message):
     with pytest.raises(ValidationError) as info:
@@ -159,3 +178,49 @@ def test_the_crd_rule_is_built_from_the_table():
     assert len(rule) < 40_000  # the CRD stays small
     assert "is not an option of vllm serve" in CEL_RULES["spec.engine.extraArgs[]"][1][
         "messageExpression"]
+
+
+def test_the_table_types_the_numbers_vllm_converts():
+    """Every option the table types can refuse a value, and the plain numeric options
+    of vllm serve are among them (--max-num-seqs, --gpu-memory-utilization)."""
+    typed = {o["strings"][0]: o["type"] for o in vllm_cli.load_table()["options"]
+             if o.get("type")}
+    assert typed["--max-num-seqs"] == "int" and typed["--gpu-memory-utilization"] == "float"
+    assert sum(t in ("int", "float", "optional_int", "optional_float") for t in
+               typed.values()) > 60
+    assert set(typed.values()) <= set(vllm_cli.TYPES)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(-(10**12), 10**12), st.text(max_size=5))
+def test_an_int_options_value_is_refused_exactly_when_int_refuses_it(number, junk):
+    for value in (str(number), str(number) + junk, junk):
+        try:
+            int(value)
+        except ValueError:
+            assert vllm_cli.refusal(["--max-num-seqs", value]) is not None, value
+        else:
+            assert vllm_cli.refusal(["--max-num-seqs", value]) is None or value.lstrip(
+                " ").startswith("-"), value  # a negative reads as an option to argparse
+
+
+@settings(max_examples=1000, deadline=None)
+@given(TOKENS | st.sampled_from(sorted(vllm_cli.int_options())).flatmap(
+    lambda n: st.tuples(st.booleans(), st.text(alphabet="aZx19 .-_", max_size=4)).map(
+        lambda t: "--" + (n.replace("-", "_") if t[0] else n) + "=" + t[1])))
+def test_a_value_the_crd_rule_refuses_vllm_refuses(token):
+    """The CRD's value rule (vllm_cli.bad_int_value) never admits less than vLLM: a
+    token it refuses is refused by vLLM's parser alone, with argparse's message."""
+    if vllm_cli.bad_int_value(token):
+        assert "invalid int value" in vllm_cli.refusal([token]), token
+
+
+def test_the_crd_value_rule_is_built_from_the_table():
+    rule = CEL_RULES["spec.engine.extraArgs[]"][2]
+    assert '"max-num-seqs":"--max-num-seqs"' in rule["rule"]
+    assert '"api-server-count":"--api-server-count/-asc"' in rule["rule"]
+    assert "invalid int value" in rule["messageExpression"]
+    assert vllm_cli.bad_int_value("--max_num_seqs=abc") and vllm_cli.bad_int_value(
+        "--seed=") and not vllm_cli.bad_int_value("--max-num-seqs=8")
+    assert not vllm_cli.bad_int_value("--max-num-seqs abc")  # a space: a positional
+    assert not vllm_cli.bad_int_value("--max-num-seqs.a=abc")  # a dotted JSON argument

@@ -144,7 +144,7 @@ def test_a_terminating_namespace_is_forgotten_after_a_while(monkeypatch):
     assert not _namespace_terminating(b'{"kind":"Status","code":403,"reason":"Forbidden"}')
     assert not _namespace_terminating(b"not json") and not _namespace_terminating(None)
 
-    kube = Kube(client.ApiClient())
+    kube = Kube(client.ApiClient(client.Configuration(host="http://127.0.0.1:9")))  # no one
     now = [1000.0]
     monkeypatch.setattr(kube_module.time, "monotonic", lambda: now[0])
     kube._terminating["gone"] = now[0]
@@ -153,6 +153,56 @@ def test_a_terminating_namespace_is_forgotten_after_a_while(monkeypatch):
     assert kube.namespace_terminating("gone")
     now[0] += 1
     assert not kube.namespace_terminating("gone") and "gone" not in kube._terminating
+
+
+def test_a_terminating_namespace_is_held_while_a_read_shows_its_deletion(monkeypatch):
+    """Without the namespaces' watch, the memory of a "being terminated" refusal ends
+    with a read of the namespace: still being deleted (pods in their grace period hold
+    it for minutes), writes stay held and none is sent; gone or new, it opens. Before,
+    it opened after TERMINATING_MEMORY seconds whatever, and statuses, plan ConfigMaps
+    and Events went into it again (one right after the refusal had been said)."""
+    import json
+
+    import pytest
+    from kubernetes import client
+
+    from spillway_operator.plumbing import kube as kube_module
+    from spillway_operator.plumbing.kube import Kube, NamespaceTerminating
+
+    answers = {"deleting": (200, {"metadata": {"name": "ns", "deletionTimestamp": "t"}}),
+               "gone": (404, {"kind": "Status", "code": 404}),
+               "new": (200, {"metadata": {"name": "ns"}})}
+    sent: list[str] = []
+    state = ["deleting"]
+
+    class Answer:  # what call_api gives back: a status, a reason, a body to read
+        def __init__(self, status: int, body: dict) -> None:
+            self.status, self.reason, self._data = status, "", json.dumps(body).encode()
+
+        def read(self) -> bytes:
+            return self._data
+
+    class Api(client.ApiClient):  # the API server's answers, every request counted
+        def call_api(self, method, url, *args, **kwargs):
+            sent.append(f"{method} {url}")
+            return Answer(*answers[state[0]])
+
+    kube = Kube(Api())
+    now = [1000.0]
+    monkeypatch.setattr(kube_module.time, "monotonic", lambda: now[0])
+    kube._terminating["ns"] = now[0]
+    status = "/apis/spillway.dev/v1alpha1/namespaces/ns/inferencedeployments/a/status"
+    for _ in range(3):  # minutes of Terminating: held, one read a TERMINATING_MEMORY
+        now[0] += Kube.TERMINATING_MEMORY
+        with pytest.raises(NamespaceTerminating):
+            kube.request("patch", status, body={})
+        assert kube.namespace_terminating("ns")
+    assert [s.split("?")[0] for s in sent] == ["GET /api/v1/namespaces/ns"] * 3
+    for after in ("gone", "new"):
+        kube._terminating["ns"] = now[0]
+        state[0] = after
+        now[0] += Kube.TERMINATING_MEMORY
+        assert not kube.namespace_terminating("ns")
 
 
 def test_no_write_goes_into_a_namespace_the_watch_shows_being_deleted():

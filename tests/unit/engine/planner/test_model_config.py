@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -87,7 +88,8 @@ class _Hub(BaseHTTPRequestHandler):
         self.server.requests += 1
         self.send_response(status)
         for k, v in {"X-Repo-Commit": "a" * 40, "ETag": '"e1"', **headers}.items():
-            self.send_header(k, v)
+            if v is not None:  # None: a header this answer lacks
+                self.send_header(k, v)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         if with_body:
@@ -129,7 +131,13 @@ LLAMA = json.dumps({"architectures": ["LlamaForCausalLM"], "hidden_size": 64})
     ((404, b"{}", {"X-Error-Code": "RepoNotFound"}), "was not found"),
     ((404, b"{}", {"X-Error-Code": "EntryNotFound"}), "has no config.json"),
     ((401, b"{}", {}), "401"),
-], ids=["too-deep", "truncated", "not-an-object", "no-repo", "no-config", "unauthorised"])
+    # a plain mirror: no X-Error-Code; huggingface_hub calls it "not in the cache"
+    ((404, b"Not Found", {}), r"the hub answered HTTP 404 \(not found\)"),
+    ((403, b"Forbidden", {}), "the hub answered HTTP 403"),
+    ((200, LLAMA.encode(), {"X-Repo-Commit": None}), "does not seem to be served by a "
+                                                     "Hugging Face Hub endpoint"),
+], ids=["too-deep", "truncated", "not-an-object", "no-repo", "no-config", "unauthorised",
+        "plain-404", "plain-403", "not-a-hub"])
 def test_what_the_hub_answers_is_permanent(hub, tmp_path, answer, needle):
     """Content that is not a config.json, and the hub's own answers, are the same the
     next time: ModelConfigSourceError, never ModelConfigUnreachable."""
@@ -172,3 +180,105 @@ def test_the_operator_refuses_a_hostile_hub_config_once(hub, tmp_path):
     reason, message, outcome = plan_failure(info.value)
     assert (reason, outcome) == ("ModelConfigInvalid", "refused")
     assert "nests arrays/objects" in message
+
+
+class _TokenSecret:
+    """The one read the resolver makes of the API server for a hub model: the token
+    Secret's key and resourceVersion."""
+
+    def __init__(self) -> None:
+        self.token, self.version = "hf_1", "100"
+
+    def read_secret_key_version(self, namespace, name, key):
+        return self.token, self.version
+
+
+def test_a_refused_model_is_asked_again_only_when_what_was_asked_changes(hub, tmp_path):
+    """The hub's refusal is remembered: a resync (same spec, Secret and revision) asks
+    the hub nothing; a new resourceVersion of the token Secret, a new generation of the
+    spec, or another revision asks again. Before, every resync fetched again."""
+    from spillway_operator.flow.reconciler import ConfigInvalid, ConfigResolver
+    from spillway_operator.flow.spec import InferenceDeploymentSpec
+
+    hub.answer = (404, b"{}", {"X-Error-Code": "RepoNotFound"})
+    secret = _TokenSecret()
+    resolver = ConfigResolver(secret, hub_endpoint=f"http://127.0.0.1:{hub.server_port}",
+                              hub_cache_dir=str(tmp_path))
+
+    def asks(version=("uid-1", 1), revision=None) -> int:
+        """The hub's requests for one reconcile's resolve."""
+        spec = InferenceDeploymentSpec.model_validate({
+            "model": {"name": "org/model", "revision": revision,
+                      "tokenSecretRef": {"name": "hf"}},
+            "offload": {"hostMemory": "1Gi"}})
+        before = hub.requests
+        with pytest.raises(ConfigInvalid, match="was not found"):
+            resolver.resolve("ns", spec, "chat", version)
+        return hub.requests - before
+
+    assert asks() >= 1
+    assert asks() == asks() == 0  # resyncs
+    secret.version = "101"  # a new token, say
+    assert asks() >= 1 and asks() == 0
+    assert asks(("uid-1", 2)) >= 1 and asks(("uid-1", 2)) == 0  # the spec changed
+    assert asks(("uid-2", 1)) >= 1  # deleted and created again
+    assert asks(("uid-2", 1), revision="v2") >= 1
+    hub.answer = (200, LLAMA.encode(), {})  # the model is published: next spec change
+    assert asks(("uid-2", 1)) == 0
+    spec = InferenceDeploymentSpec.model_validate({
+        "model": {"name": "org/model", "tokenSecretRef": {"name": "hf"}},
+        "offload": {"hostMemory": "1Gi"}})
+    assert resolver.resolve("ns", spec, "chat", ("uid-2", 2))["hidden_size"] == 64
+
+
+def test_a_slow_hub_holds_no_reconcile_worker(hub, tmp_path):
+    """The hub fetch runs off the reconcile path: a resolve waits at most the fetch
+    threads' wait and answers "fetching" (temporary); the object is queued again when
+    the hub answers, and the next resolve takes the answer without asking again. Past
+    the fetch's budget its askers are told the hub gave no answer. Before, a reconcile
+    worker waited for the whole fetch (huggingface_hub's retries: about 23 s)."""
+    from spillway_operator.flow.hub_fetch import HubFetches
+    from spillway_operator.flow.reconciler import ConfigResolver, ConfigUnavailable
+    from spillway_operator.flow.spec import InferenceDeploymentSpec
+
+    gate = threading.Event()
+    real = _Hub._answer
+
+    def slow(self, with_body):
+        gate.wait(10)
+        real(self, with_body)
+
+    hub.RequestHandlerClass = type("SlowHub", (_Hub,), {"_answer": slow})
+    hub.answer = (200, LLAMA.encode(), {})
+    fetches = HubFetches(wait_seconds=0.2, budget_seconds=30)
+    queued: list[tuple[str, str]] = []
+    fetches.on_done = queued.append
+    resolver = ConfigResolver(None, hub_endpoint=f"http://127.0.0.1:{hub.server_port}",
+                              hub_cache_dir=str(tmp_path), fetches=fetches)
+    spec = InferenceDeploymentSpec.model_validate(
+        {"model": {"name": "org/model"}, "offload": {"hostMemory": "1Gi"}})
+    for _ in range(2):  # the retry meets the same fetch, still running
+        started = time.monotonic()
+        with pytest.raises(ConfigUnavailable, match="fetching it from the hub"):
+            resolver.resolve("ns", spec, "chat", ("u", 1))
+        assert time.monotonic() - started < 2
+    gate.set()
+    deadline = time.monotonic() + 10
+    while not queued and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert queued == [("ns", "chat")]
+    requests = hub.requests
+    assert resolver.resolve("ns", spec, "chat", ("u", 1))["hidden_size"] == 64
+    assert hub.requests == requests
+
+    gate.clear()  # a hub that never answers: the budget ends the wait
+    fetches.budget_seconds = 0.5
+    other = InferenceDeploymentSpec.model_validate(
+        {"model": {"name": "org/other"}, "offload": {"hostMemory": "1Gi"}})
+    with pytest.raises(ConfigUnavailable, match="fetching"):
+        resolver.resolve("ns", other, "b", ("u", 1))
+    time.sleep(0.6)
+    with pytest.raises(ConfigUnavailable, match="the hub gave no answer within"):
+        resolver.resolve("ns", other, "b", ("u", 1))
+    gate.set()
+    fetches.shutdown(wait=True)  # the hung fetch ends before the hub does

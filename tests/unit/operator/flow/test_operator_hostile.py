@@ -16,8 +16,13 @@ from pydantic import ValidationError
 from spillway_engine.seam import PROTECTED_FLAGS, PROTECTED_SHORT_FLAGS, refused_flag
 from spillway_engine.vllm_cli import one_line, refusal
 from spillway_operator.flow import crd, reconciler
+from spillway_operator.flow.cel import CEL_RULES
 from spillway_operator.flow.spec import EngineSpec, InferenceDeploymentSpec, ModelSpec
-from spillway_operator.flow.spec_input import MODEL_ID_PATTERN, RESERVED_ENV_NAMES
+from spillway_operator.flow.spec_input import (
+    MODEL_ID_PATTERN,
+    PLAN_ENV_OWNERS,
+    RESERVED_ENV_NAMES,
+)
 
 
 def hub_accepts(name: str) -> bool:
@@ -113,6 +118,18 @@ def test_reserved_env_names_are_refused(name):
     with pytest.raises(ValidationError, match="refused"):
         EngineSpec(env=[{"name": name, "value": "x"}])
     EngineSpec(env=[{"name": "MY_" + name, "value": "x"}])
+
+
+@pytest.mark.parametrize("name", sorted(PLAN_ENV_OWNERS))
+def test_env_the_plan_depends_on_is_refused_naming_its_field(name):
+    """VLLM_PP_LAYER_PARTITION and kin change what vLLM serves against the plan (another
+    layer split, other ranks): refused with the field the plan follows, by the model
+    and by the CRD's rule (the same words)."""
+    field = PLAN_ENV_OWNERS[name][1]
+    with pytest.raises(ValidationError, match=re.escape(f"the plan follows from spec.{field}")):
+        EngineSpec(env=[{"name": name, "value": "4,4"}])
+    rule = CEL_RULES["spec.engine.env[]"][0]
+    assert f"'{name}'" in rule["rule"] and field in rule["messageExpression"]
 
 
 def test_a_planner_crash_is_refused_as_an_invalid_config(monkeypatch, caplog):
