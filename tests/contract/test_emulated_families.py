@@ -193,7 +193,8 @@ def test_architecture_starts_and_serves_on_the_emulated_gpu(arch: str, tmp_path:
 def test_architecture_is_refused_at_serve_emulate_gpu_in_one_line(arch: str, tmp_path: Path):
     plan_path, _ = _setup(tmp_path, arch)
     (tmp_path / "shm").mkdir()
-    cmd = [*ep.ENGINE, "serve", "--plan", str(plan_path), "--emulate-gpu"]
+    cmd = [*ep.ENGINE, "serve", "--plan", str(plan_path), "--emulate-gpu",
+           "--kv-events-port", str(ep.free_port())]
     env = ep.engine_env({"SPILLWAY_SHM_DIR": str(tmp_path / "shm"),
                          "SPILLWAY_TERMINATION_LOG": str(tmp_path / "termination-log")})
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)

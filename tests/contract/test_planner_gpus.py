@@ -50,6 +50,15 @@ CASES = [
                   "jamba-mini-1.5", "qwen3-next-80b-a3b-instruct")
         for g in ("b200", "rtx-pro-6000")
     ),
+    # fp8_e5m2: FlashAttention stores none, so FlashInfer or Triton on every GPU
+    *(
+        Case(m, gpu=g, kv_cache_dtype="fp8_e5m2", max_model_len=LEN)
+        for m, g in (("llama-3.2-1b", "h100"), ("llama-3.2-1b", "a100"),
+                     ("gpt-oss-120b", "a100"), ("gpt-oss-120b", "h100"),
+                     ("gemma-3-27b-it", "h100"), ("gemma-3-12b-it", "b200"),
+                     ("jamba-mini-1.5", "h100"), ("qwen3-next-80b-a3b-instruct", "h100"),
+                     ("gemma-3-1b-it", "rtx-pro-6000"))
+    ),
     # the rest of the catalogue: SM103, Grace Blackwell, H20, L4
     Case("llama-3.1-70b-instruct", 8, gpu="b300", max_model_len=LEN),
     Case("deepseek-v3", 8, gpu="gb200", max_model_len=LEN),

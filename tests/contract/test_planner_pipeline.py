@@ -114,6 +114,7 @@ MODELS = {
     "nemotron-h-8b": lambda: dict(load_model("nemotron-h-8b-base-8k")),
     "glm-5": lambda: dict(load_frontier("glm-5")),
     "gpt-oss-120b": lambda: dict(load_model("gpt-oss-120b")),
+    "llama-3.1-70b": lambda: dict(load_model("llama-3.1-70b-instruct")),
     "gemma-3-1b": lambda: dict(load_model("gemma-3-1b-it")),
     "deepseek-v4-flash": lambda: dict(load_frontier("deepseek-v4-flash")),
     "glm-5.3-flash": lambda: dict(load_frontier("glm-5.3-flash")),
@@ -165,8 +166,13 @@ CASES = [
     PPCase("nemotron-h-8b", 1, 3, partition="10,20,22"),
     PPCase("glm-5", 8, 2),
     PPCase("gpt-oss-120b", 4, 3),
+    # issue 45: stage 1 holds fewer rows than stage 0's manager hands out
+    PPCase("gpt-oss-120b", 4, 2, partition="17,19"),
+    PPCase("llama-3.1-70b", 4, 2, partition="30,50"),
     PPCase("gemma-3-1b", 1, 2),
-    PPCase("deepseek-v4-flash", 4, 2),
+    # vLLM's own 22,21 leaves stage 1 short of stage 0's rows (refused for both
+    # offloaders: see test_vllms_own_deepseek_v4_split_leaves_stage_1_short)
+    PPCase("deepseek-v4-flash", 4, 2, partition="23,20"),
     PPCase("glm-5.3-flash", 4, 2),
     # stage 0: one KDA + one indexed layer; the second layer's groups hold none there
     PPCase("glm-5.3-flash", 4, 2, partition="4,41"),
@@ -390,6 +396,18 @@ def plan_for(case: PPCase, **kw: Any) -> Plan:
     )
 
 
+def stage_plan(case: PPCase, **kw: Any) -> Plan:
+    """The plan whose stages to compare: offloader upstream, or where vLLM's offloader
+    is refused for a stage holding fewer rows than stage 0, Spillway's (its stages carry
+    vLLM's per-stage figures all the same)."""
+    try:
+        return plan_for(case, **kw)
+    except PlanRefused as e:
+        if "offloading manager hands out stage 0's" not in e.reason:
+            raise
+        return plan_for(case, offloader="spillway", **kw)
+
+
 def as_vllm(groups: Any, vllm_groups: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """The plan's groups described as ``_describe`` describes vLLM's. A mixed-page group
     a stage holds no layer of keeps vLLM's whole-model spec (``uniform:``, its pages'
@@ -414,7 +432,7 @@ def as_vllm(groups: Any, vllm_groups: list[dict[str, Any]] | None = None) -> lis
 
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_stages_match_vllm(case: PPCase, pipelines: Pipelines):
-    plan = plan_for(case)
+    plan = stage_plan(case)
     built = pipelines.get(case, plan)
     assert built.stage_block_sizes == [plan.block_size] * case.pp
     assert as_vllm(plan.kv_groups) == built.global_groups
@@ -447,19 +465,28 @@ def get_pp_indices_for(case: PPCase, hidden: int, rank: int) -> tuple[int, int]:
 @pytest.mark.parametrize("bpc", [None, 1, 4], ids=lambda b: f"bpc{b}")
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_stage_host_pools_match_vllm(case: PPCase, bpc: int | None, pipelines: Pipelines):
-    plan = plan_for(case, blocks_per_chunk=bpc)
+    plan = stage_plan(case, blocks_per_chunk=bpc)
     built = pipelines.get(case, plan)
+    vllm_chunks = []
     for stage, vllm_stage in zip(plan.stages, built.stages, strict=True):
         up = stage.upstream
         assert up is not None, stage.upstream_refusal
         off = stage_offload(
-            vllm_stage, {"cpu_bytes_to_use": POOL, "blocks_per_chunk": plan.blocks_per_chunk}
+            vllm_stage, {"cpu_bytes_to_use": POOL, "blocks_per_chunk": up.blocks_per_chunk}
         )
         assert up.blocks_per_chunk == off["blocks_per_chunk"]
         assert up.replicated_layout == off["replicated_layout"] is False
         assert (up.row_bytes, up.num_chunks) == (off["row_bytes"], off["num_chunks"])
         assert [g.tokens_per_block for g in up.groups] == off["group_tokens_per_block"]
         assert [g.window_chunks for g in up.groups] == off["window_chunks"]
+        vllm_chunks.append(off["num_chunks"])
+    # vLLM's manager hands out stage 0's chunks: refused exactly where a stage has fewer
+    short = any(n < vllm_chunks[0] for n in vllm_chunks)
+    assert (plan.offloader == "spillway") == short, vllm_chunks
+    if short:
+        assert plan.spillway == plan.stages[0].spillway
+        assert len({s.spillway.num_units for s in plan.stages if s.spillway}) == 1
+        return
     assert plan.upstream is not None
     assert (plan.row_bytes, plan.num_chunks) == (
         plan.stages[0].upstream.row_bytes,  # type: ignore[union-attr]
@@ -528,7 +555,7 @@ def test_random_splits_match_vllm(data: st.DataObject):
     MODELS.setdefault(model, HYBRIDS[model])
     backend = plan_backend(case)
     try:
-        plan = plan_for(case)
+        plan = stage_plan(case)
     except PlanRefused as e:
         if "would hold no KV-cache layer" in e.reason:
             # ZeroDivisionError, or a layout error for a group-less stage
@@ -547,6 +574,7 @@ def test_random_splits_match_vllm(data: st.DataObject):
     built = build_pipeline(config, case, STAND_IN.get(backend or "", backend))
     assert built.stage_block_sizes == [plan.block_size] * pp
     assert as_vllm(plan.kv_groups) == built.global_groups
+    chunks = []
     for stage, vllm_stage in zip(plan.stages, built.stages, strict=True):
         assert as_vllm(stage.kv_groups, vllm_stage.groups) == vllm_stage.groups
         off = stage_offload(vllm_stage, {"cpu_bytes_to_use": POOL, "blocks_per_chunk": 1})
@@ -555,6 +583,9 @@ def test_random_splits_match_vllm(data: st.DataObject):
         assert (stage.upstream.row_bytes, stage.upstream.num_chunks) == (
             off["row_bytes"], off["num_chunks"]
         )
+        chunks.append(off["num_chunks"])
+    # vLLM's offloader refused exactly where a stage holds fewer rows than stage 0's
+    assert (plan.offloader == "spillway") == any(n < chunks[0] for n in chunks), chunks
 
 
 def plan_backend(case: PPCase) -> str | None:
@@ -583,3 +614,68 @@ def test_a_deepseek_v4_stage_without_compressed_layers_fails_in_vllm_and_is_refu
 
 def deepseek_v4() -> dict[str, Any]:
     return dict(load_frontier("deepseek-v4-flash"))
+
+
+# ------------------------------------------------------------- uneven stages (issue 45)
+
+UNEVEN = {
+    # case: vLLM's chunks per stage at blocks_per_chunk 1 and a 64 GiB pool
+    PPCase("llama-3.1-70b", 4, 2, partition="30,50"): [17476, 10485],
+    PPCase("gpt-oss-120b", 4, 2, partition="17,19"): [116508, 104857],
+}
+
+
+def _connector_pool(stage: VllmStage, extra: dict[str, Any]) -> Any:
+    """Spillway's connector geometry on one stage's worker, from its own config."""
+    from spillway_engine.offloader.geometry import build_geometry
+
+    stage.vllm_config.kv_transfer_config.kv_connector_extra_config = dict(extra)
+    return build_geometry(stage.vllm_config, stage.kv_cache_config).layout
+
+
+@pytest.mark.parametrize("case", list(UNEVEN), ids=str)
+def test_uneven_stages_vllm_hands_out_stage_0s_chunks_spillway_the_minimum(
+    case: PPCase, pipelines: Pipelines
+):
+    """vLLM's per-stage rows as its own code sizes them; the planner refuses vLLM's
+    offloader naming the split, and Spillway's connector on every stage's worker, given
+    the plan's extra config, hands out the units the smallest stage holds."""
+    plan = plan_for(case, offloader="spillway", blocks_per_chunk=1)
+    built = pipelines.get(case, plan)
+    base = {"cpu_bytes_to_use": POOL, "blocks_per_chunk": 1}
+    assert [stage_offload(s, base)["num_chunks"] for s in built.stages] == UNEVEN[case]
+    with pytest.raises(PlanRefused, match=(
+        rf"pipeline_layer_partition \(--pp-layer-partition, VLLM_PP_LAYER_PARTITION\) "
+        rf"\[{case.partition.replace(',', ', ')}\] with offloader upstream: vLLM's "  # type: ignore[union-attr]
+        rf"offloading manager hands out stage 0's {UNEVEN[case][0]} chunks, but stage\(s\) "
+        rf"\[1\] hold only \[{UNEVEN[case][1]}\]"
+    )):
+        plan_for(case, blocks_per_chunk=1)
+    own = [_connector_pool(s, plan.kv_connector_extra_config | {
+        "spillway_group_units": None, "spillway_num_units": None}) for s in built.stages]
+    shared = [_connector_pool(s, plan.kv_connector_extra_config) for s in built.stages]
+    own_chunks = [h.num_units // sum(g.units for g in h.groups) for h in own]
+    assert own_chunks[0] > own_chunks[1]  # stage 0 alone would hand out more
+    assert plan.num_chunks == min(own_chunks)
+    assert plan.pool_bounding_stage == own_chunks.index(min(own_chunks)) == 1
+    for host, stage, alone in zip(shared, plan.stages, own, strict=True):
+        assert stage.spillway is not None
+        assert host.num_units == stage.spillway.num_units == plan.spillway.num_units
+        assert host.num_units <= alone.num_units  # every unit id inside the stage's pool
+        assert [g.units for g in host.groups] == [g.units for g in stage.spillway.groups]
+        assert host.unit_bytes == stage.spillway.unit_bytes
+        assert host.region_bytes == stage.region_bytes
+
+
+def test_vllms_own_deepseek_v4_split_leaves_stage_1_short(pipelines: Pipelines):
+    """DeepSeek-V4-Flash at vLLM's own 22,21: stage 1 holds fewer rows than stage 0's
+    manager hands out, so vLLM's offloader is refused; Spillway's refuses V4's packed
+    groups (a coarser block than the finest group) on any split."""
+    case = PPCase("deepseek-v4-flash", 4, 2)
+    with pytest.raises(PlanRefused, match=r"\[22, 21\] \(vLLM's own split\)"):
+        plan_for(case)
+    plan = plan_for(PPCase("deepseek-v4-flash", 4, 2, partition="23,20"))
+    built = pipelines.get(case, plan)
+    chunks = [stage_offload(s, {"cpu_bytes_to_use": POOL, "blocks_per_chunk": 1})[
+        "num_chunks"] for s in built.stages]
+    assert chunks[1] < chunks[0]

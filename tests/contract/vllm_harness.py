@@ -455,3 +455,46 @@ def kernel_block_sizes(built: VllmLayout) -> list[int]:
             [AttentionGroup(backend, names, spec, gid) for (backend, spec), names in by_key.items()]
         )
     return prepare_kernel_block_sizes(built.kv_cache_config, attn_groups)
+
+
+def cuda_selections(config: dict[str, Any], case: Case, gpus: list[str]) -> dict[str, Any]:
+    """vLLM's CUDA selection for ``case`` on each of ``gpus`` (no KV planning): the model
+    is built as vLLM builds it with the case's --kv-cache-dtype, and every selector
+    config its layers ask with is selected on each GPU's capability. Per GPU: the names
+    picked, with ``refused: ...`` for a selector config no backend takes. Raises what
+    vLLM raises before selecting (its config checks)."""
+    vc = EngineArgs(
+        model=_write_config(config), skip_tokenizer_init=True, max_model_len=case.max_model_len,
+        enforce_eager=True, tensor_parallel_size=case.tensor_parallel_size,
+        kv_cache_dtype=case.kv_cache_dtype,
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="OffloadingConnector", kv_role="kv_both",
+            kv_connector_extra_config={"cpu_bytes_to_use": 1 << 30},
+        ),
+    ).create_engine_config()
+    global _construct_backend_path
+    # an MLA layer needs an MLA backend to be constructed; the rest take Triton (any KV)
+    mla = "TRITON_MLA" if vc.model_config.use_mla else None
+    _construct_backend_path = construct_backend_path(mla, case.kv_cache_dtype)
+    with set_current_vllm_config(vc):
+        _init_distributed()
+        parallel_state.destroy_model_parallel()
+        initialize_model_parallel(1, 1)
+        tp_group = parallel_state.get_tp_group()
+        tp_group.world_size = case.tensor_parallel_size
+        tp_group.rank_in_group = 0
+        model_cls, _ = get_model_architecture(vc.model_config)
+        _asked.clear()
+        from vllm.v1.attention.selector import _cached_get_attn_backend
+
+        _cached_get_attn_backend.cache_clear()
+        with torch.device("meta"), cuda_streams_stood_in():
+            model_cls(vllm_config=vc, prefix="")
+        from spillway_engine.planner.gpus import get_gpu
+
+        by_capability: dict[tuple[int, int], tuple[str, ...]] = {}
+        for gpu in gpus:
+            cap = get_gpu(gpu).compute_capability
+            if cap not in by_capability:
+                by_capability[cap] = _select_on_cuda(gpu, vc)
+        return {gpu: by_capability[get_gpu(gpu).compute_capability] for gpu in gpus}

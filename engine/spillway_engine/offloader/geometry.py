@@ -191,6 +191,7 @@ def build_geometry(vllm_config: Any, kv_cache_config: Any) -> ConnectorGeometry:
         )
     except OffloadRefused as e:
         raise SpillwayConfigError(str(e)) from None
+    pool = shared_stage_units(pool, extra, group_ids)
     return ConnectorGeometry(
         chunk_tokens=span,
         virtual_tokens_per_block=virtual,
@@ -200,6 +201,53 @@ def build_geometry(vllm_config: Any, kv_cache_config: Any) -> ConnectorGeometry:
         scheduler_kv_cache_config=scheduler_kv_cache_config,
         kv_cache_config=kv_cache_config,
     )
+
+
+def shared_stage_units(
+    pool: UnitPool, extra: Mapping[str, Any], group_ids: Sequence[int]
+) -> UnitPool:
+    """The pool cut to what every pipeline stage holds, as the plan gives it.
+
+    vLLM's scheduler (and so Spillway's manager) sizes the pool from stage 0's KV-cache
+    config; a stage of wider blocks holds fewer units. The plan then gives every
+    stage's connector the units a chunk of each group takes on the widest stage
+    (``spillway_group_units``) and the units the smallest stage's region holds
+    (``spillway_num_units``), so a unit id the manager hands out is inside every
+    stage's region and holds every stage's chunk bytes."""
+    units, num_units = extra.get("spillway_group_units"), extra.get("spillway_num_units")
+    if units is None and num_units is None:
+        return pool
+    if units is None or num_units is None:
+        raise SpillwayConfigError(
+            "kv_connector_extra_config: give both 'spillway_group_units' and "
+            "'spillway_num_units' (the pool every pipeline stage holds), or neither"
+        )
+    try:
+        units, num_units = tuple(int(k) for k in units), int(num_units)
+    except (TypeError, ValueError):
+        raise SpillwayConfigError(
+            "kv_connector_extra_config['spillway_group_units'] must be a list of integers "
+            f"and ['spillway_num_units'] an integer, got {units!r} and {num_units!r}"
+        ) from None
+    if len(units) != len(group_ids):
+        raise SpillwayConfigError(
+            f"kv_connector_extra_config['spillway_group_units'] has {len(units)} entries, "
+            f"but this engine offloads {len(group_ids)} KV-cache groups {list(group_ids)}"
+        )
+    for gid, want, have in zip(group_ids, units, pool.units, strict=True):
+        if want < have:
+            raise SpillwayConfigError(
+                f"kv_connector_extra_config['spillway_group_units']: KV-cache group {gid} "
+                f"gets {want} units a chunk, but this worker's chunk needs {have} units of "
+                f"{pool.unit_bytes} bytes; the plan was made for another split"
+            )
+    if not sum(units) <= num_units <= pool.num_units:
+        raise SpillwayConfigError(
+            f"kv_connector_extra_config['spillway_num_units'] {num_units} is outside this "
+            f"worker's pool of {pool.num_units} units (at least {sum(units)}, one chunk of "
+            "every group); the plan was made for another split or pool"
+        )
+    return replace(pool, units=units, num_units=num_units)
 
 
 def _pool_bytes(extra: Mapping[str, Any]) -> int:

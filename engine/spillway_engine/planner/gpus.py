@@ -21,14 +21,18 @@ Modelled (vLLM 0.33.0, CUDA, default settings):
     align-mode checkpoints need blocks on a 64-token grid
     (``FLASHINFER_GDN_CHECKPOINT_ALIGNMENT``).
 * Ampere / Ada (SM80 A100, SM89 L40S)
-  - attention: ``FLASH_ATTN`` (FA2) ``MultipleOf(16)``; models with attention sinks or an
-    FP8 KV cache fall back to FlashInfer/Triton, which also run 16-token blocks.
+  - attention: ``FLASH_ATTN`` (FA2) ``MultipleOf(16)``; an FP8 KV cache falls back to
+    FlashInfer, attention sinks to Triton (FlashInfer's sinks need TRT-LLM's kernels),
+    both 16-token blocks.
   - MLA: ``FLASH_ATTN_MLA``/``FLASHMLA``/``FLASHINFER_MLA`` need SM90+, so ``TRITON_MLA``,
     ``MultipleOf(16)``.
   - GDN prefill: Triton/FLA, no checkpoint grid.
 
-Blackwell (SM100, SM103, SM120) is in the catalogue; its backend choice is being
-modelled, and until then a plan for it is refused by name.
+* Blackwell (SM100, SM103, SM120): see the README's table; sparse MLA and DeepSeek-V4
+  are refused by name there.
+
+Which ``--kv-cache-dtype`` values any backend of these lists stores is in
+``attention_backend.py`` (a dtype none of them takes is refused as vLLM refuses it).
 """
 
 from __future__ import annotations
@@ -154,27 +158,38 @@ class Gpu:
         an FP8 cache). Every candidate but TRITON_FLASHINFER runs 16-token kernel blocks.
         """
         major = self.compute_capability[0]
+        # FlashAttention (and its prefix-LM composite) stores no fp8_e5m2 cache; FlashInfer
+        # and Triton do (each backend's supported_kv_cache_dtypes)
+        fa = kv_cache_dtype != "fp8_e5m2"
         if major == 9:
             if mm_prefix:
                 # the Triton+FlashAttention composite takes heads 256 and 512 only; FA3 has
                 # no prefix-LM path and FA4 none at the other heads; FlashInfer has none
-                return TRITON_FLASH_ATTN if head_size in _COMPOSITE_HEADS else TRITON_ATTN
-            return FLASH_ATTN
+                composite = fa and head_size in _COMPOSITE_HEADS
+                return TRITON_FLASH_ATTN if composite else TRITON_ATTN
+            if fa:
+                return FLASH_ATTN
+            return FLASHINFER if head_size in _FLASHINFER_HEADS else TRITON_ATTN
         if major == 10:
             # SM10x lists FlashInfer (TRT-LLM kernels: sinks, FP8) first, after the
             # Triton+FlashInfer composite for prefix-LM models; FlashAttention (FA4) serves
             # the heads FlashInfer lacks, and prefix-LM masks up to head 128
+            fa4 = FLASH_ATTN if fa else TRITON_ATTN
             if mm_prefix:
                 if head_size in _COMPOSITE_HEADS:
                     return TRITON_FLASHINFER
-                return FLASH_ATTN if head_size in _FA4_BLACKWELL_HEADS else TRITON_ATTN
-            return FLASHINFER if head_size in _FLASHINFER_HEADS else FLASH_ATTN
+                return fa4 if head_size in _FA4_BLACKWELL_HEADS else TRITON_ATTN
+            return FLASHINFER if head_size in _FLASHINFER_HEADS else fa4
         if mm_prefix:
             # FlashAttention's prefix-LM path needs FA4 (not on SM8x/SM12x), FlashInfer
             # has none: Triton, the next in the list
             return TRITON_ATTN
         # FA2 (SM8x, and SM12x where FA3/FA4 do not run) stops at head 256 and has
-        # neither sinks nor an FP8 KV cache; FlashInfer, next in the list, takes those.
+        # neither sinks nor an FP8 KV cache; FlashInfer, next in the list, takes those,
+        # but sinks only through TRT-LLM's kernels (SM90, SM10x, SM12x:
+        # ``FlashInferBackend.supports_sink``), so sinks on SM8x go on to Triton.
+        if sinks and major == 8:
+            return TRITON_ATTN
         if sinks or kv_cache_dtype in _FP8_KV or head_size > 256:
             return FLASHINFER if head_size in _FLASHINFER_HEADS else TRITON_ATTN
         return FLASH_ATTN

@@ -5,7 +5,7 @@ and the pod's memory around it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from spillway_engine.planner.kv_layout import KVLayout
@@ -16,6 +16,7 @@ from spillway_engine.planner.offload_geometry import (
     UpstreamGeometry,
     spillway_connector_refusal,
     spillway_geometry,
+    unit_pool_gauge_tokens,
     upstream_geometry,
 )
 from spillway_engine.planner.plan_schema import PlanRefused, PlanRequest
@@ -205,3 +206,69 @@ def fit_pool(
         )
         chosen = chosen_offload(request.offloader, upstream, spillway)
     return PoolFit(cpu_bytes, upstream, upstream_refusal, spillway, chosen)
+
+
+@dataclass(frozen=True)
+class SharedStagePool:
+    """Spillway's pool as every pipeline stage can hold it: vLLM's scheduler (and so
+    Spillway's manager) sees stage 0's KV-cache config only, yet a unit id it hands out
+    is written on every stage, each at its own unit size."""
+
+    #: each stage's geometry with the shared units per group and unit count
+    stages: tuple[SpillwayGeometry, ...]
+    #: the stage that alone holds the fewest chunks: it bounds the pool
+    bounding_stage: int
+    #: each stage's own chunk count before sharing (what it alone would hold)
+    own_chunks: tuple[int, ...]
+
+
+def shared_stage_pool(
+    stages: list[SpillwayGeometry], max_model_len: int
+) -> SharedStagePool | None:
+    """The pool every stage holds, or None where the stages already agree (even splits).
+
+    A chunk of group g takes the most units any stage needs for it (a stage needing
+    fewer leaves the rest unwritten), and the manager hands out only the units the
+    smallest stage's region has: never a unit id outside a stage's region."""
+    if len({(s.num_units, tuple(g.units for g in s.groups)) for s in stages}) <= 1:
+        return None
+    first = stages[0]
+    for s in stages:
+        # the span, copies and groups are the whole model's: the same on every stage
+        assert (s.chunk_tokens, s.copies, len(s.groups)) == (
+            first.chunk_tokens, first.copies, len(first.groups)
+        )
+    units = [max(s.groups[i].units for s in stages) for i in range(len(first.groups))]
+    num_units = min(s.num_units for s in stages)
+    own = tuple(s.num_chunks for s in stages)
+    shared = tuple(_with_units(s, units, num_units, max_model_len) for s in stages)
+    return SharedStagePool(shared, own.index(min(own)), own)
+
+
+def _with_units(
+    geometry: SpillwayGeometry, units: list[int], num_units: int, max_model_len: int
+) -> SpillwayGeometry:
+    unit, copies, span = geometry.unit_bytes, geometry.copies, geometry.chunk_tokens
+    groups = tuple(
+        replace(g, units=k, row_bytes=k * unit * copies)
+        for g, k in zip(geometry.groups, units, strict=True)
+    )
+    num_chunks = num_units // sum(units)
+    return replace(
+        geometry,
+        num_units=num_units,
+        groups=groups,
+        chunk_set_bytes=sum(g.row_bytes for g in groups),
+        num_chunks=num_chunks,
+        region_bytes=num_units * unit * copies,
+        capacity_tokens=num_chunks * span,
+        gauge_tokens=unit_pool_gauge_tokens(
+            num_units, max_model_len, span, ((g.window_chunks, g.units) for g in groups)
+        ),
+        kv_connector_extra_config={
+            **geometry.kv_connector_extra_config,
+            # every stage's connector takes these over its own (offloader/geometry.py)
+            "spillway_group_units": units,
+            "spillway_num_units": num_units,
+        },
+    )

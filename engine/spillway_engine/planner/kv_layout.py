@@ -75,7 +75,7 @@ __all__ = [
 def compute_layout(shape: ModelShape, gpu: Gpu, request: LayoutRequest) -> KVLayout:
     """The KV-cache groups, hash unit and bytes per block vLLM 0.33.0 builds."""
     shape = _checked(shape, request)
-    kv_dtype, kv_bytes = resolve_kv_dtype(shape, request.kv_cache_dtype)
+    kv_dtype, kv_bytes = resolve_kv_dtype(shape, request.kv_cache_dtype, gpu)
     notes = list(shape.notes)
     if shape.compressed_sparse_mla:
         return _packed_layout(shape, gpu, request, notes)

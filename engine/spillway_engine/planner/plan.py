@@ -15,6 +15,9 @@ layers once, and every stage's workers hold those groups with only the stage's l
 The plan's top-level figures (``worker_bytes_per_block``, rows, chunks, capacity) are
 then stage 0's, the KV-cache config vLLM's scheduler and its offloader's manager take;
 ``stages`` gives each stage's layers, groups and host pool as its workers compute them.
+Where stages differ, Spillway's pool is what every stage holds (``pool_bounding_stage``
+names the stage that bounds it), and vLLM's offloader is refused where a stage holds
+fewer chunks than stage 0's manager hands out.
 
 The pieces: the request and plan types (``plan_schema.py``), the layout the request
 asks for (``request_layout.py``), the host pool and pod (``host_pool.py``), the plan's
@@ -28,7 +31,7 @@ from typing import Any
 
 from spillway_engine import __version__
 from spillway_engine.planner.gpus import UnknownGpu
-from spillway_engine.planner.host_pool import fit_pool, per_node, sized_pod
+from spillway_engine.planner.host_pool import chosen_offload, fit_pool, per_node, sized_pod
 from spillway_engine.planner.offload_geometry import OffloadRefused
 from spillway_engine.planner.plan_reader import PlanReadError, read_plan
 from spillway_engine.planner.plan_schema import (
@@ -117,12 +120,15 @@ def _make_plan(
             "modelled for pipeline stages"
         )
     pool = fit_pool(layout, request, workers, local, engines, max_len)
-    chosen = pool.chosen
-    stages, stage_notes = stage_sections(model_layout, request, pool.cpu_bytes, workers, max_len)
+    sections = stage_sections(model_layout, request, pool.cpu_bytes, workers, max_len)
+    stages = sections.stages
+    # Spillway's manager hands out only what every stage holds (uneven stages)
+    spillway = sections.shared_spillway or pool.spillway
+    chosen = chosen_offload(request.offloader, pool.upstream, spillway)
     # Each stage's workers map their own region: a pod holds a stage's, the largest.
     region = max([chosen.region_bytes, *(s["region_bytes"] for s in stages)])
     pod = sized_pod(region, local, engines, request.memory_limit_bytes, chosen.host_keys)
-    disk = disk_tier(request, layout, pool.spillway, workers, engines, max_len)
+    disk = disk_tier(request, layout, spillway, workers, engines, max_len)
     # One validation of nested dicts (pydantic's core walks them) instead of a model
     # per group and chunk: a tenth of a millisecond on many-group models.
     return Plan.model_validate(dict(
@@ -147,15 +153,16 @@ def _make_plan(
         capacity_tokens=chosen.capacity_tokens,
         upstream=None if pool.upstream is None else upstream_info(pool.upstream),
         upstream_refusal=pool.upstream_refusal,
-        spillway=spillway_info(pool.spillway),
+        spillway=spillway_info(spillway),
         kv_connector_extra_config=chosen.extra_config,
         kv_transfer_config=chosen.transfer_config,
         pod=pod_info(request, pod, engines),
         disk=disk,
-        notes=list(model_layout.notes) + stage_notes,
+        notes=list(model_layout.notes) + sections.notes,
         speculative_method=request.speculative_method,
         num_speculative_tokens=request.num_speculative_tokens if request.speculative_method else 0,
         speculative_model=request.speculative_model if request.speculative_method else None,
         draft_layer_indices=draft_layers(model_layout),
         stages=stages,
+        pool_bounding_stage=sections.bounding_stage,
     ))

@@ -6,6 +6,9 @@ makes a plan; ``plan_reader.read_plan`` is its only JSON reader.
 
 from __future__ import annotations
 
+import hashlib
+import json
+from functools import cached_property
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -341,6 +344,30 @@ class Plan(_Model):
         description="Pipeline stages, each with its layers, KV groups and host pool; empty "
         "without pipeline parallelism.",
     )
+    pool_bounding_stage: int | None = Field(
+        None,
+        description="The pipeline stage whose host pool holds the fewest chunks: Spillway's "
+        "offloader hands out only what it holds, on every stage; null where the stages' "
+        "pools agree (no pipeline parallelism, or stages of equal bytes per block).",
+    )
+
+    @cached_property
+    def file_text(self) -> str:
+        """The plan file the engine reads. Sorted keys keep the text, and so
+        :attr:`file_hash`, stable for an unchanged plan (a changed hash rolls the pods).
+        Kept on the (frozen) plan: the operator asks for it several times a reconcile."""
+        return json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True)
+
+    @cached_property
+    def file_hash(self) -> str:
+        return hashlib.sha256(self.file_text.encode()).hexdigest()[:16]
+
+    def model_copy(self, *, update: dict[str, Any] | None = None, deep: bool = False) -> Plan:
+        # pydantic copies the instance dict, cached text included: a changed copy drops it
+        copy = super().model_copy(update=update, deep=deep)
+        for cached in ("file_text", "file_hash"):
+            copy.__dict__.pop(cached, None)
+        return copy
 
     def speculative_config(self) -> dict[str, Any] | None:
         """The --speculative-config the engine passes, or None without a drafter."""

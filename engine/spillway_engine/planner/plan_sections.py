@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from typing import Any
 
-from spillway_engine.planner.host_pool import offload_request
+from spillway_engine.planner.host_pool import offload_request, shared_stage_pool
 from spillway_engine.planner.kv_layout import KVLayout
+from spillway_engine.planner.layout_types import Stage
 from spillway_engine.planner.offload_geometry import (
     OffloadRefused,
     SpillwayGeometry,
@@ -215,19 +217,37 @@ def disk_tier(
     )
 
 
+@dataclass(frozen=True)
+class StageSections:
+    """The plan's ``stages``, their notes, and Spillway's pool as every stage holds it."""
+
+    stages: list[dict[str, Any]]
+    notes: list[str]
+    #: stage 0's Spillway geometry on the pool every stage holds (the scheduler's view),
+    #: or None where the stages agree and the top-level figures stand as computed
+    shared_spillway: SpillwayGeometry | None = None
+    #: the stage whose pool bounds Spillway's chunks (None: the stages agree)
+    bounding_stage: int | None = None
+
+
 def stage_sections(
     model_layout: KVLayout, request: PlanRequest, cpu_bytes: int, workers: int, max_len: int
-) -> tuple[list[dict[str, Any]], list[str]]:
+) -> StageSections:
     """Each pipeline stage's layers, groups and both offloaders' host pools as the
     stage's workers size them (every worker builds its offloading spec from its own
-    KV-cache config and the same cpu_bytes_to_use), and notes on how they differ."""
-    out: list[dict[str, Any]] = []
-    draft = set(draft_layers(model_layout))
+    KV-cache config and the same cpu_bytes_to_use), and notes on how they differ.
+
+    Spillway's pools are then cut to what every stage holds (``shared_stage_pool``);
+    vLLM's offloader, whose manager hands out stage 0's chunks, is refused where
+    another stage holds fewer."""
+    offload = offload_request(request, cpu_bytes, workers, max_len)
+    upstreams: list[UpstreamGeometry | None] = []
+    spillways: list[SpillwayGeometry | None] = []
+    refusals: list[tuple[str | None, str | None]] = []
     for stage in model_layout.stages:
         layout = stage.layout
         upstream = spillway = None
         upstream_refusal = spillway_refusal = None
-        offload = offload_request(request, cpu_bytes, workers, max_len)
         try:
             upstream = upstream_geometry(layout, offload)
         except OffloadRefused as e:
@@ -241,25 +261,87 @@ def stage_sections(
         refusal = upstream_refusal if request.offloader == "upstream" else spillway_refusal
         if refusal is not None:
             raise OffloadRefused(f"pipeline stage {stage.index}: {refusal}")
-        chosen = upstream if request.offloader == "upstream" else spillway
-        assert chosen is not None
-        out.append(dict(
-            stage=stage.index,
-            first_layer=stage.first_layer,
-            end_layer=stage.end_layer,
-            num_cache_layers=len(stage.cache_layers),
-            cache_layer_indices=list(stage.cache_layers),
-            draft_layer_indices=[i for i in stage.cache_layers if i in draft],
-            workers=request.tensor_parallel_size,
-            kv_groups=kv_groups(layout),
-            worker_bytes_per_block=layout.worker_bytes_per_block,
-            upstream=None if upstream is None else upstream_info(upstream),
-            upstream_refusal=upstream_refusal,
-            spillway=None if spillway is None else spillway_info(spillway),
-            spillway_refusal=spillway_refusal,
-            region_bytes=chosen.region_bytes,
-        ))
-    return out, _stage_notes(out)
+        upstreams.append(upstream)
+        spillways.append(spillway)
+        refusals.append((upstream_refusal, spillway_refusal))
+    if request.offloader == "upstream":
+        _refuse_short_upstream_stages(request, model_layout, upstreams)
+    shared = None
+    if all(s is not None for s in spillways):
+        shared = shared_stage_pool([s for s in spillways if s is not None], max_len)
+        if shared is not None:
+            spillways = list(shared.stages)
+    out = [
+        _stage_section(model_layout, stage, request, upstream, spillway, *why)
+        for stage, upstream, spillway, why in zip(
+            model_layout.stages, upstreams, spillways, refusals, strict=True
+        )
+    ]
+    notes = _stage_notes(out)
+    if shared is None:
+        return StageSections(out, notes)
+    notes.append(
+        f"Spillway's offloader hands out {shared.stages[0].num_chunks} chunks "
+        f"({shared.stages[0].num_units} units), what every pipeline stage holds: stage "
+        f"{shared.bounding_stage} bounds it (each stage alone would hold "
+        f"{list(shared.own_chunks)} chunks; a chunk of each group takes "
+        f"{[g.units for g in shared.stages[0].groups]} units on every stage)"
+    )
+    return StageSections(out, notes, shared.stages[0], shared.bounding_stage)
+
+
+def _stage_section(
+    model_layout: KVLayout,
+    stage: Stage,
+    request: PlanRequest,
+    upstream: UpstreamGeometry | None,
+    spillway: SpillwayGeometry | None,
+    upstream_refusal: str | None,
+    spillway_refusal: str | None,
+) -> dict[str, Any]:
+    layout = stage.layout
+    draft = set(draft_layers(model_layout))
+    chosen = upstream if request.offloader == "upstream" else spillway
+    assert chosen is not None
+    return dict(
+        stage=stage.index,
+        first_layer=stage.first_layer,
+        end_layer=stage.end_layer,
+        num_cache_layers=len(stage.cache_layers),
+        cache_layer_indices=list(stage.cache_layers),
+        draft_layer_indices=[i for i in stage.cache_layers if i in draft],
+        workers=request.tensor_parallel_size,
+        kv_groups=kv_groups(layout),
+        worker_bytes_per_block=layout.worker_bytes_per_block,
+        upstream=None if upstream is None else upstream_info(upstream),
+        upstream_refusal=upstream_refusal,
+        spillway=None if spillway is None else spillway_info(spillway),
+        spillway_refusal=spillway_refusal,
+        region_bytes=chosen.region_bytes,
+    )
+
+
+def _refuse_short_upstream_stages(
+    request: PlanRequest, model_layout: KVLayout, upstreams: list[UpstreamGeometry | None]
+) -> None:
+    """vLLM 0.33's offloading manager runs on stage 0's KV-cache config and hands out
+    its chunk count; a stage whose rows are wider holds fewer, and a chunk id past its
+    rows is written outside its region."""
+    counts = [u.num_chunks for u in upstreams if u is not None]
+    short = [i for i, n in enumerate(counts) if n < counts[0]]
+    if not short:
+        return
+    split = [s.end_layer - s.first_layer for s in model_layout.stages]
+    whose = "" if request.pipeline_layer_partition is not None else " (vLLM's own split)"
+    raise OffloadRefused(
+        f"pipeline_layer_partition (--pp-layer-partition, VLLM_PP_LAYER_PARTITION) "
+        f"{split}{whose} with offloader upstream: vLLM's "
+        f"offloading manager hands out stage 0's {counts[0]} chunks, but stage(s) {short} "
+        f"hold only {[counts[i] for i in short]} (chunks per stage {counts}), so their "
+        "workers would write past their host pool; give a split whose later stages hold "
+        "no more KV-cache bytes per block than stage 0, or use offloader spillway (it "
+        "hands out what every stage holds)"
+    )
 
 
 def _stage_notes(stages: list[dict[str, Any]]) -> list[str]:

@@ -16,8 +16,12 @@ Kind = Literal[
     "full_attention", "sliding_window", "chunked_local", "mla", "mamba", "circular_buffer"
 ]
 
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1, "fp8_e4m3": 1}
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3")
+DTYPE_BYTES = {
+    "bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1
+}
+#: the --kv-cache-dtype values the planner models (vLLM's whole list and what it does
+#: with the rest: planner/attention_backend.py)
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
 TORCH_DTYPE_NAMES = {
     "bfloat16": "bfloat16",
     "bf16": "bfloat16",

@@ -254,8 +254,12 @@ def test_a_group_a_stage_holds_no_layer_of_takes_no_host_bytes_there():
     assert spill is not None
     for chunk in spill.groups:
         held = first.kv_groups[chunk.group_index].num_layers
-        assert (chunk.units == 0) == (held == 0)
-        assert (chunk.row_bytes == 0) == (held == 0)
+        assert (chunk.chunk_bytes == 0) == (held == 0)
+    # the manager's unit ids mean the same on every stage: a chunk of a group takes the
+    # units its widest stage needs, left unwritten on a stage holding none of its layers
+    units = {tuple(g.units for g in s.spillway.groups) for s in p.stages if s.spillway}
+    assert len(units) == 1 and all(units.pop())
+    assert p.pool_bounding_stage is not None
 
 
 LLAMA_70B = str(MODELS / "llama-3.1-70b-instruct.json")
@@ -310,8 +314,101 @@ def test_a_deepseek_v4_stage_lacking_a_kind_of_cache_is_refused():
     with pytest.raises(PlanRefused, match=r"stage 0 .* holds only some of"):
         plan(config, tensor_parallel_size=4, pipeline_parallel_size=2,
              pipeline_layer_partition=[2, 41])
-    # [22, 21]; Spillway's offloader refuses V4's packed groups, vLLM's runs it
-    p = plan(config, tensor_parallel_size=4, pipeline_parallel_size=2, offloader="upstream")
+    # Spillway's offloader refuses V4's packed groups; vLLM's runs it where no later
+    # stage holds fewer rows than stage 0 (vLLM's own [22, 21] leaves stage 1 short)
+    with pytest.raises(PlanRefused, match=r"\[22, 21\] \(vLLM's own split\) with offloader"):
+        plan(config, tensor_parallel_size=4, pipeline_parallel_size=2, offloader="upstream")
+    p = plan(config, tensor_parallel_size=4, pipeline_parallel_size=2, offloader="upstream",
+             pipeline_layer_partition=[23, 20])
     assert [s.num_cache_layers for s in p.stages] == [
         len(s.cache_layer_indices) for s in p.stages
     ]
+
+
+# ------------------------------------------------------------- uneven stages' pools
+
+
+def test_spillway_hands_out_what_every_uneven_stage_holds():
+    """vLLM's scheduler sizes the pool from stage 0 (30 of Llama-3.1-70B's 80 layers);
+    stage 1's 50 layers hold fewer rows. Spillway's pool is what every stage holds."""
+    config = load_model("llama-3.1-70b-instruct")
+    p = plan(config, tensor_parallel_size=4, pipeline_parallel_size=2,
+             pipeline_layer_partition=[30, 50], blocks_per_chunk=1)
+    # vLLM's own figures per stage, unchanged (tests/contract: 17,476 and 10,485)
+    assert [s.upstream.num_chunks for s in p.stages if s.upstream] == [17476, 10485]
+    assert p.pool_bounding_stage == 1
+    assert p.num_chunks == p.spillway.num_chunks == 10485
+    for stage in p.stages:
+        sw = stage.spillway
+        assert sw is not None and sw.num_units == 10485
+        assert stage.region_bytes == sw.region_bytes == 10485 * sw.unit_bytes * sw.copies
+    assert p.spillway == p.stages[0].spillway  # the scheduler's view: stage 0's worker
+    extra = p.kv_connector_extra_config
+    assert (extra["spillway_num_units"], extra["spillway_group_units"]) == (10485, [1])
+    assert p.kv_transfer_config["kv_connector_extra_config"] == extra
+    assert any("hands out 10485 chunks" in n and "stage 1 bounds it" in n
+               and "[17476, 10485]" in n for n in p.notes)
+    assert read_plan(p.model_dump_json(), "test") == p
+
+
+def test_a_chunk_takes_the_units_its_widest_stage_needs():
+    """gpt-oss-120b at 17,19: stage 0's chunk of the full-attention group needs 8 units,
+    stage 1's 10. The manager's unit ids mean the same on both stages."""
+    p = plan(load_model("gpt-oss-120b"), tensor_parallel_size=4, pipeline_parallel_size=2,
+             pipeline_layer_partition=[17, 19], blocks_per_chunk=1)
+    assert [s.upstream.num_chunks for s in p.stages if s.upstream] == [116508, 104857]
+    assert [[g.units for g in s.spillway.groups] for s in p.stages if s.spillway] == [
+        [9, 10], [9, 10]
+    ]
+    assert p.pool_bounding_stage == 1
+    assert p.num_chunks == 55188  # stage 1's own count: the smaller one
+    assert any("each stage alone would hold [61680, 55188] chunks" in n for n in p.notes)
+
+
+def test_even_stages_keep_their_plan():
+    p = plan(load_model("llama-3.1-70b-instruct"), tensor_parallel_size=4,
+             pipeline_parallel_size=2)
+    assert p.pool_bounding_stage is None
+    assert "spillway_num_units" not in p.kv_connector_extra_config
+    assert p.stages[0].spillway == p.stages[1].spillway == p.spillway
+    assert "pool_bounding_stage" not in p.model_dump(exclude_defaults=True)
+
+
+def test_upstream_with_a_later_stage_holding_fewer_rows_is_refused():
+    match = (r"\[30, 50\] with offloader upstream: vLLM's offloading manager hands out "
+             r"stage 0's 1092 chunks, but stage\(s\) \[1\] hold only \[655\]")
+    with pytest.raises(PlanRefused, match=match) as refused:
+        plan(load_model("llama-3.1-70b-instruct"), tensor_parallel_size=4,
+             pipeline_parallel_size=2, pipeline_layer_partition=[30, 50],
+             offloader="upstream")
+    assert refused.value.reason.startswith("pipeline_layer_partition (--pp-layer-partition")
+    assert "offloader spillway" in refused.value.reason
+
+
+def test_upstream_with_later_stages_holding_more_rows_runs():
+    # stage 0 the widest: the manager's chunk count fits every later stage
+    p = plan(load_model("llama-3.1-70b-instruct"), tensor_parallel_size=4,
+             pipeline_parallel_size=2, pipeline_layer_partition=[50, 30],
+             offloader="upstream")
+    assert [s.upstream.num_chunks for s in p.stages if s.upstream] == [655, 1092]
+    assert p.num_chunks == 655
+
+
+def test_vllms_own_uneven_split_is_refused_for_upstream_naming_it():
+    # 126 layers over 4 stages: [31, 32, 32, 31]; stages 1 and 2 hold fewer rows
+    config = dict(load_model("llama-3.1-70b-instruct"), num_hidden_layers=126)
+    with pytest.raises(PlanRefused, match=r"\[31, 32, 32, 31\] \(vLLM's own split\) with "
+                                          r"offloader upstream.*stage\(s\) \[1, 2\]"):
+        plan(config, tensor_parallel_size=8, pipeline_parallel_size=4, offloader="upstream")
+    p = plan(config, tensor_parallel_size=8, pipeline_parallel_size=4)
+    assert p.pool_bounding_stage == 1
+
+
+def test_spillway_plan_says_which_stage_bounds_the_pool(capsys):
+    code, out, _ = spillway_plan(capsys, "-tp", "4", "-pp", "2", "--pp-layer-partition",
+                                 "30,50")
+    assert code == 0
+    assert "stage 1 bounds it" in out
+    code, _, err = spillway_plan(capsys, "-tp", "4", "-pp", "2", "--pp-layer-partition",
+                                 "30,50", "--offloader", "upstream")
+    assert code == 2 and "pipeline_layer_partition" in err and err.count("\n") == 1
