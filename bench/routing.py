@@ -55,7 +55,13 @@ HTTP server at the same speed; 8,192 GPU KV and 16,384 host-tier tokens each) th
 three paths: ``gateway + Spillway EPP``, a real Envoy (``e2e.gateway``, failing open, so
 with a buffered body) that asks the picker and sends to the pod it names;
 ``spillway-router``, the HTTP proxy; ``gateway, round robin``, the same Envoy without
-the picker (``GatewayConfig(picker=None)``). Each path starts on fresh engine processes
+the picker (``GatewayConfig(picker=None)``); ``gateway + GIE EPP``, Envoy asking GIE
+v1.2.0's own picker (``e2e.gateway.gie``: built by tools/build.sh, reading an
+InferencePool and a pod per engine from an API server of its own, in GIE's full-duplex
+mode), sent the trace as chat messages (it refuses token-id prompts; the engines
+tokenize them into the same ids), its prefix scorer sized as its autoTune would size it
+from vLLM's cache_config_info at the messages' characters per token; the engines listen
+on pod IPs (127.N.0.i, one port) for it. Each path starts on fresh engine processes
 (restarted on the same ports: cold caches) and a fresh router, ``--mode approx`` (the
 simulator publishes no KV events), given a plan whose ``max_model_len`` is the engines'
 GPU KV size (the simulator exports no ``vllm:cache_config_info``, so the router takes a
@@ -72,7 +78,9 @@ per second through each path with 64 concurrent clients, spillway-router (proxy 
 picker are one process) pinned to one core (taskset) and Envoy, the engines and the
 client on the other, with each one's CPU (share of one core); ``gateway + EPP, duplex``
 is the picker behind Envoy in GIE's own body mode (FULL_DUPLEX_STREAMED, failing
-closed). About 4 minutes; ``--quick`` about 1.
+closed); GIE's picker is measured against the engines sent the same prompts as text
+(``direct, text prompts``: 2,048 words), since it takes no token ids, and runs on the
+router's core (one of them loaded at a time). About 7 minutes; ``--quick`` about 2.5.
 
 Under the autoscaler (the second table): each policy again, on a trace whose load
 rises and falls (``AUTOSCALE_PHASES``: the per-replica workload above for 2, then 6,
@@ -95,10 +103,8 @@ work, and that is what the autoscaler turns into fewer replicas.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -107,18 +113,20 @@ sys.path.insert(0, str(ROOT / "engine"))
 sys.path.insert(0, str(ROOT / "operator"))
 sys.path.insert(0, str(ROOT))  # bench.autoscale
 
-from bench.autoscale import (  # noqa: E402
-    INTERVAL,
-    LOAD_DELAY,
-    SCALE_DOWN_WINDOW,
-    TOLERANCE,
-    DelayedCluster,
+from bench.autoscale import DelayedCluster  # noqa: E402
+from bench.autoscale_policies import INTERVAL, SCALE_DOWN_WINDOW, TOLERANCE  # noqa: E402
+from bench.routing_trace import (  # noqa: E402  (the trace, shared with --gateway)
+    GPU_KV_TOKENS,
+    HOST_CHUNKS,
+    PLAN_FILE,
+    free_port,
+    load_plan,
+    trace,
 )
-from spillway_cli.loadgen import TraceSpec, generate_trace, percentile, to_replay_items  # noqa: E402
-from spillway_engine.planner.plan import read_plan  # noqa: E402
+from spillway_cli.loadgen import percentile  # noqa: E402
 from spillway_engine.simulator.cluster import Replica, VirtualCluster  # noqa: E402
 from spillway_engine.simulator.core import LatencyModel, ReplayItem, _group_salt  # noqa: E402
-from spillway_engine.simulator.plan_input import gpu_blocks_for_tokens, parse_plan  # noqa: E402
+from spillway_engine.simulator.plan_input import gpu_blocks_for_tokens  # noqa: E402
 from spillway_operator.flow.pressure import (  # noqa: E402
     Candidate,
     State,
@@ -135,9 +143,7 @@ from spillway_router.hashing import BlockHasher, HashConfig  # noqa: E402
 from spillway_router.index import ApproxTracker, Match, PrefixIndex  # noqa: E402
 from spillway_router.scoring import CostModel, PodState, Ring, choose, cold_key  # noqa: E402
 
-PLAN_FILE = ROOT / "tests" / "fixtures" / "plans" / "llama-3.2-1b-upstream.json"
-GPU_KV_TOKENS = 8192
-HOST_CHUNKS = 64  # 64 x 256 = 16,384 host tokens per replica: the host tier matters
+LOAD_DELAY = 120.0  # s from "asked for" to ready (model load); bench.autoscale's old default
 REPLICAS = (1, 2, 4, 8)
 POLICIES = (
     "spillway-events",
@@ -147,29 +153,7 @@ POLICIES = (
     "approx-no-capacity",
 )
 NEVER = 10**12
-
-
-def load_plan():
-    data = json.loads(PLAN_FILE.read_text())
-    tpc = data["kv_groups"][0]["tokens_per_block"] * data["blocks_per_chunk"]
-    data.update(num_chunks=HOST_CHUNKS, capacity_tokens=HOST_CHUNKS * tpc)
-    plan = read_plan(json.dumps(data), PLAN_FILE.name)
-    return plan, parse_plan(plan)
-
-
-def trace(n: int, duration: float, seed: int) -> list[ReplayItem]:
-    """Per replica: 1.5 chat req/s over 12 users, 1 shared-prefix req/s over 3 prefixes."""
-    chat = TraceSpec(kind="chat", rate=1.5 * n, duration=duration, seed=seed, users=12 * n,
-                     turns=8, system_tokens=512, user_tokens=96, reply_tokens=96,
-                     max_tokens=64)  # fmt: skip
-    shared = TraceSpec(kind="shared-prefix", rate=1.0 * n, duration=duration, seed=seed + 1,
-                       prefixes=3 * n, prefix_tokens=2048, question_tokens=64,
-                       max_tokens=32)  # fmt: skip
-    items = to_replay_items(generate_trace(chat)) + [
-        replace(it, rid=f"s{it.rid}", session=f"p-{it.session}")
-        for it in to_replay_items(generate_trace(shared))
-    ]
-    return sorted(items, key=lambda it: it.arrival)
+GATEWAY_SPEED = 5.0  # --gateway: modelled seconds per wall second, the trace compressed
 
 
 class Policy:
@@ -490,14 +474,6 @@ def autoscaled_table(plan, sim_plan, duration: float, seed: int) -> None:
               f"   ({time.perf_counter() - t0:.0f} s)", flush=True)  # fmt: skip
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 async def _overhead(direct: str, routed: str, n: int, seconds: float) -> dict[str, float]:
     import asyncio
     import random
@@ -560,7 +536,7 @@ def overhead() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         plan_path = Path(tmp) / "plan.json"
         plan_path.write_text(plan.model_dump_json())
-        sport, rport = _free_port(), _free_port()
+        sport, rport = free_port(), free_port()
         env = {**__import__("os").environ, "PYTHONPATH": f"{ROOT / 'engine'}:{ROOT / 'operator'}"}
         sim = subprocess.Popen(
             [sys.executable, "-m", "spillway_engine.simulator", "--plan", str(plan_path),
@@ -590,409 +566,6 @@ def overhead() -> int:
     return 0
 
 
-# ------------------------------------------------------------------------- --gateway
-
-GATEWAY_PATHS = ("gateway + Spillway EPP", "spillway-router", "gateway, round robin")
-EPP, PROXY, ROUND_ROBIN = GATEWAY_PATHS
-DUPLEX = "gateway + EPP, duplex"  # GIE's own body mode (fail closed), capacity only
-GATEWAY_SPEED = 5.0  # modelled seconds per wall second: the trace, compressed
-GATEWAY_CLIENTS = 64
-#: the engines' /metrics counters the hit shares are read from (summed over engines)
-QUERIES, GPU_HITS, HOST_HITS = (
-    "vllm:prefix_cache_queries_total",
-    "vllm:prefix_cache_hits_total",
-    "spillway_host_hit_tokens_total",
-)
-
-
-def added(direct: list[float], routed: list[float], q: float) -> float:
-    """What a path adds at percentile ``q``: its percentile less direct's (as --overhead)."""
-    return (percentile(routed, q) or 0.0) - (percentile(direct, q) or 0.0)
-
-
-def split(counts: list[float]) -> str:
-    """Each engine's share of the prompt tokens, in percent: ``52/48``."""
-    total = sum(counts) or 1.0
-    return "/".join(f"{100 * c / total:.0f}" for c in counts)
-
-
-def _cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) a process has used so far."""
-    import os
-
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _engine_counters(address: str) -> dict[str, float]:
-    import urllib.request
-
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    out = dict.fromkeys((QUERIES, GPU_HITS, HOST_HITS), 0.0)
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name in out:
-                out[s.name] += s.value
-    return out
-
-
-class Stack:
-    """The processes of one measurement (engines, spillway-router, Envoys), on loopback;
-    all stopped on exit. ``pin`` names the one core a process runs on (taskset)."""
-
-    def __init__(self, workdir: Path, plan_path: Path) -> None:
-        import os
-
-        self.workdir, self.plan_path = workdir, plan_path
-        self.env = {**os.environ, "PYTHONPATH": f"{ROOT / 'engine'}:{ROOT / 'operator'}"}
-        self.procs: list = []
-        self.envoys: list = []
-        workdir.mkdir(parents=True, exist_ok=True)
-
-    def __enter__(self) -> Stack:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        import subprocess
-
-        for envoy in self.envoys:
-            envoy.stop()
-        for proc in reversed(self.procs):
-            proc.terminate()
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
-
-    def _start(self, name: str, cmd: list[str], pin: int | None = None):
-        import shutil
-        import subprocess
-
-        if pin is not None and shutil.which("taskset"):
-            cmd = ["taskset", "-c", str(pin), *cmd]
-        proc = subprocess.Popen(cmd, env=self.env, stdout=subprocess.DEVNULL,
-                                stderr=(self.workdir / f"{name}.log").open("wb"))  # fmt: skip
-        self.procs.append(proc)
-        return proc
-
-    def engines(self, ports: list[int], speed: float) -> list[str]:
-        addresses = []
-        for i, port in enumerate(ports):
-            self._start(f"engine-{i}", [
-                sys.executable, "-m", "spillway_engine.simulator", "--plan", str(self.plan_path),
-                "--port", str(port), "--speed", str(speed), "--served-model-name", "m",
-                "--gpu-kv-tokens", str(GPU_KV_TOKENS), "--seed", str(i)])  # fmt: skip
-            addresses.append(f"127.0.0.1:{port}")
-        for a in addresses:
-            _wait_http(f"http://{a}/health", lambda body: True)
-        return addresses
-
-    def router(self, addresses: list[str], pin: int | None = None) -> tuple[str, str, int]:
-        """spillway-router (approximate index: the simulator publishes no KV events) with
-        its endpoint picker: (proxy URL, picker host:port, pid)."""
-        port, epp = _free_port(), _free_port()
-        backends = [a for i, addr in enumerate(addresses) for a in (
-            "--backend", f"model=m,url=http://{addr},name=e{i},plan={self.plan_path}")]
-        proc = self._start("router", [
-            sys.executable, "-m", "spillway_router.main", "--host", "127.0.0.1", "--port",
-            str(port), "--epp-port", str(epp), "--mode", "approx", "--log-level", "WARNING",
-            *backends], pin)  # fmt: skip
-        url = f"http://127.0.0.1:{port}"
-        n = len(addresses)
-        _wait_http(url + "/healthz", lambda body: json.loads(body)["ready_pods"].get("m") == n)
-        return url, f"127.0.0.1:{epp}", proc.pid
-
-    def envoy(self, name: str, picker: str | None, addresses: list[str], pin: int | None = None,
-              failure_mode: str = "FailOpen"):  # fmt: skip
-        import shutil
-        import subprocess
-
-        from e2e.gateway import Envoy, GatewayConfig
-
-        cfg = GatewayConfig(picker=picker, endpoints=addresses, port=_free_port(),
-                            admin_port=_free_port(), failure_mode=failure_mode)  # fmt: skip
-        envoy = Envoy(cfg, self.workdir / name)
-        self.envoys.append(envoy)
-        envoy.start()
-        if pin is not None and shutil.which("taskset"):  # every thread of it
-            subprocess.run(["taskset", "-a", "-cp", str(pin), str(envoy.proc.pid)],
-                           check=True, stdout=subprocess.DEVNULL)  # fmt: skip
-        return envoy
-
-
-def _wait_http(url: str, ok, timeout: float = 60.0) -> None:
-    import urllib.request
-
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200 and ok(r.read()):
-                    return
-        except (OSError, ValueError, KeyError):
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{url}: not ready in {timeout:.0f} s")
-        time.sleep(0.1)
-
-
-async def _streamed(http, url: str, item: ReplayItem) -> tuple[float, float] | None:
-    """One trace request, streamed: (wall s to the first SSE data chunk, the engine's own
-    modelled TTFT), or None when it failed."""
-    import aiohttp
-
-    body = {"model": "m", "prompt": list(item.prompt), "max_tokens": item.max_tokens,
-            "stream": True, "user": item.session}  # fmt: skip
-    t0 = time.perf_counter()
-    first = modelled = None
-    try:
-        async with http.post(url + "/v1/completions", json=body) as r:
-            if r.status != 200:
-                await r.read()
-                return None
-            async for line in r.content:
-                if not line.startswith(b"data:"):
-                    continue
-                if first is None:
-                    first = time.perf_counter() - t0
-                if b'"spillway"' in line:
-                    modelled = json.loads(line[5:])["spillway"]["ttft_s"]
-    except (aiohttp.ClientError, TimeoutError, ValueError):
-        return None
-    if first is None or modelled is None:
-        return None
-    return first, modelled
-
-
-async def _replay(url: str, items: list[ReplayItem], speed: float) -> list:
-    """The trace in real time, ``speed`` times compressed (every request on time, however
-    many are in flight)."""
-    import asyncio
-
-    import aiohttp
-
-    connector = aiohttp.TCPConnector(limit=0)
-    timeout = aiohttp.ClientTimeout(total=300)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
-        start = time.perf_counter()
-        tasks = []
-        for item in items:
-            delay = start + item.arrival / speed - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(_streamed(http, url, item)))
-        return await asyncio.gather(*tasks)
-
-
-@dataclass
-class GatewayRow:
-    path: str
-    requests: int
-    errors: int
-    gpu_share: float
-    host_share: float
-    split: str
-    p50: float  # client-measured TTFT, wall s
-    p95: float
-    model_p50: float  # the engines' own TTFT, modelled s
-    fallbacks: int  # requests Envoy sent on without the picker's answer (failing open)
-    added_p50: float = 0.0
-    added_p99: float = 0.0
-
-
-def gateway_path(path: str, items: list[ReplayItem], workdir: Path, plan_path: Path,
-                 ports: list[int], speed: float) -> GatewayRow:  # fmt: skip
-    """The trace through one path, on fresh (cold) engines and a fresh router."""
-    import asyncio
-
-    with Stack(workdir, plan_path) as stack:
-        addresses = stack.engines(ports, speed)
-        envoy = None
-        if path == ROUND_ROBIN:
-            envoy = stack.envoy("envoy", None, addresses)
-            url = envoy.url
-        else:
-            url, picker, _ = stack.router(addresses)
-            if path in (EPP, DUPLEX):
-                mode = "FailClose" if path == DUPLEX else "FailOpen"
-                envoy = stack.envoy("envoy", picker, addresses, failure_mode=mode)
-                url = envoy.url
-        got = asyncio.run(_replay(url, items, speed))
-        counters = [_engine_counters(a) for a in addresses]
-        fallbacks = 0
-        if envoy is not None:
-            fallbacks = envoy.stats().get("http.gateway.ext_proc.failure_mode_allowed", 0)
-    ok = [g for g in got if g is not None]
-    queries = sum(c[QUERIES] for c in counters) or 1.0
-    return GatewayRow(
-        path,
-        len(items),
-        len(items) - len(ok),
-        sum(c[GPU_HITS] for c in counters) / queries,
-        sum(c[HOST_HITS] for c in counters) / queries,
-        split([c[QUERIES] for c in counters]),
-        percentile([g[0] for g in ok], 50) or 0.0,
-        percentile([g[0] for g in ok], 95) or 0.0,
-        percentile([g[1] for g in ok], 50) or 0.0,
-        int(fallbacks),
-    )
-
-
-async def _gateway_load(urls: dict[str, list[str]], pids: dict[str, list[int]], n: int,
-                        seconds: float) -> tuple[dict, dict]:  # fmt: skip
-    """Sequential requests direct and through each path (interleaved), then requests/s
-    through each with ``GATEWAY_CLIENTS`` concurrent clients, and the CPU share of the
-    processes in ``pids`` meanwhile. ``urls["direct"]`` are the engines themselves."""
-    import asyncio
-    import itertools
-    import random
-
-    import aiohttp
-
-    rng = random.Random(0)
-
-    def body() -> bytes:
-        return json.dumps({"model": "m", "max_tokens": 1,
-                           "prompt": [rng.randrange(16, 32000) for _ in range(2048)]}).encode()
-
-    headers = {"content-type": "application/json"}
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector) as http:
-
-        async def one(url: str, data: bytes) -> float:
-            t0 = time.perf_counter()
-            async with http.post(url + "/v1/completions", data=data, headers=headers) as r:
-                await r.read()
-                if r.status != 200:
-                    raise RuntimeError(f"{url}: HTTP {r.status}")
-            return time.perf_counter() - t0
-
-        for targets in urls.values():  # all up
-            for url in targets:
-                await one(url, body())
-        lat: dict[str, list[float]] = {name: [] for name in urls}
-        for i in range(n):
-            for name, targets in urls.items():
-                lat[name].append(await one(targets[i % len(targets)], body()))
-        pool = [body() for _ in range(512)]  # made before the clock starts
-        load: dict[str, dict[str, float]] = {}
-        for name, targets in urls.items():
-            done = 0
-            bodies = itertools.cycle(pool)
-            stop = time.perf_counter() + seconds
-
-            async def client(k: int, targets: list[str] = targets, stop: float = stop,
-                             bodies: Iterator[bytes] = bodies) -> None:  # fmt: skip
-                nonlocal done
-                while time.perf_counter() < stop:
-                    await one(targets[k % len(targets)], next(bodies))
-                    done += 1
-
-            cpu0 = {k: sum(_cpu_s(p) for p in ps) for k, ps in pids.items()}
-            t0 = time.perf_counter()
-            await asyncio.gather(*(client(k) for k in range(GATEWAY_CLIENTS)))
-            wall = time.perf_counter() - t0
-            load[name] = {"rps": done / wall}
-            for k, ps in pids.items():
-                load[name][k] = (sum(_cpu_s(p) for p in ps) - cpu0[k]) / wall
-    return lat, load
-
-
-def gateway(duration: float, seed: int, n: int, speed: float, quick: bool) -> int:
-    import os
-    import tempfile
-
-    plan, _ = load_plan()
-    # the simulator exports no vllm:cache_config_info, so the router takes a pod's GPU
-    # KV size from its plan's max_model_len: make that the engines' real GPU size
-    plan = plan.model_copy(update={"max_model_len": GPU_KV_TOKENS})
-    items = trace(n, duration, seed)
-    t_start = time.perf_counter()
-    print(f"gateway: {n} simulator engines (GPU KV {GPU_KV_TOKENS} tokens, host tier "
-          f"{plan.capacity_tokens} tokens each; speed {speed:g}), the routing trace of {n} "
-          f"replicas: {len(items)} requests over {duration:.0f} virtual s = "
-          f"{duration / speed:.0f} s wall per path; spillway-router --mode approx (the "
-          f"simulator publishes no KV events); fresh engines and router per path", flush=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        plan_path = Path(tmp) / "plan.json"
-        plan_path.write_text(plan.model_dump_json())
-        ports = [_free_port() for _ in range(n)]
-        rows = {}
-        for path in GATEWAY_PATHS:
-            t0 = time.perf_counter()
-            rows[path] = gateway_path(path, items, Path(tmp) / path.replace(" ", "_"),
-                                      plan_path, ports, speed)  # fmt: skip
-            print(f"  {path}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-
-        # overhead and capacity: engines at speed 1000 (their modelled time negligible);
-        # spillway-router (proxy and picker, one process) alone on core 0, everything
-        # else (Envoys, engines, this client) on core 1
-        cores = sorted(os.sched_getaffinity(0))
-        pinned = len(cores) >= 2
-        router_core, rest = (cores[0], cores[1]) if pinned else (None, None)
-        before = os.sched_getaffinity(0)
-        try:
-            if pinned:
-                os.sched_setaffinity(0, {rest})  # inherited by the processes started here
-            with Stack(Path(tmp) / "load", plan_path) as stack:
-                addresses = stack.engines(ports, 1000.0)
-                proxy, picker, rpid = stack.router(addresses, pin=router_core)
-                with_epp = stack.envoy("envoy-epp", picker, addresses, pin=rest)
-                duplex = stack.envoy("envoy-duplex", picker, addresses, pin=rest,
-                                     failure_mode="FailClose")  # fmt: skip
-                plain = stack.envoy("envoy-rr", None, addresses, pin=rest)
-                urls = {"direct": [f"http://{a}" for a in addresses], EPP: [with_epp.url],
-                        DUPLEX: [duplex.url], PROXY: [proxy],
-                        ROUND_ROBIN: [plain.url]}  # fmt: skip
-                pids = {"spillway": [rpid], "envoy": [e.proc.pid for e in stack.envoys],
-                        "engines": [p.pid for p in stack.procs if p.pid != rpid]}  # fmt: skip
-                import asyncio
-
-                lat, load = asyncio.run(_gateway_load(urls, pids, 100 if quick else 400,
-                                                      3.0 if quick else 8.0))  # fmt: skip
-        finally:
-            os.sched_setaffinity(0, before)
-    for path, row in rows.items():
-        row.added_p50 = added(lat["direct"], lat[path], 50)
-        row.added_p99 = added(lat["direct"], lat[path], 99)
-    width = max(6, 3 * n)
-    head = (f"{'path':<24} {'reqs':>5} {'err':>4} {'GPU hit':>8} {'host hit':>8} "
-            f"{'split %':>{width}} {'TTFT p50':>9} {'TTFT p95':>9} {'model p50':>9} "
-            f"{'+p50':>7} {'+p99':>7}")  # fmt: skip
-    print(head)
-    print("-" * len(head))
-    for row in rows.values():
-        print(f"{row.path:<24} {row.requests:>5} {row.errors:>4} {row.gpu_share:>8.1%} "
-              f"{row.host_share:>8.1%} {row.split:>{width}} {row.p50 * 1e3:>7.1f}ms "
-              f"{row.p95 * 1e3:>7.1f}ms {row.model_p50 * 1e3:>7.0f}ms "
-              f"{row.added_p50 * 1e3:>5.1f}ms {row.added_p99 * 1e3:>5.1f}ms")  # fmt: skip
-    for row in rows.values():
-        if row.fallbacks:
-            print(f"  {row.path}: {row.fallbacks} requests went on without the picker's "
-                  f"answer (Envoy's ext_proc failure_mode_allowed: round robin)")  # fmt: skip
-    where = (f"spillway-router alone on core {router_core}, Envoy, engines and client on "
-             f"core {rest}" if pinned else "unpinned (fewer than 2 cores)")
-    print(f"\n{GATEWAY_CLIENTS} concurrent clients, max_tokens 1, 2,048-token prompts, "
-          f"engines at speed 1000; {where}; CPU: share of one core")
-    head = f"{'path':<24} {'req/s':>6} {'spillway CPU':>12} {'Envoy CPU':>9} {'engines CPU':>11}"
-    print(head)
-    print("-" * len(head))
-    for name, got in load.items():
-        label = "direct to the engines" if name == "direct" else name
-        print(f"{label:<24} {got['rps']:>6.0f} {got['spillway']:>12.0%} {got['envoy']:>9.0%} "
-              f"{got['engines']:>11.0%}")  # fmt: skip
-    print(f"({DUPLEX}: added latency p50 {added(lat['direct'], lat[DUPLEX], 50) * 1e3:.1f} "
-          f"ms, p99 {added(lat['direct'], lat[DUPLEX], 99) * 1e3:.1f} ms; direct p50 "
-          f"{(percentile(lat['direct'], 50) or 0) * 1e3:.1f} ms; "
-          f"wall {time.perf_counter() - t_start:.0f} s)")  # fmt: skip
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seed", type=int, default=0)
@@ -1010,6 +583,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.overhead:
         return overhead()
     if args.gateway:
+        from bench.routing_gateway import gateway  # real processes: Envoy, pickers, engines
+
         return gateway(60.0 if args.quick else args.duration, args.seed,
                        args.gateway_replicas, args.gateway_speed, args.quick)  # fmt: skip
     counts = (1, 4) if args.quick else REPLICAS

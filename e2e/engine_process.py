@@ -121,6 +121,9 @@ def launch(
     cmd = [*prefix, *ENGINE, "serve", "--plan", str(plan_path), "--host", "127.0.0.1"]
     cmd += ["--port", str(port), "--emulate-gpu", "--emulate-speed", "0"]
     cmd += ["--emulate-kv-bytes", str(kv_bytes), *serve_args]
+    if "--kv-events-port" not in serve_args:
+        # engines here share 127.0.0.1: each publishes its KV events on a port of its own
+        cmd += ["--kv-events-port", str(free_port())]
     private = {
         "SPILLWAY_SHM_DIR": str(log.parent / "shm"),
         "SPILLWAY_TERMINATION_LOG": str(log.parent / "termination-log"),

@@ -44,6 +44,8 @@ from typing import Any
 
 from kubernetes import client
 
+from e2e import processes
+
 ENGINE_PORT = 8000
 READY_ANNOTATION = "spillway.dev/harness-ready"
 ENGINE_CONTAINER = "engine"
@@ -314,12 +316,7 @@ class SimulatorFleet:
                     os.killpg(sim.proc.pid, signal.SIGKILL)
                 return
             return
-        sim.proc.terminate()
-        try:
-            sim.proc.wait(5)
-        except subprocess.TimeoutExpired:
-            sim.proc.kill()
-            sim.proc.wait(5)
+        processes.stop(sim.proc, 5)
 
     def _run(self) -> None:
         while not self._stop.is_set():

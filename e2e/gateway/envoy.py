@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from e2e import processes
 from spillway_router.app import error_body
 from spillway_router.epp import DESTINATION, LB_NAMESPACE
 
@@ -61,6 +62,10 @@ class GatewayConfig:
     admin_port: int
     failure_mode: str = FAIL_OPEN
     body_mode: str | None = None  # default: BUFFERED failing open, else FULL_DUPLEX_STREAMED
+    # the response: headers only (Spillway's picker), or the body streamed through the
+    # picker too, with trailers (GIE's picker, e2e.gateway.gie)
+    response_body_mode: str = "NONE"
+    response_trailer_mode: str = "SKIP"
     max_body: int = 32 * 1024 * 1024  # what Envoy may buffer per request (the router's limit)
     address: str = "127.0.0.1"
     retries: int = 2  # down the picked list, before the first byte only
@@ -122,10 +127,11 @@ def render(cfg: GatewayConfig) -> dict[str, Any]:
                     "BUFFERED" if cfg.failure_mode == FAIL_OPEN else "FULL_DUPLEX_STREAMED"),
                 "request_trailer_mode": "SEND",
                 # the picker counts a request in flight until the pod answers: it
-                # gets the response headers (never the body, which streams past it)
+                # gets the response headers (the body streams past it unless
+                # response_body_mode says otherwise)
                 "response_header_mode": "SEND",
-                "response_body_mode": "NONE",
-                "response_trailer_mode": "SKIP",
+                "response_body_mode": cfg.response_body_mode,
+                "response_trailer_mode": cfg.response_trailer_mode,
             },
         },
     }
@@ -259,13 +265,7 @@ class Envoy:
         return {s["name"]: s["value"] for s in data.get("stats", []) if "value" in s}
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        processes.stop(self.proc, 10)
 
     def __enter__(self) -> Envoy:
         return self.start()

@@ -28,6 +28,8 @@ __all__ = [
     "DIST_PORT",
     "DRAIN_PATH",
     "ENGINE_OPTIONS_FILE",
+    "ENGINE_PORT",
+    "KV_EVENTS_PORT",
     "PLAN_FILE",
     "PROTECTED_FLAGS",
     "PROTECTED_SHORT_FLAGS",
@@ -35,6 +37,7 @@ __all__ = [
     "EngineOptions",
     "EngineOptionsError",
     "Plan",
+    "event_port_name",
     "extra_args_refusal",
     "parse_engine_options",
     "refused_flag",
@@ -55,6 +58,18 @@ DRAIN_PATH = "/spillway/drain"
 #: rendezvous (vLLM's ``--master-port``) and the data-parallel RPC port on the leader
 #: pod, which the operator exposes as a container port (spillway_engine.launcher.multinode).
 DIST_PORT = 29500
+#: The engine's serving port (vLLM's API, its /metrics and the paths above).
+ENGINE_PORT = 8000
+#: The base port of the engine's KV-event publishers (vLLM's default): data-parallel rank
+#: r publishes on this + r, ports the operator declares on the pod
+#: (spillway_engine.launcher.kv_events).
+KV_EVENTS_PORT = 5557
+
+
+def event_port_name(rank: int) -> str:
+    """The container port name of data-parallel rank ``rank``'s KV-event publisher:
+    kv-events, kv-events-1, ... (routers find the ports by these names)."""
+    return "kv-events" if rank == 0 else f"kv-events-{rank}"
 
 
 class EngineOptionsError(ValueError):
@@ -78,6 +93,7 @@ class EngineOptions:
     eviction_policy: str | None = None
     offload_enabled: bool = True
     kv_events: bool = True
+    kv_events_port: int = KV_EVENTS_PORT
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
     def to_json(self) -> str:
@@ -118,6 +134,11 @@ def parse_engine_options(data: Any, path: str | Path) -> EngineOptions:
         )
     enabled = _opt(data, "offload_enabled", bool, path)
     kv_events = _opt(data, "kv_events", bool, path)
+    events_port = _opt(data, "kv_events_port", int, path)
+    if events_port is not None and not 1 <= events_port <= 65535:
+        raise EngineOptionsError(
+            f"engine options {path}: kv_events_port must be a port (1-65535), got {events_port}"
+        )
     options = EngineOptions(
         model=_opt(data, "model", str, path),
         revision=_opt(data, "revision", str, path),
@@ -128,6 +149,7 @@ def parse_engine_options(data: Any, path: str | Path) -> EngineOptions:
         eviction_policy=_opt(data, "eviction_policy", str, path),
         offload_enabled=True if enabled is None else enabled,
         kv_events=True if kv_events is None else kv_events,
+        kv_events_port=KV_EVENTS_PORT if events_port is None else events_port,
         extra_args=tuple(extra),
     )
     if not (options.model or options.weights_path):

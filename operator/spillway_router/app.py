@@ -31,7 +31,7 @@ from prometheus_client import Counter as PCounter
 from prometheus_client.parser import text_string_to_metric_families
 
 from .backends import EVENTS_FROM_POD, Backend
-from .events import SOURCES_PATH, EventFeed, event_endpoints, subscribe
+from .events import DROP_REASONS, SOURCES_PATH, EventFeed, event_endpoints, subscribe
 from .hashing import BlockHasher, HashConfig
 from .index import TIERS, ApproxTracker, Match, PrefixIndex
 from .rates import PoolRates
@@ -63,6 +63,9 @@ class RouterConfig:
     probe_interval_s: float = 2.0
     eject_s: float = 5.0
     connect_timeout_s: float = 5.0
+    # A pod that fails this many health probes in a row has its open answers cut: a
+    # partitioned pod sends neither bytes nor a reset, so its streams would hang.
+    dead_after_probes: int = 2
     tokenizers: dict[str, Tokenizer] = field(default_factory=dict)
 
 
@@ -138,6 +141,14 @@ class Metrics:
         self.event_batches = PCounter(
             "spillway_router_event_batches", "KV event batches applied", ["pod"], registry=r
         )
+        self.event_drops = PCounter(
+            "spillway_router_kv_events_dropped",
+            "KV event messages (unknown_medium: events) dropped unapplied, by reason",
+            ["reason"],
+            registry=r,
+        )
+        for reason in DROP_REASONS:
+            self.event_drops.labels(reason)
         self.decision = Histogram(
             "spillway_router_decision_seconds",
             "Time to pick a pod (hashing and scoring)",
@@ -257,6 +268,13 @@ class RouterState:
         self.events_live.add(name)
         self.metrics.event_batches.labels(name).inc()
 
+    def on_event_drop(self, name: str, reason: str) -> None:
+        self.metrics.event_drops.labels(reason).inc()
+
+    def event_feed(self, name: str) -> EventFeed:
+        """A feed of one of ``name``'s publishers into the index."""
+        return EventFeed(name, self.index, self.on_event_batch, self.on_event_drop)
+
     # ------------------------------------------------------------ routing
 
     def keys(self, prompt: Prompt, unit: int) -> list[int]:
@@ -374,6 +392,9 @@ class RouterApp:
         self._tasks: dict[str, list[asyncio.Task]] = {}
         self._probe_task: asyncio.Task | None = None
         self.sources: list[Any] = []  # started with the app (e.g. the pod watch)
+        self._open: dict[str, set[aiohttp.ClientResponse]] = {}  # pod -> answers in flight
+        self._failed_probes: dict[str, int] = {}  # pod -> health probes failed in a row
+        self._cuts: dict[str, asyncio.Future] = {}  # pod -> set when its answers are cut
 
     def build(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY)
@@ -424,6 +445,12 @@ class RouterApp:
     def remove_backend(self, name: str) -> None:
         self._stop_pod_tasks(name)
         self.state.remove(name)
+        # A pod that leaves while failing its probes is not draining (a drain keeps
+        # /health up): cut its answers now, as no probe will look at it again.
+        fails = self._failed_probes.pop(name, 0)
+        if fails:
+            self._cut(name, fails)
+        self._cuts.pop(name, None)
 
     def _start_pod_tasks(self, backend: Backend) -> None:
         if not backend.events or self.state.config.mode != "events":
@@ -433,9 +460,10 @@ class RouterApp:
             if self.state.healthy.get(backend.name):
                 self._tasks[backend.name] = [asyncio.create_task(self._follow_pod(backend))]
             return
-        feed = EventFeed(backend.name, self.state.index, self.state.on_event_batch)
-        self.state.feeds[backend.name] = feed
-        self._tasks[backend.name] = [asyncio.create_task(subscribe(backend.events, feed))]
+        # one endpoint per data-parallel rank (the pod's declared ports), one feed each
+        feeds = [(e, self.state.event_feed(backend.name)) for e in backend.events.split()]
+        self.state.feeds[backend.name] = feeds[0][1]
+        self._tasks[backend.name] = [asyncio.create_task(subscribe(e, f)) for e, f in feeds]
 
     async def _follow_pod(self, backend: Backend) -> None:
         """Ask the pod where each of its data-parallel ranks publishes, then follow
@@ -460,10 +488,7 @@ class RouterApp:
             log.info("pod %s lists no KV event endpoint: approximate routing", backend.name)
             return
         log.info("pod %s: KV events from %s", backend.name, ", ".join(endpoints))
-        feeds = [
-            EventFeed(backend.name, self.state.index, self.state.on_event_batch)
-            for _ in endpoints
-        ]
+        feeds = [self.state.event_feed(backend.name) for _ in endpoints]
         self.state.feeds[backend.name] = feeds[0]
         await asyncio.gather(*(subscribe(e, f) for e, f in zip(endpoints, feeds, strict=True)))
 
@@ -500,6 +525,10 @@ class RouterApp:
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
             pass
         if backend.name in self.state.backends:
+            fails = 0 if ok else self._failed_probes.get(backend.name, 0) + 1
+            self._failed_probes[backend.name] = fails
+            if fails >= self.state.config.dead_after_probes:
+                self._cut(backend.name, fails)
             if ok and self.state.ejected_until.get(backend.name, 0.0) > time.monotonic():
                 return  # still ejected; the next probe after the window readmits it
             was = self.state.healthy.get(backend.name, False)
@@ -508,6 +537,19 @@ class RouterApp:
             if ok and not was and current is not None and current.events == EVENTS_FROM_POD:
                 self._stop_pod_tasks(backend.name)
                 self._start_pod_tasks(current)
+
+    def _cut(self, name: str, fails: int) -> None:
+        """End every answer in flight from a pod that stopped answering its probes: the
+        read waiting on it raises, and the request is retried elsewhere (no byte sent
+        yet) or its stream ends with a retryable error, instead of waiting forever."""
+        cut = self._cuts.pop(name, None)
+        if cut is not None and not cut.done():
+            cut.set_result(None)  # wakes requests still waiting for the answer's head
+        for up in list(self._open.get(name, ())):
+            log.warning("pod %s failed %d health probes in a row: cutting an answer in "
+                        "flight", name, fails)
+            up.content.set_exception(
+                aiohttp.ServerTimeoutError(f"the pod failed {fails} health probes in a row"))
 
     # ------------------------------------------------------------ handlers
 
@@ -568,13 +610,35 @@ class RouterApp:
         assert self.session is not None
         url = backend.url + request.path
         try:
-            async with self.session.post(url, data=raw, headers=headers) as up:
-                if up.status in (502, 503, 504):
-                    await up.read()
-                    self.state.eject(backend.name)
-                    return None
-                first = await up.content.readany()
-                return await self._pass_through(request, backend, up, first)
+            # The answer's head, unless the pod is found dead first (a pooled
+            # connection to a partitioned pod would wait for it forever).
+            post = asyncio.ensure_future(self.session.post(url, data=raw, headers=headers))
+            cut = self._cuts.get(backend.name)
+            if cut is None:
+                cut = self._cuts[backend.name] = asyncio.get_running_loop().create_future()
+            try:
+                await asyncio.wait({post, cut}, return_when=asyncio.FIRST_COMPLETED)
+            finally:  # the client may go away meanwhile: leave no request behind
+                headless = not post.done()
+                if headless:
+                    post.cancel()
+            if headless:
+                self.state.eject(backend.name)
+                return None
+            async with post.result() as up:
+                self._open.setdefault(backend.name, set()).add(up)
+                try:
+                    if up.status in (502, 503, 504):
+                        await up.read()
+                        self.state.eject(backend.name)
+                        return None
+                    first = await up.content.readany()
+                    return await self._pass_through(request, backend, up, first)
+                finally:
+                    opened = self._open.get(backend.name, set())
+                    opened.discard(up)
+                    if not opened:  # no empty set left behind for every pod name seen
+                        self._open.pop(backend.name, None)
         except (aiohttp.ClientError, TimeoutError, OSError):
             self.state.eject(backend.name)
             return None

@@ -41,6 +41,19 @@ class EventError(ValueError):
     """A KV event batch this router cannot read (dropped, counted, never fatal)."""
 
 
+class OversizedBatch(EventError):
+    """A batch past the bounds below (dropped, counted apart: a hostile or broken
+    publisher, not a format this router misreads)."""
+
+
+#: Bounds on one EventBatch. vLLM publishes one batch per scheduler step: a step that
+#: stores a 1M-token prompt in 16-token blocks is 65,536 hashes, far under these.
+MAX_BATCH_EVENTS = 1 << 16
+MAX_BATCH_KEYS = 1 << 20
+#: Bytes of one message's payload (its msgpack) the feed decodes at most.
+MAX_BATCH_BYTES = 64 << 20
+
+
 @dataclass(frozen=True)
 class Match:
     """A pod's cached prefix of one prompt, in hash units."""
@@ -145,26 +158,40 @@ class PrefixIndex:
             self._holders.pop(key, None)
 
     def apply_batch(self, pod: str, batch: Any) -> int:
+        """Apply one decoded ``EventBatch``; the number of events in it (see
+        :meth:`apply`)."""
+        return sum(self.apply(pod, batch))
+
+    def apply(self, pod: str, batch: Any) -> tuple[int, int]:
         """Apply one decoded ``EventBatch`` (``[ts, events, dp_rank]``); returns the
-        number of events applied. Raises :class:`EventError` for a malformed batch
-        (nothing of it applied)."""
+        events applied and those of a medium this index does not know (skipped).
+        Raises :class:`EventError` for a malformed batch, and :class:`OversizedBatch`
+        for one past :data:`MAX_BATCH_EVENTS` events or :data:`MAX_BATCH_KEYS` block
+        hashes (nothing of either applied)."""
         if not isinstance(batch, Sequence) or len(batch) < 2:
             raise EventError("an EventBatch is an array [ts, events, ...]")
         events = batch[1]
-        if not isinstance(events, Sequence):
+        if not isinstance(events, Sequence) or isinstance(events, (str, bytes)):
             raise EventError("EventBatch events is not an array")
+        if len(events) > MAX_BATCH_EVENTS:
+            raise OversizedBatch(f"{len(events)} events in one batch (at most {MAX_BATCH_EVENTS})")
         parsed = [parse_event(e) for e in events]
+        keys_in_batch = sum(len(keys) for _, _, keys in parsed)
+        if keys_in_batch > MAX_BATCH_KEYS:
+            raise OversizedBatch(
+                f"{keys_in_batch} block hashes in one batch (at most {MAX_BATCH_KEYS})")
+        unknown = 0
         for kind, tier, keys in parsed:
             if tier is not None and tier not in TIERS:
-                continue
-            if kind == "BlockStored":
+                unknown += 1
+            elif kind == "BlockStored":
                 self.store(pod, tier, keys)
             elif kind == "BlockRemoved":
                 self.remove(pod, tier, keys)
             else:  # AllBlocksCleared: a prefix cache reset; disk files stay
                 for t in MEMORY_TIERS:
                     self.clear(pod, t)
-        return len(parsed)
+        return len(parsed) - unknown, unknown
 
     # ------------------------------------------------------------ queries
 
@@ -251,6 +278,8 @@ def parse_event(event: Any) -> tuple[str, str | None, list[int]]:
     if kind not in ("BlockStored", "BlockRemoved"):
         raise EventError(f"unknown KV event type {kind!r}")
     medium = event.get("medium") or GPU
+    if not isinstance(medium, str):
+        raise EventError("a KV event's medium is a string")
     if medium not in TIERS:
         # a medium this router does not score: not an error
         return kind, medium, []

@@ -28,9 +28,12 @@ POOL_LABEL = "spillway.dev/gpu-pool"
 PLAN_HASH = "spillway.dev/plan-hash"
 #: set by the operator on a replica chosen for removal: it takes no new requests
 DRAINING = "spillway.dev/draining"
-#: "on": the pod lists its KV event endpoints at /kv_event_sources; "off": none
-#: (spillway_operator.flow.render); pods without it publish on --events-port
+#: "on": the pod publishes KV events, on its declared ``kv-events*`` container ports (and
+#: lists them at /kv_event_sources); "off": none (spillway_operator.flow.render); pods
+#: without it publish on --events-port
 KV_EVENTS = "spillway.dev/kv-events"
+#: the engine container's KV-event ports: kv-events (rank 0), kv-events-1, ...
+EVENT_PORT_PREFIX = "kv-events"
 ENGINE_PORT = 8000
 #: LWS's index of a pod in its group: only the leader (0) of a multi-node replica serves
 LWS_WORKER_INDEX = "leaderworkerset.sigs.k8s.io/worker-index"
@@ -93,7 +96,7 @@ def backend_from_pod(
     annotations = meta.get("annotations") or {}
     events = f"tcp://{host}:{events_port}" if events_port else None
     if annotations.get(KV_EVENTS) in ("on", "off"):
-        events = EVENTS_FROM_POD if annotations[KV_EVENTS] == "on" else None
+        events = _declared_events(pod, host) if annotations[KV_EVENTS] == "on" else None
     profile = info.profile
     if profile.disk_group is not None:
         # one shared folder per deployment (its ReadWriteMany claim) and plan
@@ -112,6 +115,35 @@ def backend_from_pod(
         pool=None if pool is None else
         f"{meta.get('namespace', '')}/{labels.get(DEPLOYMENT_LABEL, '')}/{pool}",
     )
+
+
+def event_ports(pod: Mapping[str, Any]) -> list[int]:
+    """The pod's declared KV-event ports, by rank (container ports named kv-events,
+    kv-events-1, ...)."""
+    found: dict[int, int] = {}
+    for container in (pod.get("spec") or {}).get("containers") or []:
+        for port in container.get("ports") or []:
+            name = str(port.get("name") or "")
+            number = port.get("containerPort")
+            if not isinstance(number, int) or port.get("protocol", "TCP") != "TCP":
+                continue
+            if name == EVENT_PORT_PREFIX:
+                found[0] = number
+            elif name.startswith(EVENT_PORT_PREFIX + "-") and name[len(EVENT_PORT_PREFIX) + 1:
+                                                                    ].isdigit():
+                found[int(name[len(EVENT_PORT_PREFIX) + 1:])] = number
+    return [found[r] for r in sorted(found)]
+
+
+def _declared_events(pod: Mapping[str, Any], host: str) -> str:
+    """Where a pod with events on publishes: its declared ports on its IP, one endpoint
+    per rank (space-separated); a replica over several pods, or a pod that declares
+    none (made before the ports were), lists its ranks at /kv_event_sources."""
+    labels = (pod.get("metadata") or {}).get("labels") or {}
+    ports = event_ports(pod)
+    if not ports or LWS_WORKER_INDEX in labels:  # LWS: the operator's multi-node replicas
+        return EVENTS_FROM_POD
+    return " ".join(f"tcp://{host}:{p}" for p in ports)
 
 
 class PodWatch:

@@ -56,7 +56,8 @@ def parser() -> argparse.ArgumentParser:
         type=int,
         default=5557,
         help="port of the KV event publisher of a watched pod without the spillway.dev/"
-        "kv-events annotation (0: none); annotated pods list theirs at /kv_event_sources",
+        "kv-events annotation (0: none); annotated pods declare theirs as kv-events* "
+        "container ports (a multi-node leader lists them at /kv_event_sources)",
     )
     r = p.add_argument_group("routing")
     r.add_argument("--mode", choices=("events", "approx"), default="events")

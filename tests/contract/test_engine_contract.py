@@ -136,7 +136,8 @@ def serve_parser() -> FlexibleArgumentParser:
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_dry_run_command_parses_with_vllm_serve(case: Case, serve_parser, tmp_path, capsys):
     plan = plan_for(case, "spillway")
-    extra = plan.spillway.kv_connector_extra_config
+    # the engine's KV events are on by default, so its stores are vLLM's self-describing ones
+    extra = {**plan.spillway.kv_connector_extra_config, "self_describing_kv_events": True}
     weights = write_model_dir(load_model(case.model))  # the pod's weights_path, config only
     cmd = dry_run(tmp_path, plan, capsys, weights=weights)
     assert cmd[:3] == ["vllm", "serve", weights]

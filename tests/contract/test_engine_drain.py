@@ -50,7 +50,8 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     port, log = free_port(), root / "engine.log"
     (root / "shm").mkdir()
     cmd = [*ENGINE, "serve", "--plan", str(plan_path), "--host", "127.0.0.1", "--port",
-           str(port), "--emulate-gpu", "--emulate-kv-bytes", str(KV_BYTES), *SLOW]
+           str(port), "--emulate-gpu", "--emulate-kv-bytes", str(KV_BYTES), *SLOW,
+           "--kv-events-port", str(free_port())]
     env = engine_env({"SPILLWAY_SHM_DIR": str(root / "shm"),
                       "SPILLWAY_TERMINATION_LOG": str(root / "termination-log")})
     with open(log, "wb") as out:

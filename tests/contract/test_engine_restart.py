@@ -205,7 +205,8 @@ def test_preflight_shortfall_stops_serve_before_vllm(plan: Plan, model_dir: Path
     )
     t0 = time.monotonic()
     done = subprocess.run(
-        [*ENGINE, "serve", "--plan", str(plan_path), "--emulate-gpu"],
+        [*ENGINE, "serve", "--plan", str(plan_path), "--emulate-gpu",
+         "--kv-events-port", str(free_port())],
         env=env,
         capture_output=True,
         text=True,

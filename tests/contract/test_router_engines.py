@@ -6,8 +6,9 @@
 2. The router reads vLLM's own ``ZmqEventPublisher`` off a real socket.
 3. Two emulated engines (``spillway-engine serve --emulate-gpu`` with the launcher's
    default KV events: sha256 block hashes, each publisher bound on the engine's own
-   address at a port the OS picks) behind ``spillway-router``, which finds the
-   endpoints at each engine's ``/kv_event_sources``: requests sharing a
+   address at a base port of its own, as engines sharing one address need) behind
+   ``spillway-router``, which finds the endpoints at each engine's
+   ``/kv_event_sources``: requests sharing a
    prefix that was put on one engine *behind the router's back* land on that engine
    (its prefix-cache hits rise, the other's do not), so only the event-fed index
    can have sent them there; the prefix is then pushed into that engine's host tier
@@ -308,10 +309,12 @@ def test_prefix_follows_the_events_and_failover_forgets(tmp_path: Path) -> None:
         engines = [_engine(tmp_path / f"pod{i}", model_dir) for i in range(2)]
         for e in engines:
             _wait_ready(e)
-        # both bound 127.0.0.1 (their --host) on ports of their own: no clash
+        # both bound 127.0.0.1 (their --host; IPv4-mapped so that vLLM binds it) on ports
+        # of their own: no clash
         sources = [json.loads(http_get(e.url("/kv_event_sources"))[1]) for e in engines]
         endpoints = [s["0"]["endpoint"] for s in sources]
-        assert all(re.fullmatch(r"tcp://127\.0\.0\.1:\d+", ep) for ep in endpoints), sources
+        assert all(re.fullmatch(r"tcp://\[::ffff:127\.0\.0\.1\]:\d+", ep)
+                   for ep in endpoints), sources
         assert endpoints[0] != endpoints[1]
         for e in engines:
             assert "--prefix-caching-hash-algo sha256" in e.log_text()

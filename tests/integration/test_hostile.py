@@ -147,6 +147,30 @@ def admits_extra_arg(env, token: str) -> bool:
     return True
 
 
+@pytest.mark.parametrize(("engine", "admitted"), [
+    ({"kvEvents": {"port": 7990}, "dataParallelSize": 16}, False),  # 7990..8005 holds 8000
+    ({"kvEvents": {"port": 29500}}, False),
+    ({"kvEvents": {"port": 65530}, "dataParallelSize": 8}, False),
+    ({"kvEvents": {"port": 80}}, False),
+    ({"kvEvents": {"port": 6000}, "dataParallelSize": 8}, True),
+    ({"dataParallelSize": 64}, True),  # the default 5557..5620
+])
+def test_admission_checks_the_kv_event_port_range(env, engine, admitted):
+    """The API server's CEL rule and bounds refuse what the model refuses: a KV-event
+    port range (base + every data-parallel rank) over the serving or rendezvous port or
+    past 65535, naming engine.kvEvents.port."""
+    body = infdep("events-port")
+    body["spec"]["engine"].update(engine)
+    try:
+        env.custom.create_namespaced_custom_object(GROUP, VERSION, env.ns, PLURAL, body,
+                                                   dry_run="All")
+    except client.ApiException as exc:
+        assert not admitted, exc.body
+        assert exc.status == 422 and "kvEvents.port" in exc.body, exc.body
+        return
+    assert admitted
+
+
 def test_admission_refuses_exactly_the_flags_the_engine_refuses(env):
     """The CRD's CEL rule is derived from the launcher's own lists: over 150 generated
     tokens (server-side dry run), the API server and refused_flag agree."""

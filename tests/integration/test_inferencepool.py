@@ -194,7 +194,8 @@ def test_gie_crd_installed_later_gives_pools_followed_to_the_end(plane, operator
     pods = env.core.list_namespaced_pod(env.ns, label_selector=selector).items
     assert [p.metadata.owner_references[0].name for p in pods] and all(
         p.metadata.labels["spillway.dev/inference-deployment"] == "early" for p in pods)
-    (port,) = dep.spec.template.spec.containers[0].ports
+    # the http port; beside it the KV-event ports, which the pool does not target
+    (port,) = [p for p in dep.spec.template.spec.containers[0].ports if p.name == "http"]
     assert spec["targetPorts"] == [{"number": port.container_port}]
     # GIE's schema defaulted the group: the API server applied its real schema.
     assert spec["endpointPickerRef"] == {"group": "", "kind": "Service", "name": PICKER_SERVICE,

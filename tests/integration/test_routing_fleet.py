@@ -4,9 +4,9 @@
 Deployment -> KWOK pods with loopback IPs, each running its container's own
 ``spillway-engine serve --emulate-gpu`` on its IP (the fleet plays the kubelet,
 downward-API ``SPILLWAY_POD_IP`` included). The engines publish KV events by
-default, bound on their pod IPs; ``spillway-router --kube-namespace`` watches the
-pods, reads each one's plan ConfigMap and its ``/kv_event_sources``, and follows
-their events.
+default, bound on their pod IPs at the declared port; ``spillway-router
+--kube-namespace`` watches the pods, reads each one's plan ConfigMap and its declared
+``kv-events`` port, and follows their events.
 
 A prefix is put on one pod *behind the router's back*, chosen so that the router's
 cold choice (its hash ring) would be the other pod: requests sharing it land on the
@@ -118,10 +118,14 @@ def test_prefixes_follow_the_pods_events_and_a_killed_pod_is_forgotten(
             assert len(pods) == 2
             for name, pod in pods.items():
                 assert pod.metadata.annotations["spillway.dev/kv-events"] == "on"
-                # each publisher is bound on its own pod IP (no clash on this one host)
+                # each publisher is bound on its own pod IP at the declared port (no clash
+                # on this one host)
                 ip = fleet.sims[name].ip
                 sources = json.loads(http_get(f"http://{ip}:{ENGINE_PORT}/kv_event_sources")[1])
-                assert re.fullmatch(rf"tcp://{re.escape(ip)}:\d+", sources["0"]["endpoint"])
+                assert sources["0"]["endpoint"] == f"tcp://[::ffff:{ip}]:5557"
+                assert sources["0"]["topic"] == f"kv@{ip}:{ENGINE_PORT}@{MODEL}"
+                [engine] = pod.spec.containers
+                assert {(p.name, p.container_port) for p in engine.ports} >= {("kv-events", 5557)}
 
             port, epp_port = free_port(), free_port()
             url = f"http://127.0.0.1:{port}"

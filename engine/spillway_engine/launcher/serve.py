@@ -23,15 +23,11 @@ stop the start; a memlock limit below the pinned region is a warning).
 KV events: unless ``engine.json`` says ``"kv_events": false`` (or the plan turns prefix
 caching off), the launcher turns on vLLM's ZMQ KV-cache events with the block-hash
 algorithm fixed to ``sha256`` (whose seed is vLLM's constant ``vllm-none-hash`` unless
-PYTHONHASHSEED is set), so spillway-router can hash prompts as the engine does. vLLM
-0.33 binds a publisher endpoint only when it holds a wildcard (``ZmqEventPublisher.
-_is_bind_endpoint``; any other address is *connected* to), and ``tcp://*:0`` binds
-``VLLM_HOST_IP`` on a port the OS picks, per data-parallel rank. So with the pod's IP
-known (``SPILLWAY_POD_IP``, the downward API's ``status.podIP``; else ``--host`` when it
-is one address) the endpoint is ``tcp://*:0`` with ``VLLM_HOST_IP`` set to that IP --
-pods sharing one host never collide -- and vLLM's own ``GET /kv_event_sources`` on the
-serving port lists the bound endpoint of every rank; with no IP known it is
-``tcp://*:5557`` (rank r on 5557 + r, vLLM's offset).
+PYTHONHASHSEED is set), so routers can hash prompts as the engine does. Each
+data-parallel rank publishes on the pod's IP at a declared port (``engine.json``'s
+``kv_events_port`` + rank; ``--kv-events-port`` overrides the base for engines that
+share one address) under llm-d's topic ``kv@<pod-ip>:<port>@<model>``; a port already
+taken stops the start (:mod:`spillway_engine.launcher.kv_events`).
 
 Problems raise :class:`EngineCliError` (exit status 2) or :class:`PreflightShortfall`
 (3); the command line (:mod:`spillway_engine.cli`) turns them into one line and the
@@ -42,19 +38,20 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
-import ipaddress
 import json
 import math
 import os
 import shlex
 import shutil
+import socket
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from spillway_engine.launcher import drain, headless, multinode, preflight
+from spillway_engine.launcher import drain, headless, kv_events, multinode, preflight
+from spillway_engine.launcher.kv_events import events_bind_ip, kv_events_args
 from spillway_engine.launcher.plugin import (
     ENTRY_POINT_GROUP,
     ENTRY_POINT_NAME,
@@ -68,7 +65,6 @@ from spillway_engine.seam import (
     ENGINE_OPTIONS_FILE,
     EngineOptions,
     EngineOptionsError,
-    canonical_flag,
     extra_args_refusal,
     parse_engine_options,
 )
@@ -78,13 +74,6 @@ PROG = "spillway-engine"
 EXIT_USAGE = 2
 EXIT_PREFLIGHT = 3
 ENV_ENGINE_OPTIONS = "SPILLWAY_ENGINE_OPTIONS"
-#: the pod's IP (downward API ``status.podIP``), which the KV-event publisher binds
-ENV_POD_IP = "SPILLWAY_POD_IP"
-#: the KV-event port when no IP is known (vLLM's default; rank r publishes on +r)
-KV_EVENTS_PORT = 5557
-#: reproducible across processes and what spillway-router computes by default
-KV_EVENTS_HASH_ALGO = "sha256"
-
 
 class EngineCliError(Exception):
     """One line for stderr; exit status 2."""
@@ -254,58 +243,14 @@ def transfer_config(
         extra["secondary_tiers"] = [disk_tier_config(plan, disk_dir)]
         notes.append(f"disk tier: {plan.disk.budget_bytes_per_engine} bytes per engine under "
                      f"{disk_dir}, {plan.disk.capacity_tokens} tokens")
+    if options.kv_events and plan.enable_prefix_caching:
+        # host and disk stores announced with every block hash of the chunk and its tokens
+        # (vLLM's opt-in), so an indexer that keys blocks by tokens (llm-d's) sees the
+        # offload tiers as the GPU's, not one hash per chunk
+        extra = config.setdefault("kv_connector_extra_config", {})
+        extra.setdefault("self_describing_kv_events", True)
     config.setdefault("kv_role", "kv_both")
     return config, notes
-
-
-def events_bind_ip(host: str, env: Mapping[str, str]) -> str | None:
-    """The address the KV-event publisher binds: the pod's IP, else ``--host`` when it
-    is one address (not a wildcard, not a name), else None (every interface)."""
-    for candidate in (env.get(ENV_POD_IP, "").strip(), host):
-        try:
-            ip = ipaddress.ip_address(candidate)
-        except ValueError:
-            continue
-        if not ip.is_unspecified:
-            return str(ip)
-    return None
-
-
-def kv_events_config(bind_ip: str | None) -> dict[str, Any]:
-    """``--kv-events-config``: ``tcp://*:0`` binds ``VLLM_HOST_IP`` (set to ``bind_ip``
-    by :func:`serve_main`) on an OS-picked port per rank; without an IP, the wildcard
-    on :data:`KV_EVENTS_PORT`."""
-    endpoint = "tcp://*:0" if bind_ip else f"tcp://*:{KV_EVENTS_PORT}"
-    return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint}
-
-
-def _user_sets(user_args: Sequence[str], flag: str) -> bool:
-    return any(a.startswith("--") and canonical_flag(a) == flag for a in user_args)
-
-
-def kv_events_args(
-    plan: Plan, options: EngineOptions, user_args: Sequence[str], bind_ip: str | None
-) -> tuple[list[str], list[str]]:
-    """The KV-event flags and notes; a flag the user gives in extra args is theirs."""
-    if not options.kv_events:
-        return [], []
-    if not plan.enable_prefix_caching:
-        return [], ["prefix caching is off in the plan: no KV events"]
-    args: list[str] = []
-    notes: list[str] = []
-    if _user_sets(user_args, "--kv-events-config"):
-        notes.append("KV events: --kv-events-config from the extra args")
-    else:
-        config = json.dumps(kv_events_config(bind_ip), separators=(",", ":"))
-        args += ["--kv-events-config", config]
-    if _user_sets(user_args, "--prefix-caching-hash-algo"):
-        notes.append(
-            "KV events: --prefix-caching-hash-algo from the extra args (routers must hash "
-            "with the same algorithm)"
-        )
-    else:
-        args += ["--prefix-caching-hash-algo", KV_EVENTS_HASH_ALGO]
-    return args, notes
 
 
 def _dtype_flag(plan: Plan, options: EngineOptions) -> str:
@@ -327,10 +272,12 @@ def build_command(
     port: int = 8000,
     extra_args: Sequence[str] = (),
     events_ip: str | None = None,
+    events_port: int | None = None,
     disk_dir: str = DISK_TIER_MOUNT,
 ) -> tuple[list[str], list[str]]:
     """``vllm serve ...`` for the plan, and notes for the log. Raises EngineCliError.
-    ``events_ip``: the address the KV-event publisher binds (:func:`events_bind_ip`)."""
+    ``events_ip``: the address the KV-event publisher binds (:func:`events_bind_ip`);
+    ``events_port``: its base port (default: engine.json's)."""
     user_args = [*options.extra_args, *extra_args]
     check_extra_args(user_args)
     model = options.weights_path or options.model
@@ -368,7 +315,9 @@ def build_command(
     transfer, notes = transfer_config(plan, options, disk_dir)
     if transfer is not None:
         cmd += ["--kv-transfer-config", json.dumps(transfer, separators=(",", ":"))]
-    events, events_notes = kv_events_args(plan, options, user_args, events_ip)
+    events, events_notes = kv_events_args(
+        plan, options, user_args, events_ip, serving_port=port, port=events_port,
+        host_name=socket.gethostname())
     cmd += events
     notes += events_notes
     # the pod's preStop drains through it (spillway_engine.launcher.drain)
@@ -499,6 +448,10 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=_port, default=8000)
     p.add_argument("--dry-run", action="store_true", help="print the vLLM command and exit")
     p.add_argument(
+        "--kv-events-port", type=_port, metavar="PORT",
+        help="base port of the KV-event publishers, rank r on PORT + r (default: engine.json's "
+        "kv_events_port; engines sharing one address each need their own)")
+    p.add_argument(
         "--shm-dir",
         metavar="PATH",
         help="the pod's shm folder, freed of an earlier engine's leftovers and checked for "
@@ -572,7 +525,7 @@ def serve_main(argv: Sequence[str], parser: argparse.ArgumentParser | None = Non
     events_ip = events_bind_ip(args.host, os.environ)
     cmd, notes = build_command(
         plan, options, host=args.host, port=args.port, extra_args=args.extra, events_ip=events_ip,
-        disk_dir=args.disk_dir,
+        events_port=args.kv_events_port, disk_dir=args.disk_dir,
     )
     seed = os.environ.get("PYTHONHASHSEED")
     if seed is not None and "--prefix-caching-hash-algo" in cmd:
@@ -601,6 +554,7 @@ def serve_main(argv: Sequence[str], parser: argparse.ArgumentParser | None = Non
         print(shlex.join(cmd))
         return 0
     _check_install(plan)
+    check_event_ports(plan, options, cmd, node, events_ip, args.kv_events_port, args.extra)
     for note in notes:
         print(f"{PROG}: note: {note}", file=sys.stderr)
     # vLLM and the GPU workers pin the region only on a real GPU, and only with offloading.
@@ -614,9 +568,6 @@ def serve_main(argv: Sequence[str], parser: argparse.ArgumentParser | None = Non
     )
     print(f"{PROG}: {'start' if node.headless else 'exec'} {shlex.join(cmd)}", file=sys.stderr)
     env = serving_env(plan_path, options_path, os.environ, [ENTRY_POINT_NAME, *overlay.plugins])
-    if events_ip and "--kv-events-config" in cmd:
-        # what tcp://*:0 binds; a VLLM_HOST_IP set in the container's env stays
-        env.setdefault("VLLM_HOST_IP", events_ip)
     env.update(spread_env)
     env.update(overlay.env)
     if node.headless:
@@ -631,6 +582,22 @@ def serve_main(argv: Sequence[str], parser: argparse.ArgumentParser | None = Non
         except OSError as e:
             raise EngineCliError(str(e)) from None
     return _exec(cmd, env)
+
+
+def check_event_ports(plan: Plan, options: EngineOptions, cmd: Sequence[str],
+                      node: multinode.Node, events_ip: str | None,
+                      base: int | None, extra: Sequence[str] = ()) -> None:
+    """Stop with a line naming it when a KV-event port of this pod's ranks is taken
+    (only for the events the launcher configured: extra args' are the user's)."""
+    if "--kv-events-config" not in cmd or kv_events.user_sets(
+            [*options.extra_args, *extra], "--kv-events-config"):
+        return
+    first = options.kv_events_port if base is None else base
+    ranks = kv_events.local_ranks(plan.parallelism.data_parallel_size, node.nnodes, node.rank)
+    try:
+        kv_events.check_ports_free(events_ip, [first + r for r in ranks])
+    except kv_events.EventPortTaken as e:
+        raise EngineCliError(str(e)) from None
 
 
 def _check_install(plan: Plan) -> None:

@@ -11,11 +11,12 @@ from __future__ import annotations
 from typing import Any
 
 from spillway_engine import vllm_cli
-from spillway_engine.seam import PROTECTED_FLAGS, PROTECTED_SHORT_FLAGS
+from spillway_engine.seam import DIST_PORT, ENGINE_PORT, PROTECTED_FLAGS, PROTECTED_SHORT_FLAGS
 from spillway_operator.flow.imageref import CEL_CHECKS as IMAGE_CEL_CHECKS
 from spillway_operator.flow.spec_input import (
     DISK_CLAIM_MESSAGE,
     DISK_CLASS_MESSAGE,
+    EVENT_PORTS_MESSAGE,
     MAX_CPU,
     MAX_MEMORY,
     MODEL_ID_PART_MAX,
@@ -170,6 +171,18 @@ CEL_RULES: dict[str, list[dict[str, str]]] = {
             ".name",
         ),
         cel("!self.name.endsWith('.git')", "model.name: a model id cannot end in .git", ".name"),
+    ],
+    "spec.engine": [
+        cel(
+            "!has(self.kvEvents) || !has(self.kvEvents.port) || "
+            "(self.kvEvents.port + (has(self.dataParallelSize) ? self.dataParallelSize : 1) "
+            f"- 1 <= 65535 && !(self.kvEvents.port <= {ENGINE_PORT} && {ENGINE_PORT} <= "
+            "self.kvEvents.port + (has(self.dataParallelSize) ? self.dataParallelSize : 1) - 1)"
+            f" && !(self.kvEvents.port <= {DIST_PORT} && {DIST_PORT} <= self.kvEvents.port + "
+            "(has(self.dataParallelSize) ? self.dataParallelSize : 1) - 1))",
+            EVENT_PORTS_MESSAGE,
+            ".kvEvents.port",
+        ),
     ],
     "spec.engine.image": [cel(rule, f"engine.image: {why}") for rule, why in IMAGE_CEL_CHECKS],
     "spec.engine.extraArgs[]": [_extra_arg_rule(), _vllm_option_rule(), _int_value_rule()],

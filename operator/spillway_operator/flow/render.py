@@ -8,7 +8,6 @@ apply merges the rest).
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -19,9 +18,11 @@ from spillway_engine.seam import (
     DISK_TIER_MOUNT,
     DIST_PORT,
     ENGINE_OPTIONS_FILE,
+    ENGINE_PORT,
     PLAN_FILE,
     READY_PATH,
     EngineOptions,
+    event_port_name,
 )
 from spillway_operator.flow import disruption, rollout
 from spillway_operator.flow.pools import POOL_LABEL, product_labels
@@ -44,9 +45,7 @@ from spillway_operator.names import (
     LWS_WORKER_INDEX,
     inference_pool_name,
 )
-from spillway_operator.plumbing.cache import Memo
 
-ENGINE_PORT = 8000
 PLAN_MOUNT = "/etc/spillway/plan"
 MODEL_CACHE = "/models-cache"
 DEFAULT_CPU_PER_GPU = 4
@@ -136,33 +135,13 @@ def _meta(owner: Owner, name: str) -> dict[str, Any]:
     }
 
 
-def _json(data: dict[str, Any]) -> str:
-    return json.dumps(data, indent=2, sort_keys=True)
-
-
-# The text and hash of recent plans, by the plan object's identity (a reconcile asks
-# three times, and the reconciler hands out one object per distinct plan). Each entry
-# holds its plan, so no other object can take its id while it lives.
-_PLAN_TEXTS = Memo(256)
-
-
-def _plan_text(plan: Plan) -> tuple[str, str]:
-    if (hit := _PLAN_TEXTS.get(id(plan))) is not None and hit[0] is plan:
-        return hit[1], hit[2]
-    text = _json(plan.model_dump(mode="json"))
-    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
-    _PLAN_TEXTS.put(id(plan), (plan, text, digest))
-    return text, digest
-
-
 def plan_json(plan: Plan) -> str:
-    """The plan file the engine reads. Sorted keys keep the text, and so the hash,
-    stable for an unchanged plan: a changed hash rolls the pods."""
-    return _plan_text(plan)[0]
+    """The plan file the engine reads (stable text: its hash names the pods' plan)."""
+    return plan.file_text
 
 
 def plan_hash(plan: Plan) -> str:
-    return _plan_text(plan)[1]
+    return plan.file_hash
 
 
 def engine_options(spec: InferenceDeploymentSpec) -> EngineOptions:
@@ -177,6 +156,7 @@ def engine_options(spec: InferenceDeploymentSpec) -> EngineOptions:
         eviction_policy=spec.offload.eviction_policy.value,
         offload_enabled=spec.offload.enabled,
         kv_events=spec.engine.kv_events.enabled,
+        kv_events_port=spec.engine.kv_events.port,
         extra_args=tuple(spec.engine.extra_args),
     )
 
@@ -402,7 +382,8 @@ def _engine_container(spec: InferenceDeploymentSpec, plan: Plan,
         "args": _engine_args(spec),
         "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}] + (
             [] if spec.nodes == 1 else
-            [{"name": "dist", "containerPort": DIST_PORT, "protocol": "TCP"}]),
+            [{"name": "dist", "containerPort": DIST_PORT, "protocol": "TCP"}])
+        + event_ports(spec, plan),
         "env": _env(spec),
         "resources": _resources(spec, plan),
         "volumeMounts": mounts,
@@ -470,9 +451,20 @@ def capacity_annotations(plan: Plan) -> dict[str, str]:
     }
 
 
-#: "on": the pod publishes vLLM KV events, their endpoints listed at GET /kv_event_sources
-#: on its http port (one per data-parallel rank); "off": none (spillway_router.kube)
+#: "on": the pod publishes vLLM KV events, on its declared kv-events ports (and listed at
+#: GET /kv_event_sources on its http port); "off": none (spillway_router.kube)
 KV_EVENTS_ANNOTATION = f"{GROUP}/kv-events"
+
+
+def event_ports(spec: InferenceDeploymentSpec, plan: Plan) -> list[dict[str, Any]]:
+    """The KV-event publishers' container ports, one per data-parallel rank (base port
+    + rank, spillway_engine.launcher.kv_events), on every pod of a replica: each binds
+    those of the ranks it runs."""
+    if not (spec.engine.kv_events.enabled and plan.enable_prefix_caching):
+        return []
+    base = spec.engine.kv_events.port
+    return [{"name": event_port_name(r), "containerPort": base + r, "protocol": "TCP"}
+            for r in range(spec.engine.data_parallel_size)]
 
 
 def kv_events_annotation(spec: InferenceDeploymentSpec, plan: Plan) -> dict[str, str]:

@@ -19,7 +19,7 @@ from pydantic.alias_generators import to_camel
 from spillway_engine.planner.gpus import GPUS, UnknownGpu, get_gpu
 from spillway_engine.planner.plan import PlanRequest
 from spillway_engine.quantity import parse_bytes
-from spillway_engine.seam import extra_args_refusal
+from spillway_engine.seam import KV_EVENTS_PORT, extra_args_refusal
 from spillway_operator.flow.imageref import IMAGE_MAX_LENGTH, image_reference_error
 from spillway_operator.flow.pressure import Policy
 from spillway_operator.flow.spec_input import (
@@ -35,6 +35,7 @@ from spillway_operator.flow.spec_input import (
     at_most,
     cpu_cores,
     env_owner_message,
+    event_ports_problem,
     model_id_problem,
     reserved_env,
 )
@@ -210,10 +211,16 @@ class KVEventsSpec(_Model):
 
     enabled: Annotated[
         bool,
-        Field(description="publish them (block hashes sha256; the endpoint of each "
-              "data-parallel rank is listed at the engine's GET /kv_event_sources); off: "
-              "routers place prefixes approximately"),
+        Field(description="publish them (block hashes sha256, ZMQ topic "
+              "kv@<pod-ip>:8000@<served model>, llm-d's); off: routers place prefixes "
+              "approximately"),
     ] = True
+    port: Annotated[
+        int,
+        Field(ge=1024, le=65535, description="port of data-parallel rank 0's publisher on "
+              "the pod's IP; rank r publishes on port + r; all are declared as container "
+              "ports (kv-events, kv-events-1, ...)"),
+    ] = KV_EVENTS_PORT
 
 
 class SpeculativeMethod(StrEnum):
@@ -322,6 +329,13 @@ class EngineSpec(_Model):
         if problem:
             raise ValueError(f"not an image reference the kubelet accepts: {problem}")
         return image
+
+    @model_validator(mode="after")
+    def _event_ports_fit(self) -> EngineSpec:
+        problem = event_ports_problem(self.kv_events.port, self.data_parallel_size)
+        if problem:
+            raise ValueError(problem)
+        return self
 
     @field_validator("extra_args")
     @classmethod

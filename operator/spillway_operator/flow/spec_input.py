@@ -10,6 +10,8 @@ from __future__ import annotations
 import re
 from decimal import Decimal
 
+from spillway_engine.seam import DIST_PORT, ENGINE_PORT
+
 # A Kubernetes resource quantity ("64Gi", "500M", "1.5Ti", "123456").
 QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
 #: CPU quantities also come in millicores ("250m"), which memory sizes never need.
@@ -103,3 +105,18 @@ def reserved_env(name: str) -> bool:
 
 DISK_CLAIM_MESSAGE = "offload.disk.claimName is required with volume SharedPVC, and only then"
 DISK_CLASS_MESSAGE = "offload.disk.storageClassName is only for volume Ephemeral"
+
+
+#: What engine.kvEvents.port may not be, with the rank offsets (flow.cel repeats it).
+EVENT_PORTS_MESSAGE = (
+    f"engine.kvEvents.port + dataParallelSize - 1 must be at most 65535, and the range "
+    f"may not hold the serving port {ENGINE_PORT} or the rendezvous port {DIST_PORT}"
+)
+
+
+def event_ports_problem(port: int, data_parallel_size: int) -> str | None:
+    """Why the KV-event ports ``port .. port + dp - 1`` cannot be the pod's, or None."""
+    last = port + data_parallel_size - 1
+    if last > 65535 or port <= ENGINE_PORT <= last or port <= DIST_PORT <= last:
+        return f"{EVENT_PORTS_MESSAGE} (got {port}..{last})"
+    return None

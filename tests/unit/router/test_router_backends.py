@@ -118,3 +118,28 @@ def test_annotated_pods_list_their_own_event_endpoints() -> None:
     assert off is not None and off.events is None
     f = parse_backend_spec("model=m,url=http://10.0.0.1:8000,events=pod")
     assert backend_from_spec(f, Profile()).events == EVENTS_FROM_POD
+
+
+def _with_ports(pod: dict, ports: list[tuple[str, int]]) -> dict:
+    pod["spec"] = {"containers": [{"name": "engine", "ports": [
+        {"name": name, "containerPort": number, "protocol": "TCP"} for name, number in ports]}]}
+    return pod
+
+
+def test_a_pod_with_events_on_is_followed_on_its_declared_ports() -> None:
+    """Each data-parallel rank's declared port on the pod's IP, in rank order; a
+    multi-node replica's leader (LWS labels) and a pod without declared ports fall back
+    to asking the pod (/kv_event_sources lists the worker pods' ranks too)."""
+    data = {"plan.json": (PLANS / LLAMA).read_text(),
+            "engine.json": json.dumps({"model": "org/llama"})}
+    info = deployment_from_configmap({"data": data})
+    on = {"spillway.dev/kv-events": "on"}
+    ports = [("http", 8000), ("kv-events-1", 6001), ("kv-events", 6000), ("kv-events-x", 1)]
+    b = backend_from_pod(_with_ports(_pod(annotations=on), ports), info, 5557)
+    assert b is not None and b.events == "tcp://10.1.2.3:6000 tcp://10.1.2.3:6001"
+    lws = _pod(annotations=on, labels={"leaderworkerset.sigs.k8s.io/worker-index": "0"})
+    b = backend_from_pod(_with_ports(lws, ports), info, 5557)
+    assert b is not None and b.events == EVENTS_FROM_POD
+    off = {"spillway.dev/kv-events": "off"}
+    b = backend_from_pod(_with_ports(_pod(annotations=off), ports), info, 5557)
+    assert b is not None and b.events is None

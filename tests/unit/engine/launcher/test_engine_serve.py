@@ -30,7 +30,7 @@ from spillway_engine.launcher.plan_check import (
 )
 from spillway_engine.launcher.serve import EngineCliError, build_command
 from spillway_engine.planner.plan import Plan, PlanReadError, PlanRequest, make_plan, read_plan
-from spillway_engine.seam import EngineOptions, EngineOptionsError, parse_engine_options
+from spillway_engine.seam import EngineOptions
 from spillway_engine.vllm_pins import VLLM_VERSION
 from tests.unit.planner_fixtures import load_model
 
@@ -118,6 +118,7 @@ def test_command_carries_the_plan(model: str, offloader: str):
         assert kv["kv_connector_extra_config"] == {
             **plan.spillway.kv_connector_extra_config,
             "eviction_policy": "lru",
+            "self_describing_kv_events": True,  # KV events are on
         }
         assert "blocks_per_chunk" not in kv["kv_connector_extra_config"]
     else:
@@ -128,6 +129,7 @@ def test_command_carries_the_plan(model: str, offloader: str):
         assert kv["kv_connector_extra_config"] == {
             **plan.upstream.kv_connector_extra_config,
             "eviction_policy": "lru",
+            "self_describing_kv_events": True,
         }
         assert (
             kv["kv_connector_extra_config"]["blocks_per_chunk"]
@@ -162,6 +164,7 @@ def test_spillway_plan_that_upstream_refuses_is_still_served():
     assert kv["kv_connector_extra_config"] == {
         **plan.spillway.kv_connector_extra_config,
         "eviction_policy": "lru",
+        "self_describing_kv_events": True,
     }
     assert notes == []
 
@@ -831,79 +834,7 @@ def test_bad_emulate_options_exit_2(tmp_path, capsys, extra, match):
 
 
 # ------------------------------------------------------------------- KV events
-
-
-def test_kv_events_are_on_by_default_with_a_reproducible_hash():
-    cmd, notes = build_command(plan_for(LLAMA), OPTIONS)
-    assert notes == []
-    assert json.loads(flag(cmd, "--kv-events-config")) == {
-        "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5557"}
-    assert flag(cmd, "--prefix-caching-hash-algo") == "sha256"
-    # with an address to bind, vLLM's tcp://*:0: that address (VLLM_HOST_IP), a free port
-    cmd, _ = build_command(plan_for(LLAMA), OPTIONS, events_ip="10.1.2.3")
-    assert json.loads(flag(cmd, "--kv-events-config"))["endpoint"] == "tcp://*:0"
-
-
-def test_kv_events_off_or_without_prefix_caching():
-    off = EngineOptions(model="m", kv_events=False)
-    cmd, _ = build_command(plan_for(LLAMA), off)
-    assert "--kv-events-config" not in cmd and "--prefix-caching-hash-algo" not in cmd
-    cmd, notes = build_command(plan_for(LLAMA, enable_prefix_caching=False), OPTIONS)
-    assert "--kv-events-config" not in cmd and any("prefix caching is off" in n for n in notes)
-
-
-def test_kv_event_flags_in_extra_args_are_the_users():
-    mine = json.dumps({"enable_kv_cache_events": True, "endpoint": "tcp://*:6000"})
-    options = EngineOptions(model="m", extra_args=(
-        "--kv-events-config", mine, "--prefix-caching-hash-algo=sha256_cbor"))
-    cmd, notes = build_command(plan_for(LLAMA), options)
-    assert flag(cmd, "--kv-events-config") == mine
-    assert "--prefix-caching-hash-algo" not in cmd and cmd[-1].endswith("sha256_cbor")
-    assert len(notes) == 2
-
-
-@pytest.mark.parametrize(
-    ("pod_ip", "host", "bound"),
-    [
-        ("10.1.2.3", "0.0.0.0", "10.1.2.3"),
-        (" fd00::7 ", "0.0.0.0", "fd00::7"),
-        ("", "127.0.0.5", "127.0.0.5"),  # the fleet's engines: --host is the pod IP
-        (None, "::", None),
-        (None, "localhost", None),  # a name: vLLM's VLLM_HOST_IP wants an address
-        ("not-an-ip", "0.0.0.0", None),
-    ],
-)
-def test_events_bind_the_pods_ip(pod_ip, host, bound):
-    env = {} if pod_ip is None else {serve.ENV_POD_IP: pod_ip}
-    assert serve.events_bind_ip(host, env) == bound
-
-
-def test_options_read_kv_events(tmp_path):
-    path = tmp_path / "engine.json"
-    assert parse_engine_options({"model": "m"}, path).kv_events is True
-    assert parse_engine_options({"model": "m", "kv_events": False}, path).kv_events is False
-    with pytest.raises(EngineOptionsError, match="kv_events must be true or false"):
-        parse_engine_options({"model": "m", "kv_events": "yes"}, path)
-
-
-def test_serve_binds_events_on_the_pod_ip(tmp_path, capsys, monkeypatch):
-    _plan, path, fake = ready_to_exec(tmp_path, monkeypatch)
-    monkeypatch.setenv(serve.ENV_POD_IP, "10.9.8.7")
-    monkeypatch.delenv("VLLM_HOST_IP", raising=False)
-    assert run(capsys, "serve", "--plan", str(path))[0] == 0
-    [(_exe, argv, env)] = fake.calls
-    assert json.loads(flag(argv, "--kv-events-config"))["endpoint"] == "tcp://*:0"
-    assert env["VLLM_HOST_IP"] == "10.9.8.7"  # what vLLM's tcp://*:0 binds
-    # a VLLM_HOST_IP the container sets stays; no IP at all: the wildcard port
-    monkeypatch.setenv("VLLM_HOST_IP", "10.0.0.1")
-    assert run(capsys, "serve", "--plan", str(path))[0] == 0
-    assert fake.calls[-1][2]["VLLM_HOST_IP"] == "10.0.0.1"
-    monkeypatch.delenv(serve.ENV_POD_IP)
-    monkeypatch.delenv("VLLM_HOST_IP")
-    assert run(capsys, "serve", "--plan", str(path))[0] == 0
-    _exe, argv, env = fake.calls[-1]
-    assert json.loads(flag(argv, "--kv-events-config"))["endpoint"] == "tcp://*:5557"
-    assert "VLLM_HOST_IP" not in env
+# (where and under which topic they publish: test_kv_events_launch.py)
 
 
 def test_a_hash_seed_is_noted_for_the_router(tmp_path, capsys, monkeypatch):

@@ -145,3 +145,19 @@ def test_speculative_names_a_drafter_exactly_when_it_is_separate():
     [rule] = schema["x-kubernetes-validations"]
     assert rule["rule"] == "self.method == 'mtp' ? !has(self.model) : has(self.model)"
     assert "speculative" not in crd.spec_schema()["properties"]["engine"]["default"]
+
+
+def test_kv_event_ports_are_checked_by_the_api_server_as_by_the_model():
+    """engine.kvEvents.port: the schema's bounds and default, and a CEL rule on the
+    engine with the model's message (the ranks' ports past 65535 or over the serving or
+    rendezvous port)."""
+    engine = crd.spec_schema()["properties"]["engine"]
+    port = engine["properties"]["kvEvents"]["properties"]["port"]
+    assert (port["minimum"], port["maximum"], port["default"]) == (1024, 65535, 5557)
+    [rule] = [r for r in engine["x-kubernetes-validations"] if "kvEvents" in r["rule"]]
+    assert rule["fieldPath"] == ".kvEvents.port"
+    with pytest.raises(ValidationError) as refused:
+        InferenceDeploymentSpec.model_validate(
+            {"model": {"name": "a/b"}, "engine": {"kvEvents": {"port": 7990},
+                                                  "dataParallelSize": 16}})
+    assert rule["message"] in str(refused.value)

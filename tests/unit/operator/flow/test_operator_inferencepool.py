@@ -49,8 +49,8 @@ def test_pool_selects_the_engine_pods_on_their_http_port():
     assert selector.items() <= dep["spec"]["template"]["metadata"]["labels"].items()
     assert selector["app.kubernetes.io/name"] == "spillway-engine"
     assert selector["spillway.dev/inference-deployment"] == "chat"
-    (port,) = dep["spec"]["template"]["spec"]["containers"][0]["ports"]
-    assert port["name"] == "http"
+    ports = dep["spec"]["template"]["spec"]["containers"][0]["ports"]
+    [port] = [p for p in ports if p["name"] == "http"]  # beside it, the KV-event ports
     assert pool["spec"]["targetPorts"] == [{"number": port["containerPort"]}]
     assert pool["spec"]["endpointPickerRef"] == {
         "kind": "Service", "name": "spillway-router", "port": {"number": 9002},

@@ -94,6 +94,16 @@ def test_configmap_holds_the_plan_json_sorted_as_the_engine_reads_it():
     assert Plan.model_validate_json(text) == plan
 
 
+def test_plan_hash_follows_the_plan_not_a_copy_it_was_made_from():
+    # the text is kept on the frozen plan; a changed copy must not carry the old one
+    plan = plan_for(spec_of())
+    before = render.plan_hash(plan)
+    changed = plan.model_copy(update={"max_model_len": plan.max_model_len // 2})
+    assert render.plan_hash(changed) != before
+    assert json.loads(render.plan_json(changed))["max_model_len"] == plan.max_model_len // 2
+    assert render.plan_hash(plan.model_copy()) == before == render.plan_hash(plan)
+
+
 def test_rest_paths_are_the_api_clients():
     spec = spec_of()
     plan = plan_for(spec)
@@ -234,6 +244,41 @@ def test_pods_publish_kv_events_on_their_own_ip_unless_switched_off():
     dep = render.deployment(OWNER, off, plan_for(off))
     assert dep["spec"]["template"]["metadata"]["annotations"]["spillway.dev/kv-events"] == "off"
     assert engine_options(off).kv_events is False
+
+
+def _ports(workload: dict) -> dict[str, int]:
+    template = workload["spec"].get("template") or workload["spec"]["leaderWorkerTemplate"][
+        "workerTemplate"]
+    [engine] = template["spec"]["containers"]
+    assert all(p["protocol"] == "TCP" for p in engine["ports"])
+    return {p["name"]: p["containerPort"] for p in engine["ports"]}
+
+
+def test_each_data_parallel_rank_declares_its_kv_event_port():
+    spec = spec_of()
+    assert _ports(render.deployment(OWNER, spec, plan_for(spec))) == {
+        "http": 8000, "kv-events": 5557}
+    assert engine_options(spec).kv_events_port == 5557
+    spec = spec_of(engine={"dataParallelSize": 3, "kvEvents": {"port": 6000}})
+    assert _ports(render.deployment(OWNER, spec, plan_for(spec))) == {
+        "http": 8000, "kv-events": 6000, "kv-events-1": 6001, "kv-events-2": 6002}
+    assert json.loads(engine_options(spec).to_json())["kv_events_port"] == 6000
+    # events off: no port to declare (nor to allow through a NetworkPolicy)
+    off = spec_of(engine={"kvEvents": {"enabled": False, "port": 6000}})
+    assert _ports(render.deployment(OWNER, off, plan_for(off))) == {"http": 8000}
+
+
+@pytest.mark.parametrize(("port", "dp", "ok"), [
+    (5557, 64, True), (7937, 64, False), (7937, 63, True), (8000, 1, False),
+    (29500, 1, False), (29450, 64, False), (29400, 64, True), (65535, 1, True), (65535, 2, False),
+])
+def test_kv_event_ports_keep_clear_of_the_pods_other_ports(port, dp, ok):
+    body = {"engine": {"dataParallelSize": dp, "kvEvents": {"port": port}}}
+    if ok:
+        spec_of(**body)
+        return
+    with pytest.raises(ValueError, match=r"engine\.kvEvents\.port"):
+        spec_of(**body)
 
 
 def test_speculative_spec_reaches_the_plan_and_the_engine_command():
