@@ -1,9 +1,11 @@
-"""Whether a process is still alive, the one answer every harness here uses."""
+"""Whether a process is still alive, and how a harness stops its child: the one answer
+every harness here uses for each."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
 from pathlib import Path
 
 
@@ -24,3 +26,15 @@ def alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] != "Z"
     except (OSError, IndexError):
         return False
+
+
+def stop(proc: subprocess.Popen | None, grace: float) -> None:
+    """SIGTERM a running child, SIGKILL it if it has not ended within ``grace`` s."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)

@@ -73,7 +73,8 @@ def locate_binaries(cache: Path | None = None, real_nodes: bool = False,
                     lws: bool = True) -> dict[str, Path]:
     """Map each binary name to its path in the version-keyed cache that
     ``tools/build.sh`` fills; a missing one is a ClusterError naming the fix.
-    ``real_nodes``: also the real nodes' kubelet, kube-proxy and GPU device plugin.
+    ``real_nodes``: also the real nodes' kubelet, kube-proxy, GPU device plugin and
+    CoreDNS.
     ``lws``: LeaderWorkerSet's controller manager, whose folder also holds its CRD and
     webhook manifests (``lws_manifests``)."""
     cache = cache or default_bin_cache()
@@ -94,6 +95,7 @@ def locate_binaries(cache: Path | None = None, real_nodes: bool = False,
             "kubelet": f"node-v{v['K8S_VERSION']}",
             "kube-proxy": f"node-v{v['K8S_VERSION']}",
             "gpuplugin": f"gpuplugin-v{v['GPUPLUGIN_BUILD']}",
+            "coredns": f"coredns-v{v['COREDNS_VERSION']}",
         }
     found, missing = {}, []
     for name, family in families.items():
@@ -484,6 +486,27 @@ class LocalCluster:
             self._create_nodes(timeout)
             if nodes is not None:
                 self.timings["real_nodes"] = nodes.start(max(timeout, 240))
+        except BaseException:
+            self.stop()
+            raise
+        self.timings["ready"] = time.monotonic() - t0
+        return self.timings["ready"]
+
+    def start_api_only(self, timeout: float = 120) -> float:
+        """etcd and the API server alone: no controllers, scheduler, KWOK, nodes or LWS,
+        so objects stay as they are written (a pod's status is what the caller writes;
+        nothing schedules, evicts or collects it). For programs that only read the API,
+        such as GIE's endpoint picker (e2e/gateway/gie.py); ``stop()`` stops it."""
+        self.stop()
+        self.config.binaries = self.config.binaries or locate_binaries(lws=False)
+        self.check_ports()
+        t0 = time.monotonic()
+        for d in (self.workdir, self.logs):
+            d.mkdir(parents=True, exist_ok=True)
+        make_pki(self.pki)
+        try:
+            self._start_etcd(timeout)
+            self._start_apiserver(timeout)
         except BaseException:
             self.stop()
             raise

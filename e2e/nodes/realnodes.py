@@ -67,7 +67,7 @@ import yaml
 from e2e.cluster.errors import ClusterError
 from e2e.cluster.gfd import node_gpu_labels
 from e2e.cluster.pki import ensure_client_cert
-from e2e.nodes import ociimage
+from e2e.nodes import dns, ociimage
 from e2e.processes import alive as _alive
 
 if TYPE_CHECKING:
@@ -549,6 +549,7 @@ class RealNodes:
             for node in self.nodes:
                 self._start_node(node, images, timeout)
             self._start_kube_proxy(timeout)
+            dns.start(self, API_IP, RUN_ROOT / "Corefile", timeout)
         self._wait_nodes_ready(timeout, since)
         self.timings["nodes"] = time.monotonic() - t0
         return self.timings["nodes"]
@@ -756,6 +757,7 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
             "nodeStatusUpdateFrequency": "5s",
             "syncFrequency": "15s",
             "resolvConf": "/etc/resolv.conf",
+            **dns.kubelet_settings(API_IP),  # pods resolve cluster names
             "rotateCertificates": False,
             "containerLogMaxSize": "10Mi",
         }))
@@ -951,7 +953,7 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
                 return [entry["pid"]]
             return []
 
-        _kill_all(ours("kube-proxy"), timeout, group=True)
+        _kill_all(ours("kube-proxy") + ours("coredns"), timeout, group=True)
         nodes = [NodeSpec(name, i) for i, name in enumerate(record.get("nodes", []))]
         for node in nodes:
             _kill_all(ours(f"kubelet/{node.name}") + ours(f"gpuplugin/{node.name}"), timeout,
@@ -983,8 +985,9 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
         for d in reversed(record.get("created_dirs", [])):
             with contextlib.suppress(OSError):
                 os.rmdir(d)
-        with contextlib.suppress(FileNotFoundError):
-            (RUN_ROOT / "kube-proxy.yaml").unlink()
+        for config in ("kube-proxy.yaml", "Corefile"):
+            with contextlib.suppress(FileNotFoundError):
+                (RUN_ROOT / config).unlink()
         if record.get("private_run_root") and _is_mount_point(RUN_ROOT):
             _run(["umount", str(RUN_ROOT)], "unmount /run/spillway/nodes", check=False)
         with contextlib.suppress(FileNotFoundError):

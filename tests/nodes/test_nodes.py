@@ -100,6 +100,40 @@ def test_a_pod_reaches_a_pod_and_its_service_on_the_other_node(core, namespace):
     assert service_ip.startswith("10.0.")
 
 
+def test_pods_resolve_services_and_a_subdomain_pods_hostname_by_cluster_dns(core, namespace):
+    """CoreDNS (e2e/nodes/dns.py) as a cluster's kube-dns: a Service by its short name
+    and its FQDN, and a pod with a hostname and a subdomain (how a LeaderWorkerSet names
+    its leader) through its headless Service, resolved from a pod on the other node."""
+    server = pod("server", "mkdir -p /www && echo hostname-ok > /www/index.html && "
+                           "exec httpd -f -p 8080 -h /www", node=NODES[1])
+    server["spec"] |= {"hostname": "leader-0", "subdomain": "group"}
+    create(core, namespace, server)
+    for name, headless in (("web", False), ("group", True)):
+        core.create_namespaced_service(namespace, {
+            "apiVersion": "v1", "kind": "Service", "metadata": {"name": name},
+            "spec": {"selector": {"app": "server"}, "publishNotReadyAddresses": headless,
+                     "ports": [{"port": 8080, "targetPort": 8080}],
+                     **({"clusterIP": "None"} if headless else {})}})
+    server_ip = wait_phase(core, namespace, "server", {"Running"}).status.pod_ip
+    service_ip = core.read_namespaced_service("web", namespace).spec.cluster_ip
+    fetch = ('for i in $(seq 1 40); do out=$(wget -qO- "$0") && break; sleep 0.5; done; '
+             'echo "$1 $out"')
+    names = {"short": "web", "fqdn": f"web.{namespace}.svc.cluster.local",
+             "leader": f"leader-0.group.{namespace}"}
+    script = " && ".join([f"sh -c '{fetch}' http://{host}:8080/ {key}"
+                          for key, host in names.items()]
+                         + [f"nslookup {host} | tail -n +3 | grep Address | sed 's/^/{key} /'"
+                            for key, host in names.items()]
+                         + ["cat /etc/resolv.conf"])
+    create(core, namespace, pod("client", script, node=NODES[0]))
+    out = finished(core, namespace, "client")
+    for key in names:
+        assert f"{key} hostname-ok" in out, out
+    assert f"short Address: {service_ip}" in out and f"fqdn Address: {service_ip}" in out, out
+    assert f"leader Address: {server_ip}" in out, out
+    assert f"nameserver {API_IP}" in out and f"search {namespace}.svc.cluster.local" in out
+
+
 def test_a_pod_reaches_the_api_server_through_the_kubernetes_service(core, namespace):
     review = '{"apiVersion":"authentication.k8s.io/v1","kind":"SelfSubjectReview"}'
     base = "https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT"

@@ -29,6 +29,7 @@ import yaml
 from kubernetes import client
 from prometheus_client.parser import text_string_to_metric_families
 
+from e2e.cluster.gfd import gfd_labels
 from e2e.install import (
     RELEASE_NAMESPACE,
     helm_install,
@@ -39,7 +40,7 @@ from e2e.install import (
     on_real_nodes,
 )
 from e2e.nodes.images import normalize
-from spillway_engine.emulator.tiny import qwen3_next_config, write_model
+from spillway_engine.emulator.tiny import llama_config, qwen3_next_config, write_model
 from spillway_operator.flow.spec import GROUP, PLURAL, VERSION
 from tests.helpers import wait_for
 
@@ -580,3 +581,203 @@ def test_two_replicas_on_two_nodes_share_a_disk_tier_that_outlives_a_restart(
         real_cluster.kubectl("delete", "-n", SERVING, "pvc", "kv-shared", "--wait=false",
                              check=False)
         real_cluster.kubectl("delete", "pv", pv, "--wait=false", check=False)
+
+
+@contextlib.contextmanager
+def _node_as(real_cluster, core: client.CoreV1Api, node: str, product: str):
+    """The node labelled by GPU Feature Discovery as ``product`` (the kubelet sets its
+    labels only when it registers), its own labels back afterwards."""
+    before = core.read_node(node).metadata.labels
+    gfd = gfd_labels(product, real_cluster.config.gpus_per_node)
+    real_cluster.kubectl("label", "node", node, "--overwrite",
+                         *[f"{k}={v}" for k, v in gfd.items()])
+    try:
+        yield gfd
+    finally:
+        real_cluster.kubectl("label", "node", node, "--overwrite",
+                             *[f"{k}={before[k]}" for k in gfd if k in before])
+
+
+def test_one_object_serves_on_an_h100_pool_and_a_b200_pool_each_with_its_own_plan(
+        real_cluster, api, installed):
+    """spec.resources.gpuPools on real nodes: node a stays an H100 node, node b becomes
+    a B200 node (GFD's labels); one object gets a workload per pool, each pod a container
+    of the engine image on its pool's node, planned for that GPU (Blackwell: FlashInfer
+    for the full-attention layers) and started with the plan check passed on the GPU its
+    plan is for; the chart's router serves the model from both pools."""
+    core = client.CoreV1Api(api)
+    name = "tiny-pools"
+    obj = on_real_nodes(SAMPLE, installed["engine"], "models")
+    obj["metadata"]["name"] = name
+    obj["spec"]["replicas"] = 2
+    obj["spec"]["autoscaling"] = {"enabled": False}
+    obj["spec"]["engine"]["emulateGPU"]["speed"] = 0
+    obj["spec"]["resources"]["gpuPools"] = [{"name": "hopper", "gpuProduct": "H100"},
+                                            {"name": "blackwell", "gpuProduct": "B200"}]
+    with _node_as(real_cluster, core, "spillway-node-b", "b200"):
+        _apply(real_cluster, obj)
+        try:
+            def both_ready():
+                status = _obj(api, name).get("status") or {}
+                pools = status.get("pools") or []
+                return status if len(pools) == 2 and all(
+                    p["readyReplicas"] == 1 for p in pools) else None
+
+            status = wait_for(both_ready, START_S, "a Ready engine in each pool", interval=2,
+                              on_timeout=lambda: (_obj(api, name).get("status"),
+                                                  real_cluster.kubectl(
+                                                      "get", "pods", "-n", SERVING, "-o",
+                                                      "wide", check=False)))
+            pools = {p["name"]: p for p in status["pools"]}
+            assert {n: p["plan"]["gpu"] for n, p in pools.items()} == {
+                "hopper": "h100", "blackwell": "b200"}
+            assert pools["hopper"]["plan"]["hash"] != pools["blackwell"]["plan"]["hash"]
+            for pool, gpu, node in (("hopper", "h100", "spillway-node-a"),
+                                    ("blackwell", "b200", "spillway-node-b")):
+                plan = json.loads(core.read_namespaced_config_map(
+                    f"{name}-{pool}-plan", SERVING).data["plan.json"])
+                assert plan["gpu"]["name"] == gpu
+                [p] = [p for p in _pods(core, name)
+                       if p.metadata.labels.get("spillway.dev/gpu-pool") == pool]
+                assert p.spec.node_name == node, (pool, p.spec.node_name)
+                assert p.status.container_statuses[0].container_id.startswith("containerd://")
+                assert p.metadata.annotations["spillway.dev/plan-hash"] == \
+                    pools[pool]["plan"]["hash"]
+                log = core.read_namespaced_pod_log(p.metadata.name, SERVING,
+                                                   container="engine")
+                assert "Spillway plan check passed" in log, log[-2000:]
+                assert f"Emulated GPU {gpu}:" in log, log[-2000:]
+                answer = _complete(f"http://{p.status.pod_ip}:{ENGINE_PORT}", [7] * 300)
+                assert answer["choices"][0]["finish_reason"] == "length"
+                assert _metrics(p.status.pod_ip).get("spillway_emulator_kv_mismatch_total",
+                                                     0) == 0
+                print(f"{pool}: {gpu} on {node}, backend {plan['gpu']['attention_backend']},"
+                      f" block {plan['block_size']}, {plan['num_chunks']} chunks, pod memory "
+                      f"{plan['pod']['memory_limit_bytes']} B")
+            [svc] = core.list_service_for_all_namespaces(
+                label_selector="app.kubernetes.io/name=spillway-router").items
+            url = f"http://{svc.spec.cluster_ip}:{svc.spec.ports[0].port}"
+            model = SAMPLE["spec"]["model"]["name"]
+
+            def router_sees_both() -> bool:
+                with urllib.request.urlopen(f"{url}/healthz", timeout=10) as r:
+                    return json.loads(r.read())["ready_pods"].get(model) == 2
+
+            wait_for(router_sees_both, 60, "the router counting both pools' pods", interval=1)
+            for i in range(6):
+                assert _complete(url, [11 + i] * 200)["choices"][0]["finish_reason"] == "length"
+        finally:
+            real_cluster.kubectl("delete", "-n", SERVING, "inferencedeployment", name,
+                                 "--wait=true", "--timeout=120s", check=False)
+
+
+def test_a_pipeline_parallel_replica_runs_as_a_leader_worker_set_group_on_both_nodes(
+        real_cluster, api, installed):
+    """engine.nodes 2 on real nodes: one LeaderWorkerSet group of two engine-image
+    containers, one pipeline stage on each node, meeting through gloo over the pod
+    network at the leader's DNS name (LWS_LEADER_ADDRESS, resolved by the cluster's DNS).
+    Every rank checks its own stage; a prompt pushed out of both stages' GPU caches comes
+    back from both host pools with 0 KV mismatches; SIGKILL of the worker's container
+    makes LWS recreate the group and the object says Degraded=GroupRestarting until the
+    group serves again."""
+    core = client.CoreV1Api(api)
+    config = llama_config(num_layers=4)
+    model_dir = write_model(MODELS / "tiny-llama", config)
+    for p in [MODELS, *model_dir.rglob("*")]:
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    model_volume(real_cluster, SERVING, "models-llama", model_dir)
+    model_config_map(real_cluster, SERVING, "llama-config", config)
+    name = "tiny-group"
+    obj = on_real_nodes(SAMPLE, installed["engine"], "models-llama")
+    obj["metadata"]["name"] = name
+    spec = obj["spec"]
+    spec["model"] = {"name": "tiny/llama", "configMapRef": {"name": "llama-config"}}
+    spec["replicas"] = 1
+    spec["autoscaling"] = {"enabled": False}
+    spec["engine"] |= {"tensorParallelSize": 1, "pipelineParallelSize": 2, "nodes": 2}
+    # each stage holds 2 of the 4 layers: 4096 bytes a block, 80 blocks per emulated GPU
+    spec["engine"]["emulateGPU"] |= {"speed": 0, "kvBytes": 80 * 4096}
+    # one rank per node, as 8-GPU ranks on 8-GPU nodes would be
+    spec["resources"]["affinity"] = {"podAntiAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": [{
+            "topologyKey": "kubernetes.io/hostname",
+            "labelSelector": {"matchLabels": {"spillway.dev/inference-deployment": name}}}]}}
+    t0 = time.monotonic()
+    _apply(real_cluster, obj)
+
+    def group() -> dict[str, client.V1Pod]:
+        return {p.metadata.labels.get("leaderworkerset.sigs.k8s.io/worker-index"): p
+                for p in _pods(core, name)}
+
+    def serving(old_uids: set[str] = frozenset()) -> dict[str, client.V1Pod] | None:
+        pods = group()
+        cond = _condition(_obj(api, name), "Available")
+        whole = len(pods) == 2 and all(
+            p.metadata.uid not in old_uids and p.status.container_statuses
+            and p.status.container_statuses[0].ready for p in pods.values())
+        return pods if whole and cond and cond["status"] == "True" else None
+
+    def state():
+        return (_obj(api, name).get("status"),
+                real_cluster.kubectl("get", "pods", "-n", SERVING, "-o", "wide", check=False))
+
+    try:
+        pods = wait_for(serving, START_S, "the group's two ranks Ready and Available",
+                        interval=2, on_timeout=state)
+        print(f"PP 2 group on real containers: Available {time.monotonic() - t0:.0f}s "
+              "after apply")
+        leader, worker = pods["0"], pods["1"]
+        assert {leader.spec.node_name, worker.spec.node_name} == {
+            "spillway-node-a", "spillway-node-b"}
+        logs = {r: core.read_namespaced_pod_log(p.metadata.name, SERVING, container="engine")
+                for r, p in pods.items()}
+        for stage in (0, 1):
+            assert f"Spillway plan check passed (pipeline stage {stage})" in logs["0"]
+        assert "plan check passed on worker rank 0 (pipeline stage 0)" in logs["0"]
+        assert "plan check passed on worker rank 1 (pipeline stage 1)" in logs["1"]
+        assert "FAILED" not in logs["0"] + logs["1"]
+        url = f"http://{leader.status.pod_ip}:{ENGINE_PORT}"
+        model = spec["model"]["name"]
+
+        def complete(prompt: list[int], max_tokens: int = 8) -> dict[str, Any]:
+            body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens,
+                               "temperature": 0, "ignore_eos": True}).encode()
+            req = urllib.request.Request(f"{url}/v1/completions", body,
+                                         {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=120) as r:
+                return json.loads(r.read())
+
+        first = complete([10 + i % 300 for i in range(600)])
+        for seed in range(11, 16):  # 5 x 600 tokens push it out of both GPU caches
+            complete([seed + i % 300 for i in range(600)], max_tokens=2)
+        before = _metrics(leader.status.pod_ip)
+        again = complete([10 + i % 300 for i in range(600)])
+        after = _metrics(leader.status.pod_ip)
+        hits = after["spillway_host_hit_tokens_total"] - before.get(
+            "spillway_host_hit_tokens_total", 0)
+        assert hits >= 512, (before, after)
+        per_token = 2 * 4096 // 16  # both stages' layers
+        assert after["vllm:kv_offload_load_bytes_total"] - before.get(
+            "vllm:kv_offload_load_bytes_total", 0) >= 512 * per_token
+        assert again["choices"][0]["text"] == first["choices"][0]["text"]
+        assert after.get("spillway_emulator_kv_mismatch_total", 0) == 0
+        print(f"PP 2 group: {hits:.0f} prompt tokens from the host pools of both stages")
+
+        old = {p.metadata.uid for p in pods.values()}
+        _kill_container(worker)
+        cond = wait_for(lambda: (c := _condition(_obj(api, name), "Degraded")) and c[
+            "reason"] == "GroupRestarting" and c, 120, "Degraded=GroupRestarting",
+            interval=0.5, on_timeout=state)
+        assert cond["status"] == "True", cond
+        t1 = time.monotonic()
+        pods = wait_for(lambda: serving(old), START_S, "the recreated group serving",
+                        interval=2, on_timeout=state)
+        print(f"PP 2 group recreated by LWS and serving {time.monotonic() - t1:.0f}s "
+              "after Degraded=GroupRestarting")
+        wait_for(lambda: _condition(_obj(api, name), "Degraded")["reason"] == "AsExpected",
+                 60, "Degraded cleared", on_timeout=state)
+        url = f"http://{pods['0'].status.pod_ip}:{ENGINE_PORT}"
+        assert complete([3] * 40)["usage"]["completion_tokens"] == 8
+    finally:
+        real_cluster.kubectl("delete", "-n", SERVING, "inferencedeployment", name,
+                             "--wait=true", "--timeout=120s", check=False)
