@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
 from bench import autoscale as bench  # noqa: E402
+from bench import autoscale_policies as policies  # noqa: E402
 from bench import autoscale_traces as traces  # noqa: E402
 from spillway_operator.flow.pressure import Sample  # noqa: E402
 
@@ -114,7 +115,7 @@ def test_the_token_velocity_baseline_is_llm_d_s_calibration_and_triggers():
     """V_P = CHUNK / median TTFT of sequential cache-missing CHUNK-token prompts on an
     idle replica (calibrate.sh); replicas = max(ceil(backlog s / target), ceil(sum kv /
     0.8)), one pod per 180 s up and per 300 s down after the 300 s window."""
-    v_p = bench.calibrate_peak_prefill(traces.LLAMA_PLAN, 1024)
+    v_p = policies.calibrate_peak_prefill(traces.LLAMA_PLAN, 1024)
     # the simulator's engine: 4 ms a step + 60 us a prompt token, one 8,192-token chunk
     assert v_p == pytest.approx(8192 / (0.004 + 8192 * 60e-6), rel=0.03)
     vel = bench.make_policy("velocity", 1.5)
@@ -196,7 +197,7 @@ def test_the_hpa_baseline_follows_kubernetes_rules():
 
 
 def test_the_dynamo_baseline_moves_one_replica_per_adjustment_and_brakes_when_cold():
-    dyn = bench.DynamoPolicy(0.7)
+    dyn = policies.DynamoPolicy(0.7)
     hot = {"a": _texts(gpu_kv=0.9, waiting=0, running=4)}
     assert dyn.tick(15, hot, 1, 0).replicas == 2
     assert dyn.tick(30, hot, 2, 0).replicas == 2  # within the 60 s adjustment interval
@@ -205,7 +206,7 @@ def test_the_dynamo_baseline_moves_one_replica_per_adjustment_and_brakes_when_co
     dyn.hit_mean = 0.9
     cold = ("# TYPE vllm:prompt_tokens counter\nvllm:prompt_tokens_total{engine=\"0\"} %d\n"
             + _texts(gpu_kv=0.1, waiting=0, running=1))  # fmt: skip
-    dyn.prev = {"a": bench.parse_metrics(cold % 0, 150)}
+    dyn.prev = {"a": policies.parse_metrics(cold % 0, 150)}
     assert dyn.tick(165, {"a": cold % 1000}, 3, 0).replicas == 3  # hit rate 0: no scale-down
     dyn.prev, dyn.hit_mean = {}, None
     assert dyn.tick(240, {"a": cold % 2000}, 3, 0).replicas == 2
@@ -217,7 +218,7 @@ def test_every_policy_runs_a_short_trace(name):
     sc = traces.bursty(0, duration=240.0)
     res = bench.run_policy(bench.make_policy(name, bench.DEFAULT_TARGET[name]), sc, 0)
     s = bench.summarize(res, 2.0)
-    assert 0 < s["rm"] <= bench.MAX_REPLICAS * 240 / 60
+    assert 0 < s["rm"] <= policies.MAX_REPLICAS * 240 / 60
     assert 0.0 <= s["met"] <= 1.0 and res.offered == len(sc.items)
     assert len(res.ticks) == 240 // bench.INTERVAL
 
