@@ -5,7 +5,7 @@ SHELL := /bin/bash
 VENV ?= $(HOME)/.cache/spillway/venv
 PYTEST_ARGS ?=
 
-.PHONY: crd help venv venv-demo host tools images images-in-nodes setup setup-demo lint test test-unit test-contract test-integration test-images test-nodes test-product demo demo-fleet cluster-up cluster-down
+.PHONY: crd help venv venv-demo host tools tools-demo images images-in-nodes setup setup-demo lint test test-unit test-contract test-integration test-images test-nodes test-product demo demo-fleet cluster-up cluster-down
 
 help:
 	@echo "make demo   - the local demo: control plane + 2 real nodes with fake GPUs, Spillway's images and chart"
@@ -28,6 +28,12 @@ host:
 tools: host
 	@tools/build.sh >/dev/null
 
+# Only what the real-node demo runs (no GIE picker or test-only binaries: minutes of a
+# cold first run); GIE's CRDs come with its family when DEMO_ARGS has --gateway.
+DEMO_TOOLS = k8s node gpuplugin etcd kwok helm lws coredns $(if $(findstring --gateway,$(DEMO_ARGS)),gie)
+tools-demo: host
+	@tools/build.sh $(DEMO_TOOLS) >/dev/null
+
 # Spillway's images from its own Dockerfile, into the local docker daemon (tools/images.sh)
 images: host
 	@tools/images.sh >/dev/null
@@ -37,7 +43,7 @@ images: host
 setup:
 	@$(MAKE) --no-print-directory -j3 venv tools images
 setup-demo:
-	@$(MAKE) --no-print-directory -j3 venv-demo tools images-in-nodes
+	@$(MAKE) --no-print-directory -j3 venv-demo tools-demo images-in-nodes
 
 # The demo's images into the real nodes' kept containerd roots as soon as they are built,
 # while the Go builds still run (python -m e2e.nodes preload), not after them

@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # Build (or reuse) the Go binaries the local control plane needs, pinned in
 # tools/versions.env, into a cache under $HOME keyed by version:
-#   $SPILLWAY_BIN_CACHE/{k8s-v*,etcd-v*,kwok-v*,helm-v*,imageref-v*,node-v*,gpuplugin-v*,lws-v*}/
+#   $SPILLWAY_BIN_CACHE/{k8s-v*,etcd-v*,kwok-v*,helm-v*,imageref-v*,node-v*,gpuplugin-v*,coredns-v*,gie-v*,lws-v*}/
 # and, not binaries, LeaderWorkerSet's CRD and webhook manifests in lws-v*/{crds,webhook}/
-# and the Gateway API Inference Extension's CRDs in gie-v*/crds/.
+# and the Gateway API Inference Extension's CRDs in gie-v*/crds/ beside its endpoint
+# picker gie-v*/epp.
 # Prints the directory of every family on stdout, one "NAME=DIR" per line, in the
 # order below whatever order they were built in. Never writes into the repository.
+# `tools/build.sh FAMILY...` builds (or finds) only those, in the same two chains;
+# kvindexer (llm-d's indexer harness) is built only so: `tools/build.sh kvindexer`.
 #
 # A cold build is CPU-bound (about 15 CPU-minutes of compiling): the families are built
 # in SPILLWAY_BUILD_JOBS chains at once (default 2), Kubernetes' six commands in one
@@ -129,38 +132,49 @@ build_gpuplugin() {
   LDFLAGS="-s -w" MODULE=node ensure gpuplugin "$GPUPLUGIN_BUILD" ./gpuplugin:gpuplugin
 }
 
-# The Gateway API Inference Extension's own CRDs (InferencePool, inference.networking.k8s.io/v1),
-# as its release ships them in config/crd/bases/ of its Go module: fetched from the module
-# proxy (go verifies the module's checksum), copied, never committed. The tests install the
-# real schema, so an InferencePool the operator renders is checked by the API server against
-# what GIE defines. Cached like the binaries: present files are never fetched again.
-ensure_gie_crds() {
-  local ver=$1 dir="$cache/gie-v$1"
-  local want="$dir/crds/inference.networking.k8s.io_inferencepools.yaml"
-  if [ -s "$want" ]; then log "gie v$ver CRDs cached in $dir"; echo "gie=$dir"; return; fi
-  log "fetching the gie v$ver CRDs into $dir ..."
-  local src tmp="$dir.tmp.$$" outside
-  # Outside any module: a version query needs no go.mod, and tools/*/go.mod stay as they are.
-  outside=$(mktemp -d)
-  if ! src=$(cd "$outside" && go mod download -json \
-             "sigs.k8s.io/gateway-api-inference-extension@v$ver"); then
-    rm -rf "$outside"
-    log "go mod download sigs.k8s.io/gateway-api-inference-extension@v$ver failed: $src"
+# CoreDNS for the real nodes' pods (e2e/nodes/dns.py), from tools/coredns: a main that
+# links only the plugins its Corefile uses (tools/coredns/go.mod pins github.com/coredns/coredns).
+build_coredns() {
+  if ! grep -q "^require github.com/coredns/coredns v$COREDNS_VERSION$" "$here/coredns/go.mod"; then
+    log "tools/coredns/go.mod does not pin github.com/coredns/coredns v$COREDNS_VERSION (tools/versions.env)"
     exit 1
   fi
-  rm -rf "$outside"
-  src=$(echo "$src" | sed -n 's/^\t"Dir": "\(.*\)",$/\1/p')
-  if [ -z "$src" ] || [ ! -s "$src/config/crd/bases/inference.networking.k8s.io_inferencepools.yaml" ]; then
-    log "no InferencePool CRD in sigs.k8s.io/gateway-api-inference-extension@v$ver ($src)"
+  LDFLAGS="-s -w" ensure coredns "$COREDNS_VERSION" .:coredns
+}
+
+# The Gateway API Inference Extension: its own endpoint picker (cmd/epp, the picker GIE
+# ships, for bench/routing.py --gateway and tests/integration/test_gie_picker.py), built
+# from tools/gie (which pins sigs.k8s.io/gateway-api-inference-extension), and beside it,
+# from the same module, its CRDs (InferencePool, inference.networking.k8s.io/v1) as its
+# release ships them in config/crd/bases/: the operator makes an InferencePool per
+# InferenceDeployment, and the tests install the real schema, so the API server checks
+# what the operator renders against what GIE defines. Copied, never committed; cached
+# like the binaries.
+gie_crds() {
+  local dir=$1 src
+  src=$(cd "$here/gie" && go mod download sigs.k8s.io/gateway-api-inference-extension &&
+        go list -m -f '{{.Dir}}' sigs.k8s.io/gateway-api-inference-extension)
+  if [ ! -s "$src/config/crd/bases/inference.networking.k8s.io_inferencepools.yaml" ]; then
+    log "no InferencePool CRD in $src"
     exit 1
   fi
-  rm -rf "$tmp"; mkdir -p "$tmp/crds"
-  cp "$src"/config/crd/bases/*.yaml "$tmp/crds/" && chmod -R u+w "$tmp"
-  rm -rf "$dir"; mv "$tmp" "$dir"
-  log "gie v$ver CRDs in $dir"
+  local tmp="$dir/crds.tmp.$$"
+  rm -rf "$tmp"; mkdir -p "$tmp"
+  cp "$src"/config/crd/bases/*.yaml "$tmp/" && chmod -R u+w "$tmp"
+  rm -rf "$dir/crds"; mv "$tmp" "$dir/crds"
+}
+build_gie() {
+  # tools/gie/go.mod is what is built: it must pin the version the cache folder names
+  if ! grep -q "^	sigs.k8s.io/gateway-api-inference-extension v$GIE_VERSION " "$here/gie/go.mod"; then
+    log "tools/gie/go.mod does not pin sigs.k8s.io/gateway-api-inference-extension v$GIE_VERSION (tools/versions.env)"
+    exit 1
+  fi
+  LDFLAGS="-s -w" ensure gie "$GIE_VERSION" \
+    sigs.k8s.io/gateway-api-inference-extension/cmd/epp:epp >/dev/null
+  local dir="$cache/gie-v$GIE_VERSION"
+  [ -s "$dir/crds/inference.networking.k8s.io_inferencepools.yaml" ] || gie_crds "$dir"
   echo "gie=$dir"
 }
-build_gie() { ensure_gie_crds "$GIE_VERSION"; }
 
 # LeaderWorkerSet's controller manager (its controllers and its webhooks: LWS defaulting
 # and validation, the pod webhook that injects LWS_LEADER_ADDRESS and the group labels),
@@ -194,12 +208,34 @@ build_lws() {
   echo "lws=$lws_dir"
 }
 
+# llm-d's KV-cache indexer (github.com/llm-d/llm-d-kv-cache, pinned by tools/kvindexer/go.mod)
+# behind a small stdin/stdout harness (tools/kvindexer/main.go): the interop check
+# tests/contract/test_llmd_indexer.py subscribes it to emulated engines' KV events.
+build_kvindexer() { LDFLAGS="-s -w" ensure kvindexer "$KVINDEXER_BUILD" .:kvindexer; }
+
 # ------------------------------------------------------------------ the chains
 # The families in the order their lines are printed, and the chains they are built in:
 # Kubernetes (control plane, then the node's commands, which reuse its compiled
 # packages, then the device plugin from the same module) beside everything else.
-ORDER=(k8s node etcd kwok helm imageref gpuplugin gie lws)
-CHAINS=("k8s node gpuplugin" "etcd kwok helm lws imageref gie")
+# kvindexer is built only when named (one contract test needs it).
+ORDER=(k8s node etcd kwok helm imageref gpuplugin coredns gie lws)
+ALL_CHAINS=("k8s node gpuplugin" "etcd kwok helm lws imageref coredns gie kvindexer")
+if [ $# -gt 0 ]; then  # only the families named (make demo: what the demo runs)
+  for fam in "$@"; do
+    declare -F "build_$fam" >/dev/null ||
+      { log "unknown family $fam (one of ${ORDER[*]} kvindexer)"; exit 2; }
+  done
+  ORDER=("$@")
+fi
+# the chains, less the families not asked for
+CHAINS=()
+for chain in "${ALL_CHAINS[@]}"; do
+  kept=""
+  for fam in $chain; do
+    [[ " ${ORDER[*]} " == *" $fam "* ]] && kept="$kept $fam"
+  done
+  [ -z "$kept" ] || CHAINS+=("${kept# }")
+done
 [ "$jobs" -ge 2 ] || CHAINS=("${ORDER[*]}")
 out=$(mktemp -d); trap 'rm -rf "$kwok_tmp" "$out"' EXIT
 pids=()

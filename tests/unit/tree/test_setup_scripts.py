@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[3]
-ORDER = ["k8s", "node", "etcd", "kwok", "helm", "imageref", "gpuplugin", "gie", "lws"]
+ORDER = ["k8s", "node", "etcd", "kwok", "helm", "imageref", "gpuplugin", "coredns", "gie",
+         "lws"]
 
 # ------------------------------------------------------------------ tools/build.sh
 
@@ -65,7 +66,7 @@ def _modules(root: Path) -> None:
     kwok.mkdir(parents=True)
     (kwok / "utils.go").write_text("func shouldRetry(err error) bool {\n"
                                    "\tif apierrors.IsServerTimeout(err) ||\n\t\treturn true\n}\n")
-    gie = root / "gie" / "config" / "crd" / "bases"
+    gie = root / "gateway-api-inference-extension" / "config" / "crd" / "bases"
     gie.mkdir(parents=True)
     (gie / "inference.networking.k8s.io_inferencepools.yaml").write_text("kind: CRD\n")
     lws = root / "lws" / "config"
@@ -110,7 +111,8 @@ def test_build_prints_every_family_in_order_and_builds_each_once(fake_go):
                                   "kube-scheduler", "kubectl"],
                           "node": ["kubelet", "kube-proxy"], "etcd": ["etcd"],
                           "kwok": ["kwok"], "helm": ["helm"], "imageref": ["imageref"],
-                          "gpuplugin": ["gpuplugin"], "lws": ["lws-controller"]}.items():
+                          "gpuplugin": ["gpuplugin"], "coredns": ["coredns"], "gie": ["epp"],
+                          "lws": ["lws-controller"]}.items():
         assert Path(dirs[fam]).parent == cache, dirs[fam]
         for b in binaries:
             assert os.access(Path(dirs[fam]) / b, os.X_OK), (fam, b)
@@ -119,7 +121,7 @@ def test_build_prints_every_family_in_order_and_builds_each_once(fake_go):
     assert (Path(dirs["lws"]) / "webhook" / "validating-patch.yaml").is_file()
     # one go build per family: Kubernetes' commands together, linked in parallel by go
     builds = calls(fake_go)
-    assert len(builds) == 8, [b["pkgs"] for b in builds]
+    assert len(builds) == 10, [b["pkgs"] for b in builds]
     (k8s,) = [b for b in builds if "k8s.io/kubernetes/cmd/kubectl" in b["pkgs"]]
     assert k8s["out"].endswith("/") and len(k8s["pkgs"]) == 4
     (node,) = [b for b in builds if "k8s.io/kubernetes/cmd/kubelet" in b["pkgs"]]
@@ -131,6 +133,24 @@ def test_build_prints_every_family_in_order_and_builds_each_once(fake_go):
     # the kwok module patched (500s retried) and built through the replacing go.mod
     (kwok,) = [b for b in builds if b["pkgs"] == ["sigs.k8s.io/kwok/cmd/kwok"]]
     assert any(a.startswith("-modfile=") for a in kwok["args"])
+    # GIE's endpoint picker from tools/gie, which pins the version versions.env names
+    (gie,) = [b for b in builds if b["pkgs"] == [GIE_EPP]]
+    assert gie["cwd"].endswith("tools/gie")
+    # CoreDNS from tools/coredns: only the plugins its Corefile uses are linked in
+    (coredns,) = [b for b in builds if b["cwd"].endswith("tools/coredns")]
+    assert coredns["pkgs"] == ["."]
+
+
+GIE_EPP = "sigs.k8s.io/gateway-api-inference-extension/cmd/epp"
+
+
+def test_tools_gie_pins_the_gie_version_of_versions_env():
+    versions = dict(line.split("=", 1) for line in
+                    (ROOT / "tools" / "versions.env").read_text().splitlines()
+                    if line and not line.startswith("#"))
+    gomod = (ROOT / "tools" / "gie" / "go.mod").read_text()
+    assert f"\tsigs.k8s.io/gateway-api-inference-extension v{versions['GIE_VERSION']} " in gomod
+    assert f"tool {GIE_EPP}\n" in gomod
 
 
 def test_build_runs_the_kubernetes_chain_beside_the_others(fake_go):
@@ -261,8 +281,12 @@ def make_n(target: str) -> list[str]:
 @pytest.mark.skipif(shutil.which("make") is None, reason="GNU make is not installed")
 def test_make_demo_installs_at_once_and_its_venv_has_no_vllm():
     lines = make_n("demo")
-    assert any("-j3" in line and "venv-demo" in line and "tools" in line
+    assert any("-j3" in line and "venv-demo" in line and "tools-demo" in line
                and "images-in-nodes" in line for line in lines), lines
+    # only the families the demo runs: not GIE's picker, not the test-only binaries
+    [build] = [line for line in lines if line.startswith("tools/build.sh ")]
+    families = [w for w in build.split()[1:] if w[0] != ">"]
+    assert families == ["k8s", "node", "gpuplugin", "etcd", "kwok", "helm", "lws", "coredns"]
     # the images go into the nodes' roots once built, not after the Go builds
     assert any(line.endswith("-m e2e.nodes preload") for line in lines), lines
     assert "EXTRAS=test tools/venv.sh >/dev/null" in lines, lines
@@ -287,3 +311,37 @@ def test_scripts_pass_shellcheck():
                                                   "host.sh")]
     done = subprocess.run([found, *map(str, scripts)], capture_output=True, text=True)
     assert done.returncode == 0, textwrap.shorten(done.stdout, 3000)
+
+
+def test_named_families_keep_the_two_chains(fake_go):
+    """The demo's families: only those are built, Kubernetes' chain beside the rest."""
+    done = build(fake_go, FAKE_GO_SLEEP="1")  # warm the fake module cache first
+    fresh = {**fake_go, "SPILLWAY_BIN_CACHE": fake_go["SPILLWAY_BIN_CACHE"] + "-demo"}
+    Path(fake_go["FAKE_GO_LOG"]).unlink()
+    done = subprocess.run([str(ROOT / "tools" / "build.sh"), "k8s", "etcd", "coredns"],
+                          capture_output=True, text=True, timeout=120,
+                          env={**fresh, "FAKE_GO_SLEEP": "1"})
+    assert done.returncode == 0, done.stderr
+    assert [line.split("=", 1)[0] for line in done.stdout.splitlines()] == [
+        "k8s", "etcd", "coredns"]
+    builds = calls(fake_go)
+    assert len(builds) == 3, [b["pkgs"] for b in builds]
+    (k8s,) = [b for b in builds if "k8s.io/kubernetes/cmd/kubectl" in b["pkgs"]]
+    (etcd,) = [b for b in builds if b["pkgs"] == ["go.etcd.io/etcd/server/v3"]]
+    assert k8s["start"] < etcd["end"] and etcd["start"] < k8s["end"], "not built at once"
+
+
+def test_build_of_named_families_only(fake_go):
+    """`tools/build.sh kvindexer`: llm-d's indexer harness, built only when named (the
+    interop contract test names it); an unknown family is refused."""
+    done = subprocess.run([str(ROOT / "tools" / "build.sh"), "kvindexer"], capture_output=True,
+                          text=True, timeout=120, env=fake_go)
+    assert done.returncode == 0, done.stderr
+    [line] = done.stdout.splitlines()
+    name, folder = line.split("=", 1)
+    assert name == "kvindexer" and os.access(Path(folder) / "kvindexer", os.X_OK)
+    [b] = calls(fake_go)
+    assert b["cwd"].endswith("tools/kvindexer") and b["cgo"] == "0"
+    done = subprocess.run([str(ROOT / "tools" / "build.sh"), "bogus"], capture_output=True,
+                          text=True, timeout=120, env=fake_go)
+    assert done.returncode == 2 and "unknown family bogus" in done.stderr

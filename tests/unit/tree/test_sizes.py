@@ -92,3 +92,38 @@ def test_the_measure_can_fail(tmp_path: Path):
     (tmp_path / "operator").mkdir()
     (tmp_path / "operator" / "small.py").write_text("def f():\n    return 1\n")
     assert oversized(tmp_path) == {"engine/big.py": 806, "engine/big.py::long": 82}
+
+
+#: Everywhere else (bench/, e2e/, tests/, tools/): files only, a looser limit.
+ELSEWHERE = ("bench", "e2e", "tests", "tools")
+MAX_OTHER_FILE_LINES = 1000
+#: path -> why it may be longer.
+OTHER_EXCEPTIONS: dict[str, str] = {
+    "e2e/gpu/offload_check.py": (
+        "the prepared check for the lent GPU machine, run there as one script"
+    ),
+}
+
+
+def long_files(root: Path = ROOT) -> dict[str, int]:
+    """Python files over MAX_OTHER_FILE_LINES outside operator/ and engine/."""
+    found = {}
+    for top in ELSEWHERE:
+        for path in sorted((root / top).rglob("*.py")):
+            if (n := len(path.read_text().splitlines())) > MAX_OTHER_FILE_LINES:
+                found[path.relative_to(root).as_posix()] = n
+    return found
+
+
+def test_no_file_elsewhere_is_over_a_thousand_lines():
+    found = long_files()
+    unlisted = sorted(f"{p} ({n} lines)" for p, n in found.items() if p not in OTHER_EXCEPTIONS)
+    assert unlisted == [], "over 1000 lines; split it by role:\n" + "\n".join(unlisted)
+    assert sorted(set(OTHER_EXCEPTIONS) - set(found)) == [], "within the limit now: drop it"
+
+
+def test_long_files_finds_a_long_file(tmp_path: Path):
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "long.py").write_text("#\n" * 1001)
+    (tmp_path / "bench" / "short.py").write_text("#\n" * 1000)
+    assert long_files(tmp_path) == {"bench/long.py": 1001}
