@@ -122,8 +122,14 @@ def test_pods_resolve_services_and_a_subdomain_pods_hostname_by_cluster_dns(core
              "leader": f"leader-0.group.{namespace}"}
     script = " && ".join([f"sh -c '{fetch}' http://{host}:8080/ {key}"
                           for key, host in names.items()]
-                         + [f"nslookup {host} | tail -n +3 | grep Address | sed 's/^/{key} /'"
-                            for key, host in names.items()]
+                         # busybox's nslookup stops at the first search domain that
+                         # answers NXDOMAIN (the first one does for the leader's name), so
+                         # the leader's is absolute; wget above walks the search list.
+                         + [f"nslookup {name} | tail -n +3 | grep Address | "
+                            f"sed 's/^/{key} /'" for key, name in (
+                                ("short", "web"),
+                                ("fqdn", f"web.{namespace}.svc.cluster.local"),
+                                ("leader", f"leader-0.group.{namespace}.svc.cluster.local"))]
                          + ["cat /etc/resolv.conf"])
     create(core, namespace, pod("client", script, node=NODES[0]))
     out = finished(core, namespace, "client")
