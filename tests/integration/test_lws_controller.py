@@ -155,3 +155,39 @@ def test_leaderworkerset_groups_run_with_injected_env_scale_and_recreate(api, na
     events = core.list_namespaced_event(
         namespace, field_selector="reason=RecreateGroupOnPodRestart").items
     assert any(f"deleted leader pod {name}-0" in e.message for e in events)
+
+
+def test_a_unique_per_replica_subdomain_gives_each_group_its_own_headless_service(
+        api, namespace):
+    """The operator's LeaderWorkerSets (UniquePerReplica): LWS's controller makes a
+    headless Service per group, named after its leader, and no Service of the set's
+    own name, which is the serving Service's."""
+    core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
+    name = "unique"
+    manifest = lws_manifest(name, size=2, replicas=2)
+    manifest["spec"]["networkConfig"] = {"subdomainPolicy": "UniquePerReplica"}
+    custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, manifest)
+
+    def running_pods():
+        pods = core.list_namespaced_pod(namespace, label_selector=f"{NAME_LABEL}={name}").items
+        now = {p.metadata.name: p for p in pods if running(p)}
+        return now if len(now) == 4 else None
+
+    pods = wait_for(running_pods, 90, "two groups (4 pods) Running")
+    for group in (0, 1):
+        leader = f"{name}-{group}"
+        assert env_of(pods[f"{leader}-1"])["LWS_LEADER_ADDRESS"] == (
+            f"{leader}.{leader}.{namespace}")
+        service = wait_for(lambda s=leader: _service(core, namespace, s), 30,
+                           f"the headless Service {leader}")
+        assert service.spec.cluster_ip == "None"
+    assert _service(core, namespace, name) is None
+
+
+def _service(core: client.CoreV1Api, namespace: str, name: str) -> client.V1Service | None:
+    try:
+        return core.read_namespaced_service(name, namespace)
+    except client.ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise

@@ -553,7 +553,11 @@ def leader_worker_set(owner: Owner, spec: InferenceDeploymentSpec,
             # and no GPUs are assumed free for a surge group.
             "rolloutStrategy": {"type": "RollingUpdate", "rollingUpdateConfiguration": {
                 "maxUnavailable": 1, "maxSurge": 0}},
-            "networkConfig": {"subdomainPolicy": "Shared"},
+            # A headless Service per group, named after its leader (<lws>-<i>): LWS's
+            # Shared policy names its one Service after the LeaderWorkerSet, which is
+            # the object's name, and so the serving Service's (a 422 for whichever
+            # writes second, and no leader DNS if ours was first).
+            "networkConfig": {"subdomainPolicy": "UniquePerReplica"},
         },
     }
 

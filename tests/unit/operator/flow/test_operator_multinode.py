@@ -115,6 +115,16 @@ def test_a_multi_node_replica_is_one_leader_worker_set_group():
     assert lws["metadata"]["ownerReferences"][0]["uid"] == "uid-9"
 
 
+def test_a_groups_headless_service_is_not_the_serving_service():
+    """LWS names a Shared subdomain's headless Service after the LeaderWorkerSet, which
+    is the object's name and so the serving Service's: each group gets its own instead
+    (named after its leader pod, <name>-<i>), and the names never meet."""
+    spec = spec_of(replicas=3)
+    lws = render.engine_workload(OWNER, spec, make_plan_safely(DEEPSEEK, spec))
+    assert lws["spec"]["networkConfig"] == {"subdomainPolicy": "UniquePerReplica"}
+    assert render.service(OWNER, spec)["metadata"]["name"] == lws["metadata"]["name"]
+
+
 def test_a_one_node_replica_keeps_its_deployment():
     spec = spec_of({"tensorParallelSize": 8})
     workload = render.engine_workload(OWNER, spec, make_plan_safely(DEEPSEEK, spec))
