@@ -13,6 +13,11 @@ Available again:
               which is both nodes' network namespace) for 40 s, then let through;
   shm         an engine pod's memory-backed /dev/shm filled to its size limit from
               inside the container (dd) for 30 s, then freed;
+  disk        the disk tier's volume (a SharedPVC over a 64 MiB tmpfs, installed only
+              with this fault: bench/node_faults_disk.py) filled to ENOSPC from inside
+              an engine container for 45 s while every client sends a new prefix (so
+              every chunk is a new store), then freed: stores fail and are counted,
+              serving goes on, Degraded=True DiskTierWriteFailing comes and goes;
   node        a node lost with open streams: its kubelet, containerd and device plugin
               stopped and every process of its pods SIGKILLed; the node goes NotReady,
               its pods are evicted when their NotReady toleration ends and replaced on
@@ -28,7 +33,7 @@ engine container's ``spillway_emulator_kv_mismatch_total``), the object's condit
 changes while it lasted, and the time from the fault to Available again (Available=True,
 every replica ready, the router sending to every replica).
 
-Usage: python -m bench.node_faults [--faults kubelet,containerd,network,shm,node,node-leader]
+Usage: python -m bench.node_faults [--faults kubelet,containerd,network,shm,disk,node,node-leader]
                                    [--clients 4] [--keep]
 Needs root, tools/host.sh, tools/build.sh and tools/images.sh (build the images from
 this tree first); holds the real-nodes tier's lock (one real-node cluster per machine).
@@ -57,6 +62,7 @@ import yaml
 from kubernetes import client, config
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench import node_faults_disk as disk
 from e2e import install
 from e2e.cluster.controlplane import REPO_ROOT, ClusterConfig, LocalCluster, Ports, locate_binaries
 from e2e.nodes.faults import NodeFaults
@@ -73,7 +79,7 @@ PREFIXES, PREFIX_TOKENS, QUESTION_TOKENS, MAX_TOKENS = 8, 256, 16, 48
 VOCAB = (3, 500)
 RETRYABLE = {408, 429, 500, 502, 503, 504}
 HUNG_S = 60  # no byte for this long: the stream is counted lost (hung)
-FAULTS = ("kubelet", "containerd", "network", "shm", "node", "node-leader")
+FAULTS = ("kubelet", "containerd", "network", "shm", "disk", "node", "node-leader")
 
 
 def say(msg: str) -> None:
@@ -134,6 +140,8 @@ class Load:
         self._threads = [threading.Thread(target=self._client, args=(i,), daemon=True)
                          for i in range(self.clients)]
         self._lock = threading.Lock()
+        # Set: each request a new prefix (every chunk a new store for the tiers).
+        self.fresh = False
 
     def start(self) -> None:
         for t in self._threads:
@@ -148,8 +156,9 @@ class Load:
     def _client(self, seed: int) -> None:
         rng = random.Random(seed)
         while not self._stop.is_set():
-            prompt = self.prefixes[rng.randrange(PREFIXES)] + [
-                rng.randrange(*VOCAB) for _ in range(QUESTION_TOKENS)]
+            prefix = [rng.randrange(*VOCAB) for _ in range(PREFIX_TOKENS)] if self.fresh \
+                else self.prefixes[rng.randrange(PREFIXES)]
+            prompt = prefix + [rng.randrange(*VOCAB) for _ in range(QUESTION_TOKENS)]
             t0 = time.monotonic()
             outcome, detail = stream_once(self.url, self.model, prompt)
             with self._lock:
@@ -175,6 +184,7 @@ class Watcher:
         self.core = client.CoreV1Api(api)
         self.router_url = router_url
         self.mismatch: dict[str, float] = {}  # container id -> counter
+        self.disk: dict[str, dict[str, float]] = {}  # pod -> its disk-tier counters
         self.transitions: list[tuple[float, str]] = []
         self._last: dict[str, str] = {}
         self._stop = threading.Event()
@@ -229,10 +239,25 @@ class Watcher:
                     text = r.read().decode()
             except OSError:
                 continue
+            tier = dict.fromkeys(disk.COUNTERS.values(), 0.0)
             for family in text_string_to_metric_families(text):
                 for s in family.samples:
                     if s.name == "spillway_emulator_kv_mismatch_total":
                         self.mismatch[statuses[0].container_id] = s.value
+                    elif s.name in disk.COUNTERS:
+                        tier[disk.COUNTERS[s.name]] += s.value
+            self.disk[p.metadata.name] = tier
+
+    def condition(self, kind: str) -> str:
+        """The object's ``kind`` condition as "<status> <reason>"."""
+        for c in self.obj().get("status", {}).get("conditions", []):
+            if c["type"] == kind:
+                return f"{c['status']} {c.get('reason', '')}"
+        return ""
+
+    def disk_totals(self) -> dict[str, float]:
+        """The disk-tier counters summed over the pods seen."""
+        return {k: sum(c.get(k, 0.0) for c in self.disk.values()) for k in disk.COUNTERS.values()}
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -365,6 +390,55 @@ def fault_shm(w: Watcher, cluster: LocalCluster, replicas: int, hold_s: float = 
     return row
 
 
+def fault_disk(w: Watcher, cluster: LocalCluster, load: Load, replicas: int,
+               hold_s: float = 45) -> Row:
+    """Fill the disk tier's volume to ENOSPC from inside an engine container while the
+    clients send new prefixes, hold, then free it; the condition's coming and going is
+    timed from the fill and from the freeing."""
+    pod, _node = _node_of(w, None)
+    name = pod.metadata.name
+    before_c, before = _containers(w), w.disk_totals()
+    load.fresh = True
+    row = Row(f"disk tier volume full {hold_s:.0f}s", time.monotonic())
+    out = cluster.kubectl("exec", "-n", SERVING, name, "-c", "engine", "--", "sh", "-c",
+                          disk.fill_command(), check=False)
+    row.notes.append(" / ".join(x.strip() for x in out.strip().splitlines()[-2:]))
+    try:
+        took = wait("Degraded=True DiskTierWriteFailing",
+                    lambda: w.condition("Degraded") == "True DiskTierWriteFailing",
+                    hold_s + 120)
+        said = w.obj().get("status", {}).get("diskTier") or {}
+        row.notes.append(f"Degraded=True DiskTierWriteFailing {took:.1f}s after the fill, "
+                         f"status.diskTier {json.dumps(said)}")
+    except TimeoutError as e:
+        row.notes.append(str(e))
+    time.sleep(max(0.0, row.t0 + hold_s - time.monotonic()))
+    full = w.disk_totals()
+    cluster.kubectl("exec", "-n", SERVING, name, "-c", "engine", "--", "rm", "-f",
+                    disk.FILL, check=False)
+    t_free = time.monotonic()
+    try:
+        took = wait("Degraded=False", lambda: w.condition("Degraded").startswith("False"), 300)
+        row.notes.append(f"Degraded=False {took:.1f}s after freeing; status.diskTier "
+                         f"{'gone' if 'diskTier' not in w.obj().get('status', {}) else 'left'}")
+    except TimeoutError as e:
+        row.notes.append(str(e))
+    time.sleep(10)  # stores again after the freeing
+    load.fresh = False
+    after = w.disk_totals()
+    row.notes.append(
+        f"while full: {full['failures'] - before['failures']:.0f} failed stores, "
+        f"{full['dropped'] - before['dropped']:.0f} dropped, "
+        f"{full['stores'] - before['stores']:.0f} written; after freeing "
+        f"{after['stores'] - full['stores']:.0f} written in {time.monotonic() - t_free:.0f}s, "
+        f"{after['failures'] - full['failures']:.0f} failed")
+    _converge(w, row, replicas, 600)
+    after_c = _containers(w)
+    same = sum(1 for k, v in before_c.items() if after_c.get(k) == v)
+    row.notes.append(f"containers unchanged {same}/{len(before_c)}")
+    return row
+
+
 def _leader(w: Watcher) -> tuple[str, str]:
     """(the leader's pod, its Lease's holderIdentity: ``<pod>_<random>``)."""
     lease = client.CoordinationV1Api(w.core.api_client).read_namespaced_lease(
@@ -440,8 +514,10 @@ def fault_node(w: Watcher, nf: NodeFaults, router_node: str | None, replicas: in
 # ------------------------------------------------------------------- the run
 
 
-def install_serving(cluster: LocalCluster, replicas: int) -> tuple[str, str]:
-    """Images, chart, model; the InferenceDeployment applied. -> (router url, model)."""
+def install_serving(cluster: LocalCluster, replicas: int,
+                    disk_tier: bool = False) -> tuple[str, str]:
+    """Images, chart, model; the InferenceDeployment applied (``disk_tier``: with the
+    disk tier on node_faults_disk's volume). -> (router url, model)."""
     refs = install.image_refs()
     t0 = time.monotonic()
     say(f"images into the nodes: {install.load_images(refs)} "
@@ -460,6 +536,9 @@ def install_serving(cluster: LocalCluster, replicas: int) -> tuple[str, str]:
     obj["metadata"]["name"] = NAME
     obj["spec"]["replicas"] = replicas
     obj["spec"]["autoscaling"] = {"enabled": False}
+    if disk_tier:
+        cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(disk.objects(SERVING)))
+        obj["spec"]["offload"]["disk"] = disk.offload_disk()
     obj["spec"]["resources"]["affinity"] = {"podAntiAffinity": {
         "preferredDuringSchedulingIgnoredDuringExecution": [{"weight": 100, "podAffinityTerm": {
             "topologyKey": "kubernetes.io/hostname",
@@ -522,8 +601,10 @@ def main() -> int:
         # etcd's folder outlives a stopped cluster: its pods, and a `kubernetes` Service
         # pointing at an earlier run's API server port, would come back. Start clean.
         shutil.rmtree(WORKDIR, ignore_errors=True)
+        if "disk" in chosen:  # before the nodes start: their mount namespaces copy it
+            disk.mount()
         say(f"control plane + 2 real nodes up in {cluster.start():.1f}s")
-        url, model = install_serving(cluster, replicas)
+        url, model = install_serving(cluster, replicas, disk_tier="disk" in chosen)
         api = config.new_client_from_config(config_file=str(cluster.config.kubeconfig))
         w = Watcher(api, url)
         t0 = time.monotonic()
@@ -547,6 +628,8 @@ def main() -> int:
                 row = fault_network(w, nf, router_node, replicas)
             elif f == "shm":
                 row = fault_shm(w, cluster, replicas)
+            elif f == "disk":
+                row = fault_disk(w, cluster, load, replicas)
             else:
                 row = fault_node(w, nf, router_node, replicas, kill_leader=f == "node-leader")
             time.sleep(10)  # requests after convergence count to the fault's row
@@ -565,6 +648,7 @@ def main() -> int:
         NodeFaults(cluster.real_nodes()).heal()
         if not args.keep:
             cluster.stop()
+            disk.unmount()
         os.close(lock)
 
 
