@@ -1,4 +1,4 @@
-"""Faults on the real nodes under streaming load through spillway-router.
+"""Faults on the real nodes under streaming load through spillway-router (or a gateway).
 
 Spillway installed from its images with the Helm chart on two real nodes (kubelet,
 containerd, runc; the engine image on the emulated GPU), one InferenceDeployment with
@@ -33,8 +33,12 @@ engine container's ``spillway_emulator_kv_mismatch_total``), the object's condit
 changes while it lasted, and the time from the fault to Available again (Available=True,
 every replica ready, the router sending to every replica).
 
+With ``--path gateway`` the clients go through Envoy asking spillway-router's endpoint
+picker (bench/node_faults_gateway.py) instead of the router's proxy; converged then
+also means the gateway lists every replica.
+
 Usage: python -m bench.node_faults [--faults kubelet,containerd,network,shm,disk,node,node-leader]
-                                   [--clients 4] [--keep]
+                                   [--path router|gateway] [--clients 4] [--keep]
 Needs root, tools/host.sh, tools/build.sh and tools/images.sh (build the images from
 this tree first); holds the real-nodes tier's lock (one real-node cluster per machine).
 Prints a table; asserts nothing.
@@ -63,6 +67,7 @@ from kubernetes import client, config
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench import node_faults_disk as disk
+from bench import node_faults_gateway as gateway_path
 from e2e import install
 from e2e.cluster.controlplane import REPO_ROOT, ClusterConfig, LocalCluster, Ports, locate_binaries
 from e2e.nodes.faults import NodeFaults
@@ -179,10 +184,13 @@ class Watcher:
     """Polls, every second, the object's conditions, the engine pods' KV mismatch
     counters (kept per container: a restarted one starts from 0) and the router."""
 
-    def __init__(self, api: client.ApiClient, router_url: str) -> None:
+    def __init__(self, api: client.ApiClient, router_url: str,
+                 release_ns: str = install.RELEASE_NAMESPACE) -> None:
         self.custom = client.CustomObjectsApi(api)
         self.core = client.CoreV1Api(api)
         self.router_url = router_url
+        self.release_ns = release_ns  # the chart's: the operators, their Lease, the router
+        self.gateway: Any = None  # a PoolGateway when the clients go through one
         self.mismatch: dict[str, float] = {}  # container id -> counter
         self.disk: dict[str, dict[str, float]] = {}  # pod -> its disk-tier counters
         self.transitions: list[tuple[float, str]] = []
@@ -281,7 +289,8 @@ class Watcher:
             c.type == "Ready" and c.status == "True" for c in p.status.conditions or [])]
         return (avail.get("status") == "True" and len(ready) >= replicas
                 and o.get("status", {}).get("readyReplicas", 0) >= replicas
-                and self.router_ready() >= replicas)
+                and self.router_ready() >= replicas
+                and (self.gateway is None or len(self.gateway.endpoints) >= replicas))
 
 
 def wait(what: str, check, timeout: float, interval: float = 1.0) -> float:
@@ -442,7 +451,7 @@ def fault_disk(w: Watcher, cluster: LocalCluster, load: Load, replicas: int,
 def _leader(w: Watcher) -> tuple[str, str]:
     """(the leader's pod, its Lease's holderIdentity: ``<pod>_<random>``)."""
     lease = client.CoordinationV1Api(w.core.api_client).read_namespaced_lease(
-        f"{install.RELEASE}-leader", install.RELEASE_NAMESPACE)
+        f"{install.RELEASE}-leader", w.release_ns)
     holder = lease.spec.holder_identity or ""
     return holder.rsplit("_", 1)[0], holder
 
@@ -482,7 +491,7 @@ def fault_node(w: Watcher, nf: NodeFaults, router_node: str | None, replicas: in
     if kill_leader:  # while the node is lost: the new leader must finish the recovery
         leader, holder = _leader(w)
         t_kill = time.monotonic()
-        n = kill_pod_processes(w.core.read_namespaced_pod(leader, install.RELEASE_NAMESPACE))
+        n = kill_pod_processes(w.core.read_namespaced_pod(leader, w.release_ns))
         try:
             took = wait("another operator holding the Lease",
                         lambda: _leader(w)[1] not in ("", holder), 300, 0.5)
@@ -514,16 +523,22 @@ def fault_node(w: Watcher, nf: NodeFaults, router_node: str | None, replicas: in
 # ------------------------------------------------------------------- the run
 
 
-def install_serving(cluster: LocalCluster, replicas: int,
-                    disk_tier: bool = False) -> tuple[str, str]:
+def install_serving(cluster: LocalCluster, replicas: int, disk_tier: bool = False,
+                    gateway: bool = False) -> tuple[str, str]:
     """Images, chart, model; the InferenceDeployment applied (``disk_tier``: with the
-    disk tier on node_faults_disk's volume). -> (router url, model)."""
+    disk tier on node_faults_disk's volume; ``gateway``: the chart in the serving
+    namespace with the router's endpoint picker). -> (router url, model)."""
     refs = install.image_refs()
     t0 = time.monotonic()
     say(f"images into the nodes: {install.load_images(refs)} "
         f"({time.monotonic() - t0:.0f}s)")
     cluster.kubectl("create", "namespace", SERVING, check=False)
-    install.helm_install(cluster, refs["operator"], SERVING)
+    if gateway:
+        gateway_path.install_crd(cluster)
+        install.helm_install(cluster, refs["operator"], SERVING, *gateway_path.HELM_ARGS,
+                             release_namespace=SERVING)
+    else:
+        install.helm_install(cluster, refs["operator"], SERVING)
     model_config = qwen3_next_config(num_layers=4)
     model_dir = write_model(WORKDIR / "models" / "tiny-qwen3-next", model_config)
     for p in [model_dir.parent, model_dir, *model_dir.rglob("*")]:  # user 1000 reads it
@@ -576,6 +591,9 @@ def table(rows: list[Row], load: Load, w: Watcher) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--faults", default=",".join(FAULTS))
+    ap.add_argument("--path", choices=("router", "gateway"), default="router",
+                    help="what the clients go through: spillway-router's proxy, or Envoy "
+                    "asking its endpoint picker")
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--keep", action="store_true", help="leave the cluster running")
     args = ap.parse_args()
@@ -604,19 +622,24 @@ def main() -> int:
         if "disk" in chosen:  # before the nodes start: their mount namespaces copy it
             disk.mount()
         say(f"control plane + 2 real nodes up in {cluster.start():.1f}s")
-        url, model = install_serving(cluster, replicas, disk_tier="disk" in chosen)
+        via_gateway = args.path == "gateway"
+        url, model = install_serving(cluster, replicas, disk_tier="disk" in chosen,
+                                     gateway=via_gateway)
         api = config.new_client_from_config(config_file=str(cluster.config.kubeconfig))
-        w = Watcher(api, url)
+        w = Watcher(api, url, SERVING if via_gateway else install.RELEASE_NAMESPACE)
         t0 = time.monotonic()
+        if via_gateway:
+            w.gateway = gateway_path.start(api, SERVING, NAME, WORKDIR / "gateway")
+            say(f"gateway: Envoy {w.gateway.url}, ext_proc to {w.gateway.envoy.cfg.picker}")
         wait("Available with 2 replicas", lambda: w.converged(replicas), 900, 2)
         say(f"2 engine pods serving through the router {time.monotonic() - t0:.0f}s after "
             f"apply: {[(p.metadata.name, p.spec.node_name) for p in w.pods()]}")
         w.start()
-        load = Load(url, model, args.clients)
+        load = Load(w.gateway.url if via_gateway else url, model, args.clients)
         load.start()
         time.sleep(20)
         [router] = w.core.list_namespaced_pod(
-            install.RELEASE_NAMESPACE,
+            w.release_ns,
             label_selector="app.kubernetes.io/name=spillway-router").items
         router_node = router.spec.node_name
         nf = NodeFaults(cluster.real_nodes())
@@ -644,7 +667,10 @@ def main() -> int:
         if w is not None:
             w.stop()
         if rows and load is not None and w is not None:  # what was measured, even so
+            print(f"\nclients through {args.path}", flush=True)
             table(rows, load, w)
+        if w is not None and w.gateway is not None:
+            w.gateway.stop()
         NodeFaults(cluster.real_nodes()).heal()
         if not args.keep:
             cluster.stop()
