@@ -632,7 +632,7 @@ def main() -> int:
             w.gateway = gateway_path.start(api, SERVING, NAME, WORKDIR / "gateway")
             say(f"gateway: Envoy {w.gateway.url}, ext_proc to {w.gateway.envoy.cfg.picker}")
         wait("Available with 2 replicas", lambda: w.converged(replicas), 900, 2)
-        say(f"2 engine pods serving through the router {time.monotonic() - t0:.0f}s after "
+        say(f"2 engine pods serving through the {args.path} {time.monotonic() - t0:.0f}s after "
             f"apply: {[(p.metadata.name, p.spec.node_name) for p in w.pods()]}")
         w.start()
         load = Load(w.gateway.url if via_gateway else url, model, args.clients)
