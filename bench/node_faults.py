@@ -101,10 +101,12 @@ def stream_once(url: str, model: str, prompt: list[int]) -> tuple[str, str]:
                        "stream_options": {"include_usage": True}}).encode()
     req = urllib.request.Request(f"{url}/v1/completions", body,
                                  {"Content-Type": "application/json"})
-    tokens, done = 0, False
+    tokens, done, lines, where = 0, False, 0, ""
     try:
         with urllib.request.urlopen(req, timeout=HUNG_S) as r:
+            where = r.headers.get("x-spillway-upstream") or ""  # the gateway's pod
             for raw in r:
+                lines += 1
                 line = raw.decode().strip()
                 if line == "data: [DONE]":
                     done = True
@@ -127,7 +129,8 @@ def stream_once(url: str, model: str, prompt: list[int]) -> tuple[str, str]:
         return "lost", f"{type(e).__name__}: {str(e)[:80]}"
     if done and tokens == MAX_TOKENS:
         return "ok", ""
-    return "lost", f"stream ended without [DONE] or short ({tokens} tokens)"
+    return "lost", (f"stream ended without [DONE] or short ({tokens} tokens, {lines} lines"
+                     f"{', from ' + where if where else ''})")
 
 
 @dataclass

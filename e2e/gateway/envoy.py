@@ -174,8 +174,19 @@ def render(cfg: GatewayConfig) -> dict[str, Any]:
             "typed_config": {"@type": f"{_T}.filters.http.router.v3.Router"},
         }],
     }
-    if cfg.failure_mode == FAIL_CLOSE and cfg.picker is not None:
-        hcm["local_reply_config"] = closed_503
+    # Envoy's own answers (a pod it cannot reach: "upstream connect error ...", "no
+    # healthy upstream") in OpenAI's error shape, so a client sees a retryable error, not
+    # a text body; an answer from a pod is never a local reply and never rewritten.
+    shaped = {
+        "filter": {"status_code_filter": {"comparison": {"op": "GE", "value": {
+            "default_value": 400, "runtime_key": "spillway.local_reply_shaped"}}}},
+        "body_format_override": {"content_type": "application/json", "json_format": {
+            "error": {"message": "%LOCAL_REPLY_BODY%", "type": "ServiceUnavailableError",
+                      "param": None, "code": "%RESPONSE_CODE%"}}},
+    }
+    failing_closed = cfg.failure_mode == FAIL_CLOSE and cfg.picker is not None
+    hcm["local_reply_config"] = {
+        "mappers": [*(closed_503["mappers"] if failing_closed else []), shaped]}
     override_host = {"policies": [{"typed_extension_config": {
         "name": "envoy.load_balancing_policies.override_host",
         "typed_config": {
