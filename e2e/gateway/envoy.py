@@ -174,12 +174,13 @@ def render(cfg: GatewayConfig) -> dict[str, Any]:
             "typed_config": {"@type": f"{_T}.filters.http.router.v3.Router"},
         }],
     }
-    # Envoy's own answers (a pod it cannot reach: "upstream connect error ...", "no
-    # healthy upstream") in OpenAI's error shape, so a client sees a retryable error, not
-    # a text body; an answer from a pod is never a local reply and never rewritten.
+    # Envoy's own answers when a pod fails it (cannot connect, none healthy, reset,
+    # timed out: its response flags) in OpenAI's error shape, so a client sees an error
+    # it can retry, not a text body. The picker's answers (ext_proc immediate responses)
+    # carry no such flag and keep their own body; a pod's answer is never rewritten.
     shaped = {
-        "filter": {"status_code_filter": {"comparison": {"op": "GE", "value": {
-            "default_value": 400, "runtime_key": "spillway.local_reply_shaped"}}}},
+        "filter": {"response_flag_filter": {"flags": ["UF", "UH", "URX", "UT", "UC", "UO",
+                                                       "NR"]}},
         "body_format_override": {"content_type": "application/json", "json_format": {
             "error": {"message": "%LOCAL_REPLY_BODY%", "type": "ServiceUnavailableError",
                       "param": None, "code": "%RESPONSE_CODE%"}}},
