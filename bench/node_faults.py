@@ -1,4 +1,4 @@
-"""Faults on the real nodes under streaming load through spillway-router.
+"""Faults on the real nodes under streaming load through spillway-router (or a gateway).
 
 Spillway installed from its images with the Helm chart on two real nodes (kubelet,
 containerd, runc; the engine image on the emulated GPU), one InferenceDeployment with
@@ -13,6 +13,11 @@ Available again:
               which is both nodes' network namespace) for 40 s, then let through;
   shm         an engine pod's memory-backed /dev/shm filled to its size limit from
               inside the container (dd) for 30 s, then freed;
+  disk        the disk tier's volume (a SharedPVC over a 64 MiB tmpfs, installed only
+              with this fault: bench/node_faults_disk.py) filled to ENOSPC from inside
+              an engine container for 45 s while every client sends a new prefix (so
+              every chunk is a new store), then freed: stores fail and are counted,
+              serving goes on, Degraded=True DiskTierWriteFailing comes and goes;
   node        a node lost with open streams: its kubelet, containerd and device plugin
               stopped and every process of its pods SIGKILLed; the node goes NotReady,
               its pods are evicted when their NotReady toleration ends and replaced on
@@ -28,8 +33,12 @@ engine container's ``spillway_emulator_kv_mismatch_total``), the object's condit
 changes while it lasted, and the time from the fault to Available again (Available=True,
 every replica ready, the router sending to every replica).
 
-Usage: python -m bench.node_faults [--faults kubelet,containerd,network,shm,node,node-leader]
-                                   [--clients 4] [--keep]
+With ``--path gateway`` the clients go through Envoy asking spillway-router's endpoint
+picker (bench/node_faults_gateway.py) instead of the router's proxy; converged then
+also means the gateway lists every replica.
+
+Usage: python -m bench.node_faults [--faults kubelet,containerd,network,shm,disk,node,node-leader]
+                                   [--path router|gateway] [--clients 4] [--keep]
 Needs root, tools/host.sh, tools/build.sh and tools/images.sh (build the images from
 this tree first); holds the real-nodes tier's lock (one real-node cluster per machine).
 Prints a table; asserts nothing.
@@ -57,6 +66,8 @@ import yaml
 from kubernetes import client, config
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench import node_faults_disk as disk
+from bench import node_faults_gateway as gateway_path
 from e2e import install
 from e2e.cluster.controlplane import REPO_ROOT, ClusterConfig, LocalCluster, Ports, locate_binaries
 from e2e.nodes.faults import NodeFaults
@@ -73,7 +84,7 @@ PREFIXES, PREFIX_TOKENS, QUESTION_TOKENS, MAX_TOKENS = 8, 256, 16, 48
 VOCAB = (3, 500)
 RETRYABLE = {408, 429, 500, 502, 503, 504}
 HUNG_S = 60  # no byte for this long: the stream is counted lost (hung)
-FAULTS = ("kubelet", "containerd", "network", "shm", "node", "node-leader")
+FAULTS = ("kubelet", "containerd", "network", "shm", "disk", "node", "node-leader")
 
 
 def say(msg: str) -> None:
@@ -90,10 +101,12 @@ def stream_once(url: str, model: str, prompt: list[int]) -> tuple[str, str]:
                        "stream_options": {"include_usage": True}}).encode()
     req = urllib.request.Request(f"{url}/v1/completions", body,
                                  {"Content-Type": "application/json"})
-    tokens, done = 0, False
+    tokens, done, lines, where = 0, False, 0, ""
     try:
         with urllib.request.urlopen(req, timeout=HUNG_S) as r:
+            where = r.headers.get("x-spillway-upstream") or ""  # the gateway's pod
             for raw in r:
+                lines += 1
                 line = raw.decode().strip()
                 if line == "data: [DONE]":
                     done = True
@@ -116,7 +129,8 @@ def stream_once(url: str, model: str, prompt: list[int]) -> tuple[str, str]:
         return "lost", f"{type(e).__name__}: {str(e)[:80]}"
     if done and tokens == MAX_TOKENS:
         return "ok", ""
-    return "lost", f"stream ended without [DONE] or short ({tokens} tokens)"
+    return "lost", (f"stream ended without [DONE] or short ({tokens} tokens, {lines} lines"
+                     f"{', from ' + where if where else ''})")
 
 
 @dataclass
@@ -134,6 +148,8 @@ class Load:
         self._threads = [threading.Thread(target=self._client, args=(i,), daemon=True)
                          for i in range(self.clients)]
         self._lock = threading.Lock()
+        # Set: each request a new prefix (every chunk a new store for the tiers).
+        self.fresh = False
 
     def start(self) -> None:
         for t in self._threads:
@@ -148,8 +164,9 @@ class Load:
     def _client(self, seed: int) -> None:
         rng = random.Random(seed)
         while not self._stop.is_set():
-            prompt = self.prefixes[rng.randrange(PREFIXES)] + [
-                rng.randrange(*VOCAB) for _ in range(QUESTION_TOKENS)]
+            prefix = [rng.randrange(*VOCAB) for _ in range(PREFIX_TOKENS)] if self.fresh \
+                else self.prefixes[rng.randrange(PREFIXES)]
+            prompt = prefix + [rng.randrange(*VOCAB) for _ in range(QUESTION_TOKENS)]
             t0 = time.monotonic()
             outcome, detail = stream_once(self.url, self.model, prompt)
             with self._lock:
@@ -170,11 +187,15 @@ class Watcher:
     """Polls, every second, the object's conditions, the engine pods' KV mismatch
     counters (kept per container: a restarted one starts from 0) and the router."""
 
-    def __init__(self, api: client.ApiClient, router_url: str) -> None:
+    def __init__(self, api: client.ApiClient, router_url: str,
+                 release_ns: str = install.RELEASE_NAMESPACE) -> None:
         self.custom = client.CustomObjectsApi(api)
         self.core = client.CoreV1Api(api)
         self.router_url = router_url
+        self.release_ns = release_ns  # the chart's: the operators, their Lease, the router
+        self.gateway: Any = None  # a PoolGateway when the clients go through one
         self.mismatch: dict[str, float] = {}  # container id -> counter
+        self.disk: dict[str, dict[str, float]] = {}  # pod -> its disk-tier counters
         self.transitions: list[tuple[float, str]] = []
         self._last: dict[str, str] = {}
         self._stop = threading.Event()
@@ -229,10 +250,25 @@ class Watcher:
                     text = r.read().decode()
             except OSError:
                 continue
+            tier = dict.fromkeys(disk.COUNTERS.values(), 0.0)
             for family in text_string_to_metric_families(text):
                 for s in family.samples:
                     if s.name == "spillway_emulator_kv_mismatch_total":
                         self.mismatch[statuses[0].container_id] = s.value
+                    elif s.name in disk.COUNTERS:
+                        tier[disk.COUNTERS[s.name]] += s.value
+            self.disk[p.metadata.name] = tier
+
+    def condition(self, kind: str) -> str:
+        """The object's ``kind`` condition as "<status> <reason>"."""
+        for c in self.obj().get("status", {}).get("conditions", []):
+            if c["type"] == kind:
+                return f"{c['status']} {c.get('reason', '')}"
+        return ""
+
+    def disk_totals(self) -> dict[str, float]:
+        """The disk-tier counters summed over the pods seen."""
+        return {k: sum(c.get(k, 0.0) for c in self.disk.values()) for k in disk.COUNTERS.values()}
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -256,7 +292,8 @@ class Watcher:
             c.type == "Ready" and c.status == "True" for c in p.status.conditions or [])]
         return (avail.get("status") == "True" and len(ready) >= replicas
                 and o.get("status", {}).get("readyReplicas", 0) >= replicas
-                and self.router_ready() >= replicas)
+                and self.router_ready() >= replicas
+                and (self.gateway is None or len(self.gateway.endpoints) >= replicas))
 
 
 def wait(what: str, check, timeout: float, interval: float = 1.0) -> float:
@@ -365,10 +402,59 @@ def fault_shm(w: Watcher, cluster: LocalCluster, replicas: int, hold_s: float = 
     return row
 
 
+def fault_disk(w: Watcher, cluster: LocalCluster, load: Load, replicas: int,
+               hold_s: float = 45) -> Row:
+    """Fill the disk tier's volume to ENOSPC from inside an engine container while the
+    clients send new prefixes, hold, then free it; the condition's coming and going is
+    timed from the fill and from the freeing."""
+    pod, _node = _node_of(w, None)
+    name = pod.metadata.name
+    before_c, before = _containers(w), w.disk_totals()
+    load.fresh = True
+    row = Row(f"disk tier volume full {hold_s:.0f}s", time.monotonic())
+    out = cluster.kubectl("exec", "-n", SERVING, name, "-c", "engine", "--", "sh", "-c",
+                          disk.fill_command(), check=False)
+    row.notes.append(" / ".join(x.strip() for x in out.strip().splitlines()[-2:]))
+    try:
+        took = wait("Degraded=True DiskTierWriteFailing",
+                    lambda: w.condition("Degraded") == "True DiskTierWriteFailing",
+                    hold_s + 120)
+        said = w.obj().get("status", {}).get("diskTier") or {}
+        row.notes.append(f"Degraded=True DiskTierWriteFailing {took:.1f}s after the fill, "
+                         f"status.diskTier {json.dumps(said)}")
+    except TimeoutError as e:
+        row.notes.append(str(e))
+    time.sleep(max(0.0, row.t0 + hold_s - time.monotonic()))
+    full = w.disk_totals()
+    cluster.kubectl("exec", "-n", SERVING, name, "-c", "engine", "--", "rm", "-f",
+                    disk.FILL, check=False)
+    t_free = time.monotonic()
+    try:
+        took = wait("Degraded=False", lambda: w.condition("Degraded").startswith("False"), 300)
+        row.notes.append(f"Degraded=False {took:.1f}s after freeing; status.diskTier "
+                         f"{'gone' if 'diskTier' not in w.obj().get('status', {}) else 'left'}")
+    except TimeoutError as e:
+        row.notes.append(str(e))
+    time.sleep(10)  # stores again after the freeing
+    load.fresh = False
+    after = w.disk_totals()
+    row.notes.append(
+        f"while full: {full['failures'] - before['failures']:.0f} failed stores, "
+        f"{full['dropped'] - before['dropped']:.0f} dropped, "
+        f"{full['stores'] - before['stores']:.0f} written; after freeing "
+        f"{after['stores'] - full['stores']:.0f} written in {time.monotonic() - t_free:.0f}s, "
+        f"{after['failures'] - full['failures']:.0f} failed")
+    _converge(w, row, replicas, 600)
+    after_c = _containers(w)
+    same = sum(1 for k, v in before_c.items() if after_c.get(k) == v)
+    row.notes.append(f"containers unchanged {same}/{len(before_c)}")
+    return row
+
+
 def _leader(w: Watcher) -> tuple[str, str]:
     """(the leader's pod, its Lease's holderIdentity: ``<pod>_<random>``)."""
     lease = client.CoordinationV1Api(w.core.api_client).read_namespaced_lease(
-        f"{install.RELEASE}-leader", install.RELEASE_NAMESPACE)
+        f"{install.RELEASE}-leader", w.release_ns)
     holder = lease.spec.holder_identity or ""
     return holder.rsplit("_", 1)[0], holder
 
@@ -408,7 +494,7 @@ def fault_node(w: Watcher, nf: NodeFaults, router_node: str | None, replicas: in
     if kill_leader:  # while the node is lost: the new leader must finish the recovery
         leader, holder = _leader(w)
         t_kill = time.monotonic()
-        n = kill_pod_processes(w.core.read_namespaced_pod(leader, install.RELEASE_NAMESPACE))
+        n = kill_pod_processes(w.core.read_namespaced_pod(leader, w.release_ns))
         try:
             took = wait("another operator holding the Lease",
                         lambda: _leader(w)[1] not in ("", holder), 300, 0.5)
@@ -440,14 +526,22 @@ def fault_node(w: Watcher, nf: NodeFaults, router_node: str | None, replicas: in
 # ------------------------------------------------------------------- the run
 
 
-def install_serving(cluster: LocalCluster, replicas: int) -> tuple[str, str]:
-    """Images, chart, model; the InferenceDeployment applied. -> (router url, model)."""
+def install_serving(cluster: LocalCluster, replicas: int, disk_tier: bool = False,
+                    gateway: bool = False) -> tuple[str, str]:
+    """Images, chart, model; the InferenceDeployment applied (``disk_tier``: with the
+    disk tier on node_faults_disk's volume; ``gateway``: the chart in the serving
+    namespace with the router's endpoint picker). -> (router url, model)."""
     refs = install.image_refs()
     t0 = time.monotonic()
     say(f"images into the nodes: {install.load_images(refs)} "
         f"({time.monotonic() - t0:.0f}s)")
     cluster.kubectl("create", "namespace", SERVING, check=False)
-    install.helm_install(cluster, refs["operator"], SERVING)
+    if gateway:
+        gateway_path.install_crd(cluster)
+        install.helm_install(cluster, refs["operator"], SERVING, *gateway_path.HELM_ARGS,
+                             release_namespace=SERVING)
+    else:
+        install.helm_install(cluster, refs["operator"], SERVING)
     model_config = qwen3_next_config(num_layers=4)
     model_dir = write_model(WORKDIR / "models" / "tiny-qwen3-next", model_config)
     for p in [model_dir.parent, model_dir, *model_dir.rglob("*")]:  # user 1000 reads it
@@ -460,6 +554,9 @@ def install_serving(cluster: LocalCluster, replicas: int) -> tuple[str, str]:
     obj["metadata"]["name"] = NAME
     obj["spec"]["replicas"] = replicas
     obj["spec"]["autoscaling"] = {"enabled": False}
+    if disk_tier:
+        cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(disk.objects(SERVING)))
+        obj["spec"]["offload"]["disk"] = disk.offload_disk()
     obj["spec"]["resources"]["affinity"] = {"podAntiAffinity": {
         "preferredDuringSchedulingIgnoredDuringExecution": [{"weight": 100, "podAffinityTerm": {
             "topologyKey": "kubernetes.io/hostname",
@@ -497,6 +594,9 @@ def table(rows: list[Row], load: Load, w: Watcher) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--faults", default=",".join(FAULTS))
+    ap.add_argument("--path", choices=("router", "gateway"), default="router",
+                    help="what the clients go through: spillway-router's proxy, or Envoy "
+                    "asking its endpoint picker")
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--keep", action="store_true", help="leave the cluster running")
     args = ap.parse_args()
@@ -522,20 +622,27 @@ def main() -> int:
         # etcd's folder outlives a stopped cluster: its pods, and a `kubernetes` Service
         # pointing at an earlier run's API server port, would come back. Start clean.
         shutil.rmtree(WORKDIR, ignore_errors=True)
+        if "disk" in chosen:  # before the nodes start: their mount namespaces copy it
+            disk.mount()
         say(f"control plane + 2 real nodes up in {cluster.start():.1f}s")
-        url, model = install_serving(cluster, replicas)
+        via_gateway = args.path == "gateway"
+        url, model = install_serving(cluster, replicas, disk_tier="disk" in chosen,
+                                     gateway=via_gateway)
         api = config.new_client_from_config(config_file=str(cluster.config.kubeconfig))
-        w = Watcher(api, url)
+        w = Watcher(api, url, SERVING if via_gateway else install.RELEASE_NAMESPACE)
         t0 = time.monotonic()
+        if via_gateway:
+            w.gateway = gateway_path.start(api, SERVING, NAME, WORKDIR / "gateway")
+            say(f"gateway: Envoy {w.gateway.url}, ext_proc to {w.gateway.envoy.cfg.picker}")
         wait("Available with 2 replicas", lambda: w.converged(replicas), 900, 2)
-        say(f"2 engine pods serving through the router {time.monotonic() - t0:.0f}s after "
+        say(f"2 engine pods serving through the {args.path} {time.monotonic() - t0:.0f}s after "
             f"apply: {[(p.metadata.name, p.spec.node_name) for p in w.pods()]}")
         w.start()
-        load = Load(url, model, args.clients)
+        load = Load(w.gateway.url if via_gateway else url, model, args.clients)
         load.start()
         time.sleep(20)
         [router] = w.core.list_namespaced_pod(
-            install.RELEASE_NAMESPACE,
+            w.release_ns,
             label_selector="app.kubernetes.io/name=spillway-router").items
         router_node = router.spec.node_name
         nf = NodeFaults(cluster.real_nodes())
@@ -547,6 +654,8 @@ def main() -> int:
                 row = fault_network(w, nf, router_node, replicas)
             elif f == "shm":
                 row = fault_shm(w, cluster, replicas)
+            elif f == "disk":
+                row = fault_disk(w, cluster, load, replicas)
             else:
                 row = fault_node(w, nf, router_node, replicas, kill_leader=f == "node-leader")
             time.sleep(10)  # requests after convergence count to the fault's row
@@ -561,10 +670,14 @@ def main() -> int:
         if w is not None:
             w.stop()
         if rows and load is not None and w is not None:  # what was measured, even so
+            print(f"\nclients through {args.path}", flush=True)
             table(rows, load, w)
+        if w is not None and w.gateway is not None:
+            w.gateway.stop()
         NodeFaults(cluster.real_nodes()).heal()
         if not args.keep:
             cluster.stop()
+            disk.unmount()
         os.close(lock)
 
 

@@ -174,8 +174,20 @@ def render(cfg: GatewayConfig) -> dict[str, Any]:
             "typed_config": {"@type": f"{_T}.filters.http.router.v3.Router"},
         }],
     }
-    if cfg.failure_mode == FAIL_CLOSE and cfg.picker is not None:
-        hcm["local_reply_config"] = closed_503
+    # Envoy's own answers when a pod fails it (cannot connect, none healthy, reset,
+    # timed out: its response flags) in OpenAI's error shape, so a client sees an error
+    # it can retry, not a text body. The picker's answers (ext_proc immediate responses)
+    # carry no such flag and keep their own body; a pod's answer is never rewritten.
+    shaped = {
+        "filter": {"response_flag_filter": {"flags": ["UF", "UH", "URX", "UT", "UC", "UO",
+                                                       "NR"]}},
+        "body_format_override": {"content_type": "application/json", "json_format": {
+            "error": {"message": "%LOCAL_REPLY_BODY%", "type": "ServiceUnavailableError",
+                      "param": None, "code": "%RESPONSE_CODE%"}}},
+    }
+    failing_closed = cfg.failure_mode == FAIL_CLOSE and cfg.picker is not None
+    hcm["local_reply_config"] = {
+        "mappers": [*(closed_503["mappers"] if failing_closed else []), shaped]}
     override_host = {"policies": [{"typed_extension_config": {
         "name": "envoy.load_balancing_policies.override_host",
         "typed_config": {

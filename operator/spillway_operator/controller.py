@@ -47,13 +47,15 @@ def only_status_changed(old: dict[str, Any], new: dict[str, Any]) -> bool:
     status (its own writes): nothing to reconcile. The spec is covered by the
     generation, which the API server bumps on every spec change; status.autoscaling
     is the autoscaler's, and the reconciler's ScalingActive condition follows it while
-    autoscaling is on (off, the reconciler reads nothing of it)."""
+    autoscaling is on (off, the reconciler reads nothing of it); status.diskTier is the
+    autoscaler's too, and the Degraded condition follows it always."""
     a, b = old.get("metadata") or {}, new.get("metadata") or {}
+    sa, sb = old.get("status") or {}, new.get("status") or {}
     scaling = bool(((new.get("spec") or {}).get("autoscaling") or {}).get("enabled"))
     return all(a.get(k) == b.get(k) for k in
                ("generation", "labels", "annotations", "deletionTimestamp", "uid")) and \
-        (not scaling or (old.get("status") or {}).get("autoscaling")
-         == (new.get("status") or {}).get("autoscaling"))
+        (not scaling or sa.get("autoscaling") == sb.get("autoscaling")) and \
+        sa.get("diskTier") == sb.get("diskTier")
 
 
 class Controller:

@@ -94,6 +94,9 @@ COUNTERS = {
     m.DISK_TIER_THRASH.name: "disk_thrash_chunks",
     m.GENERATION_TOKENS.name: "generation_tokens",
     m.REQUEST_SUCCESS.name: "finished",
+    # Not pressure: whether the disk tier's stores fail (disk_health).
+    m.DISK_TIER_WRITE_FAILURES.name: "disk_write_failures",
+    m.DISK_TIER_STORES.name: "disk_stores",
 }
 HOST_HITS = m.PROMPT_TOKENS_CACHED_BY_SOURCE.name
 #: vllm:prompt_tokens_by_source{source="local_compute"}: prompt tokens computed here.

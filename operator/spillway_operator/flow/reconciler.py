@@ -70,7 +70,7 @@ from spillway_operator.plumbing.kube import (
 log = logging.getLogger("spillway.reconciler")
 
 #: Top-level status fields the autoscaler writes; the reconciler leaves them alone.
-AUTOSCALER_FIELDS = frozenset({"autoscaling"})
+AUTOSCALER_FIELDS = frozenset({"autoscaling", "diskTier"})
 
 
 @dataclass(frozen=True)
@@ -708,7 +708,7 @@ class Reconciler:
         # The raw spec: autoscaling may be on even when the spec does not validate.
         autoscaling = bool((obj.get("spec") or {}).get("autoscaling", {}).get("enabled"))
         status = build_status(obs, old, autoscaling_enabled=autoscaling)
-        # status.autoscaling is the autoscaler's: left as it is.
+        # status.autoscaling and status.diskTier are the autoscaler's: left as they are.
         patch = merge_patch(live, to_wire(status), keep=AUTOSCALER_FIELDS)
         if not patch:
             return None

@@ -28,7 +28,7 @@ import aiohttp
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
-from spillway_operator.flow import render
+from spillway_operator.flow import disk_health, render
 from spillway_operator.flow.pools import POOL_LABEL, removals
 from spillway_operator.flow.pressure import (
     BACKLOG_DRAIN_SECONDS,
@@ -58,7 +58,7 @@ from spillway_operator.flow.pressure import (
 )
 from spillway_operator.flow.spec import InferenceDeploymentSpec
 from spillway_operator.flow.status import merge_patch, read_status, to_wire
-from spillway_operator.flow.status_model import AutoscalingStatus
+from spillway_operator.flow.status_model import AutoscalingStatus, DiskTierStatus
 from spillway_operator.flow.throughput import (
     Capacity,
     Learner,
@@ -183,6 +183,9 @@ class Tracked:
     # Pods in a bad-counter episode (restart, broken histogram...): name -> reason.
     bad_pods: dict[str, str] = field(default_factory=dict)
     capacity: Capacity | None = None  # the serving rate of the last tick (status)
+    # Per pod: its disk-tier counters (disk_health), and status.diskTier they make.
+    disk: dict[str, disk_health.PodDisk] = field(default_factory=dict)
+    disk_status: DiskTierStatus | None = None
     exported: bool = False  # spillway_offload_pressure has its series
     failing: bool = False  # the last tick failed (logged once per episode)
     policy_failing: bool = False  # the policy raised (logged once per episode)
@@ -191,6 +194,7 @@ class Tracked:
         """Forget the readings and windows: a new leader decides from what it observes."""
         self.samples, self.state, self.hot, self.learner = {}, None, {}, None
         self.seeded_for, self.bad_pods, self.capacity = None, {}, None
+        self.disk = {}  # disk_status stays: it is rebuilt from the live status
 
 
 class Autoscaler:
@@ -416,9 +420,10 @@ class Autoscaler:
             rec.policy_failing = False
             log.info("autoscaler %s/%s: the scaling policy recovered", ns, name)
         await self._unmark_stale(ns, live, desired, marked)
-        written = (body.get("status") or {}).get("autoscaling") or {}
-        old = read_status(body.get("status")).autoscaling or AutoscalingStatus()
-        await self._write_status(key, written, old, agg, desired, decision, reason, term)
+        status = body.get("status") or {}
+        old = read_status(status).autoscaling or AutoscalingStatus()
+        await self._write_status(key, status.get("autoscaling") or {}, old, agg, desired,
+                                 decision, reason, term, status.get("diskTier"))
 
     def _learner(self, rec: Tracked, spec: InferenceDeploymentSpec,
                  body: dict[str, Any]) -> Learner:
@@ -465,6 +470,11 @@ class Autoscaler:
                   4 * float(spec.autoscaling.interval_seconds))
         max_dt = 3 * float(spec.autoscaling.interval_seconds) + SCRAPE_TIMEOUT
         cur = {n: r for n, r in results if isinstance(r, Sample)}
+        listed = (read_status((body or {}).get("status")).disk_tier or DiskTierStatus())
+        rec.disk, rec.disk_status = disk_health.assess(
+            rec.disk, cur, [p["metadata"]["name"] for p in ready],
+            listed.failing_pods or [], now,
+            disk_health.hold_seconds(float(spec.autoscaling.interval_seconds)))
         served = [_policy(pod_rates, prev.get(n), s, max_dt) for n, s in cur.items()]
         state = _policy(learn, self._learner(rec, spec, body or {}), now,
                         [r for r in served if isinstance(r, Rates)],
@@ -624,10 +634,12 @@ class Autoscaler:
 
     async def _write_status(self, key: Key, live: dict[str, Any],
                             old: AutoscalingStatus, agg: Aggregate, desired: int,
-                            decision: str, reason: str, term: str | None = None) -> None:
+                            decision: str, reason: str, term: str | None = None,
+                            live_disk: dict[str, Any] | None = None) -> None:
         """Write status.autoscaling where it differs from ``live`` (what the API server
         holds), clearing what no longer holds (problems of a pod that recovered or is
-        gone): steady state writes nothing."""
+        gone), and status.diskTier where it differs from ``live_disk`` (removed once no
+        pod fails): steady state writes nothing."""
         if agg.pressure is not None:
             pressure = round(agg.pressure, 2)
             components = {k: round(v, 2) for k, v in agg.components.items()}
@@ -656,7 +668,15 @@ class Autoscaler:
             last_scale_time=now_rfc3339() if decision in ("scale-up", "scale-down")
             else old.last_scale_time,
         )
+        body: dict[str, Any] = {}
         if patch := merge_patch(live, to_wire(new)):
             log.debug("%s/%s: status.autoscaling patch of %s", *key, ", ".join(patch))
-            await asyncio.to_thread(self.kube.patch_status, key[0], key[1],
-                                    {"autoscaling": patch})
+            body["autoscaling"] = patch
+        disk = None if rec.disk_status is None else to_wire(rec.disk_status)
+        if disk is None and live_disk is not None:
+            body["diskTier"] = None  # no pod fails any more
+        elif disk is not None and (
+                changed := disk if live_disk is None else merge_patch(live_disk, disk)):
+            body["diskTier"] = changed
+        if body:
+            await asyncio.to_thread(self.kube.patch_status, key[0], key[1], body)

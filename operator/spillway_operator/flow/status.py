@@ -18,10 +18,12 @@ from pydantic import BaseModel, ValidationError
 
 from spillway_engine.planner.plan import Plan
 from spillway_engine.quantity import human_bytes
+from spillway_operator.flow.disk_health import degraded_message
 from spillway_operator.flow.status_model import (
     AutoscalingStatus,
     Condition,
     ConditionType,
+    DiskTierStatus,
     InferenceDeploymentStatus,
     KVGroupSummary,
     PlanSummary,
@@ -370,7 +372,7 @@ def _progressing(obs: Observed, r: Rollout) -> Cond:
 
 
 def _degraded(obs: Observed, unschedulable: str | None,
-              failure: tuple[str, str] | None) -> Cond:
+              failure: tuple[str, str] | None, disk: DiskTierStatus | None = None) -> Cond:
     if obs.plan_error and obs.deployment is not None:
         return Cond(ConditionType.DEGRADED, True, obs.plan_error[0],
                     "the new spec cannot be planned; pods keep the last good plan: "
@@ -386,6 +388,9 @@ def _degraded(obs: Observed, unschedulable: str | None,
                     f"group(s) {', '.join(obs.restarting_groups)} restarting: a pod of the "
                     "group failed and LeaderWorkerSet recreates the whole group (its ranks "
                     "run one vLLM instance)")
+    if disk is not None and disk.failing_pods:
+        return Cond(ConditionType.DEGRADED, True, "DiskTierWriteFailing",
+                    degraded_message(disk))
     return Cond(ConditionType.DEGRADED, False, "AsExpected", "")
 
 
@@ -397,14 +402,15 @@ def _mixed_products(messages: list[str]) -> Cond:
                 "each pool's nodes carry its GPU product only")
 
 
-def conditions_for(obs: Observed) -> list[Cond]:
+def conditions_for(obs: Observed, disk: DiskTierStatus | None = None) -> list[Cond]:
+    """``disk``: status.diskTier as the autoscaler last wrote it."""
     rollout = Rollout.of(obs.deployment, obs.desired_replicas)
     unschedulable = unschedulable_message(obs.pods)
     conds = [
         _plan_ready(obs),
         _available(obs, rollout, unschedulable),
         _progressing(obs, rollout),
-        _degraded(obs, unschedulable, pod_failure(obs.pods)),
+        _degraded(obs, unschedulable, pod_failure(obs.pods), disk),
     ]
     if obs.mixed_products is not None:
         conds.append(_mixed_products(obs.mixed_products))
@@ -509,9 +515,10 @@ def plan_summary(plan: Plan, gpus_per_pod: int, digest: str) -> PlanSummary:
 
 def build_status(obs: Observed, old: InferenceDeploymentStatus, now: str | None = None,
                  autoscaling_enabled: bool = False) -> InferenceDeploymentStatus:
-    """The reconciler's part of the status (never ``autoscaling``: the scaler's)."""
+    """The reconciler's part of the status (never ``autoscaling`` or ``diskTier``: the
+    scaler's, which its conditions follow)."""
     dep_status = (obs.deployment or {}).get("status", {}) or {}
-    conds = conditions_for(obs)
+    conds = conditions_for(obs, old.disk_tier)
     if autoscaling_enabled:
         conds.append(scaling_condition(old.autoscaling))
     return InferenceDeploymentStatus(

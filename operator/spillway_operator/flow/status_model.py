@@ -109,6 +109,20 @@ class AutoscalingStatus(_Model):
     last_scale_time: Annotated[str | None, Field(json_schema_extra={"format": "date-time"})] = None
 
 
+class DiskTierStatus(_Model):
+    """Disk-tier stores failing (volume full, read-only, failing); absent while they work."""
+
+    # Written by the autoscaler from the pods' scraped counters (flow.disk_health).
+
+    failing_pods: Annotated[
+        list[str] | None, Field(description="pods whose disk-tier stores fail: their "
+                                "failures grew within the hold window and no store "
+                                "succeeded since")] = None
+    write_failures: Annotated[
+        int | None, Field(description="failed disk-tier stores over all pods in the last "
+                          "interval")] = None
+
+
 class Routing(StrEnum):
     """What routes requests to the engine pods (status.routing)."""
 
@@ -127,6 +141,7 @@ class InferenceDeploymentStatus(_Model):
     pools: Annotated[list[PoolStatus] | None, Field(
         description="spec.resources.gpuPools: each pool's replicas and plan")] = None
     autoscaling: AutoscalingStatus | None = None
+    disk_tier: DiskTierStatus | None = None
     routing: Annotated[
         Routing | None,
         Field(description="InferencePool: an InferencePool of this name selects the engine "

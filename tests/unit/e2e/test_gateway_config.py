@@ -45,7 +45,10 @@ def test_without_a_picker_the_gateway_round_robins_with_no_ext_proc():
                  for e in pool["load_assignment"]["endpoints"][0]["lb_endpoints"]]  # fmt: skip
         assert [f"{h['address']}:{h['port_value']}" for h in hosts] == POOL
         hcm = boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
-        assert "local_reply_config" not in hcm["typed_config"]  # nothing to fail closed
+        # nothing to fail closed: only Envoy's own errors put in OpenAI's shape
+        [mapper] = hcm["typed_config"]["local_reply_config"]["mappers"]
+        assert mapper["body_format_override"]["json_format"]["error"]["code"] == \
+            "%RESPONSE_CODE%"
 
 
 def test_with_a_picker_the_gateway_asks_it_and_overrides_the_host():
@@ -74,3 +77,34 @@ def test_envoy_accepts_the_config(tmp_path, picker, mode):
                          capture_output=True, text=True, timeout=60)  # fmt: skip
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "OK" in out.stdout + out.stderr
+
+
+def test_envoys_own_errors_answer_in_openais_shape(tmp_path):
+    """A pod Envoy cannot reach (a cut network, a pod gone) answers 503 with OpenAI's
+    error body, not Envoy's text: the client sees an error it can retry."""
+    import socket
+    import urllib.error
+    import urllib.request
+
+    from e2e.gateway import Envoy
+
+    try:
+        envoy_binary()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+
+    def port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    cfg = GatewayConfig(picker=None, endpoints=[f"127.0.0.1:{port()}"], port=port(),
+                        admin_port=port())
+    with Envoy(cfg, tmp_path).start() as gw, pytest.raises(urllib.error.HTTPError) as got:
+        urllib.request.urlopen(urllib.request.Request(
+            f"{gw.url}/v1/completions", b"{}", {"Content-Type": "application/json"}),
+            timeout=30)
+    assert got.value.code == 503
+    body = json.loads(got.value.read())
+    assert body["error"]["code"] == 503 and body["error"]["type"] == "ServiceUnavailableError"
+    assert "upstream" in body["error"]["message"]
