@@ -111,7 +111,8 @@ def compute_layout(shape: ModelShape, gpu: Gpu, request: LayoutRequest) -> KVLay
         gpu.gdn_prefill_kernel(shape.gdn_head_k_dim, request.cuda_major) if shape.gdn else None
     )
     hybrid = hybrid_block(
-        shape, gpu, request, backend, block, tokens.per_token, gdn_kernel, num_spec, notes
+        shape, gpu, request, backend, block, tokens.aligned_per_token, gdn_kernel, num_spec,
+        notes,
     )
     specs = layer_specs(
         shape, hybrid.block, hybrid.mamba_block, hybrid.mamba_page, hybrid.mamba_padded,

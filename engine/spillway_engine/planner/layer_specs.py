@@ -31,6 +31,13 @@ class TokenBytes:
     per_token: int
     #: rows of a sparse-MLA kernel page: latent blocks sit whole pages apart
     page_rows: int = 1
+    #: the per-token page vLLM's hybrid alignment reckons with: an MLA spec without
+    #: the DS-MLA formats' state bytes (``_align_hybrid_block_size``); 0: ``per_token``
+    nominal_per_token: int = 0
+
+    @property
+    def aligned_per_token(self) -> int:
+        return self.nominal_per_token or self.per_token
 
     def of(self, layer: LayerKind) -> int:
         """Attention bytes per token of a layer with its own heads (else the model's)."""
@@ -67,8 +74,9 @@ def token_bytes(
             "FLASHINFER_MLA_SPARSE_SM90 serves the latents: vLLM needs FlashInfer's "
             "kernels (flashinfer-cubin, or nvcc and ninja) for it, else it finds no backend"
         )
+    nominal = kv_heads * (shape.head_size + shape.head_size_v) * kv_bytes
     return TokenBytes(shape, tp, kv_bytes, kv_heads, per_token,
-                      sparse.page_rows if sparse else 1)
+                      sparse.page_rows if sparse else 1, nominal)
 
 
 def layer_specs(

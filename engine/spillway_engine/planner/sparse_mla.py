@@ -215,7 +215,10 @@ def choose_sparse(
             f"{gpu.name} vLLM 0.33.0 stores it only with {taken}, whose cache format "
             "Spillway does not reproduce; use auto, bfloat16, fp8, fp8_e4m3 or fp8_ds_mla"
         )
-    return SparseChoice(_BY_NAME[taken], stored, per_token, _PAGE_ROWS.get(taken, 1))
+    rows = _PAGE_ROWS.get(taken, 1)
+    if taken == FLASHMLA_SPARSE.name and stored not in _16BIT and gpu.compute_capability[0] != 10:
+        rows = 64  # off SM100 its quantized kernel reads 64-token pages (customize_spec)
+    return SparseChoice(_BY_NAME[taken], stored, per_token, rows)
 
 
 def block_alignment(shape: ModelShape, gpu: Gpu) -> int:
