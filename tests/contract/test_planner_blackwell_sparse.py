@@ -231,3 +231,32 @@ def test_sparse_backend_follows_the_heads_a_rank_on_sm10x():
     assert (rtx.gpu.attention_backend, rtx.kv_cache_dtype) == (
         "FLASHINFER_MLA_SPARSE_SM120", "fp8_ds_mla")
     assert rtx.kv_groups[0].layer_page_bytes[:2] == [132 * 64, 656 * 64]
+
+
+DSV4 = "deepseek-v4-flash"
+
+
+@pytest.mark.parametrize(("gpu", "backend"), [
+    ("h100", "FLASHMLA_SPARSE_DSV4"),
+    ("b200", "FLASHMLA_SPARSE_DSV4"),
+    ("gb300", "FLASHMLA_SPARSE_DSV4"),
+    ("rtx-pro-6000", "FLASHINFER_MLA_SPARSE_DSV4"),
+])
+def test_deepseek_v4_runs_the_v4_class_vllm_picks_on_the_same_pages(gpu: str, backend: str):
+    """DeepSeek-V4's layers choose their own class (``_select_dsv4_attn_cls``, no
+    --attention-backend): FlashMLA's V4 kernels except on SM12x, FlashInfer's there; both
+    keep the fp8_ds_mla layout and 256-token kernel pages, so the plan is Hopper's with
+    the backend named. (Its layout is compared with vLLM's in test_planner_deepseek_v4.)"""
+    from vllm.models.deepseek_v4.nvidia import model
+
+    vc = types.SimpleNamespace(attention_config=types.SimpleNamespace(backend=None))
+    with _as_on(gpu):
+        cls = model._select_dsv4_attn_cls(vc)  # type: ignore[arg-type]
+    assert cls.backend_cls.get_name() == backend
+    assert cls.use_fp8_ds_mla_layout
+    assert cls.backend_cls.get_supported_kernel_block_sizes() == [256]
+    plan = plan_for(Case(DSV4, 8, gpu=gpu, max_model_len=LEN))
+    hopper = plan_for(Case(DSV4, 8, gpu="h100", max_model_len=LEN))
+    assert (plan.gpu.attention_backend, plan.kv_cache_dtype) == (backend, "fp8_ds_mla")
+    assert _as_vllm(plan) == _as_vllm(hopper)
+    assert plan.worker_bytes_per_block == hopper.worker_bytes_per_block
