@@ -200,9 +200,9 @@ def choose_sparse(
         said = "; ".join(f"{n}: {r}" for n, r in reasons.items())
         raise UnsupportedModel(
             f"sparse MLA with kv-cache dtype {kv_cache_dtype!r}, a {latent}-wide latent and "
-            f"{heads} heads a rank on {where}"
+            f"{heads} heads a rank"
             + (f" with --block-size {block_size}" if block_size is not None else "")
-            + f": vLLM 0.33.0 refuses it (No valid attention backend found: {said})"
+            + f" on {where}: vLLM 0.33.0 refuses it (No valid attention backend found: {said})"
         )
     stored = _stored(taken, kv_cache_dtype, gpu)
     if stored == "fp8_ds_mla":
