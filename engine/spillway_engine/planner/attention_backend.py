@@ -135,11 +135,6 @@ def resolve_kv_dtype(shape: ModelShape, kv_cache_dtype: str, gpu: Gpu) -> tuple[
     """The cache dtype ``--kv-cache-dtype`` resolves to (auto: the model's), and its
     bytes; refused as vLLM refuses it on ``gpu`` (``check_kv_dtype``)."""
     check_kv_dtype(shape, gpu, kv_cache_dtype)
-    if shape.sparse_mla and not shape.compressed_sparse_mla:
-        # the sparse backend decides the format it stores (sparse_mla.choose_sparse)
-        sparse = choose_sparse(shape, gpu, kv_cache_dtype, None, 1)
-        resolved = shape.dtype if sparse.kv_cache_dtype == "auto" else sparse.kv_cache_dtype
-        return resolved, DTYPE_BYTES[resolved]
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise UnsupportedModel(
             f"{KV_DTYPE_FIELD} {kv_cache_dtype!r} is not modelled; use one of "
@@ -156,6 +151,7 @@ def choose_backend(
     if not any(layer.kind != "mamba" for layer in shape.layers):
         return None
     if shape.sparse_mla:
+        check_kv_dtype(shape, gpu, kv_cache_dtype)
         return choose_sparse(shape, gpu, kv_cache_dtype, block_size, tp).backend
     if shape.mla_latent:
         return gpu.mla_backend(

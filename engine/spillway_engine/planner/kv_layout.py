@@ -33,7 +33,11 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from spillway_engine.planner.attention_backend import choose_backend, resolve_kv_dtype
+from spillway_engine.planner.attention_backend import (
+    check_kv_dtype,
+    choose_backend,
+    resolve_kv_dtype,
+)
 from spillway_engine.planner.block_size import hybrid_block, kernel_block_size
 from spillway_engine.planner.drafter import SPECULATIVE_METHODS, check_drafter, with_drafter
 from spillway_engine.planner.gpus import GdnKernel, Gpu
@@ -57,7 +61,7 @@ from spillway_engine.planner.pipeline_stages import (
     pp_partition,
     with_stages,
 )
-from spillway_engine.planner.shape import ModelShape, UnsupportedModel
+from spillway_engine.planner.shape import DTYPE_BYTES, ModelShape, UnsupportedModel
 from spillway_engine.planner.sparse_mla import (
     INDEXER_PAGE_TOKENS,
     choose_sparse,
@@ -86,13 +90,18 @@ def compute_layout(shape: ModelShape, gpu: Gpu, request: LayoutRequest) -> KVLay
     shape = _checked(shape, request)
     tp = request.tensor_parallel_size
     sparse = None
-    if shape.sparse_dims is not None:
-        # the architecture's config hook rewrites the cache dtype before anything reads it
+    if shape.sparse_dims is None:
+        kv_dtype, kv_bytes = resolve_kv_dtype(shape, request.kv_cache_dtype, gpu)
+    else:
+        # the architecture's config hook rewrites the cache dtype before anything reads
+        # it; vLLM's config checks, then the sparse backend, which decides the format
         hooked = hooked_kv_dtype(shape, gpu, request.kv_cache_dtype)
         request = replace(request, kv_cache_dtype=hooked)
         shape = replace(shape, block_alignment=sparse_block_alignment(shape, gpu))
+        check_kv_dtype(shape, gpu, hooked)
         sparse = choose_sparse(shape, gpu, hooked, request.block_size, tp)
-    kv_dtype, kv_bytes = resolve_kv_dtype(shape, request.kv_cache_dtype, gpu)
+        kv_dtype = shape.dtype if sparse.kv_cache_dtype == "auto" else sparse.kv_cache_dtype
+        kv_bytes = DTYPE_BYTES[kv_dtype]
     notes = list(shape.notes)
     if shape.compressed_sparse_mla:
         return _packed_layout(shape, gpu, request, notes)
