@@ -107,7 +107,7 @@ def _add_plan(sub: Any) -> None:
     p.add_argument("--block-size", type=_positive_int, help="vLLM --block-size, if forced")
     p.add_argument("--dtype", choices=("auto", "bfloat16", "float16"), default="auto")
     p.add_argument("--kv-cache-dtype", default="auto",
-                   help="auto, bfloat16, float16, fp8, fp8_e4m3, fp8_e5m2 "
+                   help="auto, bfloat16, float16, fp8, fp8_e4m3, fp8_e5m2, fp8_ds_mla "
                         "(another of vLLM's is refused with its reason)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--blocks-per-chunk", type=_int, help="GPU blocks per offload chunk")

@@ -137,7 +137,8 @@ def test_glm5next_layout_is_kda_groups_mla_with_pooled_keys_and_an_unhashed_ring
     the 11 MLA layers packs a 288-state indexer page (132 B a state) beside its latent,
     and its 16-token tail ring (2 x 128 bf16) sits in a group that is never hashed."""
     plan = plan_for(Case(GLM5NEXT))
-    assert plan.gpu.attention_backend == "FLASH_ATTN_MLA_SPARSE"
+    # SM90 lists FlashInfer's sparse MLA first for a 512-wide latent (platforms/cuda.py)
+    assert plan.gpu.attention_backend == "FLASHINFER_MLA_SPARSE_SM90"
     assert plan.block_size == 4608 and plan.mamba_cache_mode == "align"
     *kda, mla, ring = plan.kv_groups
     assert [g.kind for g in kda] == ["mamba"] * 4

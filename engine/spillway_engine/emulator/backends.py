@@ -17,7 +17,11 @@ from typing import Any
 from vllm.config import get_current_vllm_config_or_none
 from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.utils.import_utils import resolve_obj_by_qualname
+from vllm.v1.attention.backend import MultipleOf
 from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+from vllm.v1.attention.backends.mla.flashinfer_mla_sparse import (
+    FlashInferMLASparseTRTLLMBackend,
+)
 from vllm.v1.attention.backends.mla.triton_mla import TritonMLABackend
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.kv_cache_interface import AttentionSpec, KVQuantMode
@@ -33,6 +37,9 @@ MLA_BACKENDS = (
     "FLASH_ATTN_MLA_SPARSE",
     "FLASHMLA_SPARSE",
     "FLASHINFER_MLA_SPARSE_SM90",
+    "FLASHINFER_MLA_SPARSE",
+    "FLASHINFER_MLA_SPARSE_SM120",
+    "FLASH_ATTN_MLA_SPARSE_FA4",
 )
 #: Backends a model's own attention classes choose (DeepSeek-V4's layers report their
 #: class's ``backend_cls``, CUDA's and the CPU variant's with the same kernel pages and
@@ -112,6 +119,19 @@ TritonFlashInferStandIn = _kernel_pages(
 )
 
 
+class FlashAttnMLASparseFA4StandIn(FlashInferMLASparseTRTLLMBackend):
+    """FA4's sparse MLA (SM10x; its module needs CUDA to import): the FlashInfer TRT-LLM
+    sparse class it extends, with its MultipleOf(64) pages (64-row block strides)."""
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec: Any = None) -> list[Any]:
+        return [MultipleOf(64)]
+
+    @staticmethod
+    def get_name() -> str:
+        return "FLASH_ATTN_MLA_SPARSE_FA4"
+
+
 # The planner's backend names -> the vLLM class whose kernel block rule stands in for
 # it on a CPU (FlashAttention-MLA needs CUDA to import; Triton-MLA shares its
 # MultipleOf(16) rule; Triton and FlashAttention share MultipleOf(16)).
@@ -135,6 +155,11 @@ BACKEND_PATHS: Mapping[str, str] = {
     "FLASH_ATTN_MLA_SPARSE": AttentionBackendEnum.FLASHMLA_SPARSE.get_path(),
     # FlashInfer's SM90 sparse MLA imports on a CPU: its own class (plain fp8 rows)
     "FLASHINFER_MLA_SPARSE_SM90": AttentionBackendEnum.FLASHINFER_MLA_SPARSE_SM90.get_path(),
+    # Blackwell's sparse MLA: FlashInfer's TRT-LLM (SM10x) and SM120 classes import on a
+    # CPU; FA4's stands in on the TRT-LLM class it extends
+    "FLASHINFER_MLA_SPARSE": AttentionBackendEnum.FLASHINFER_MLA_SPARSE.get_path(),
+    "FLASHINFER_MLA_SPARSE_SM120": AttentionBackendEnum.FLASHINFER_MLA_SPARSE_SM120.get_path(),
+    "FLASH_ATTN_MLA_SPARSE_FA4": f"{__name__}.FlashAttnMLASparseFA4StandIn",
 }
 
 

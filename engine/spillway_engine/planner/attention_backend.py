@@ -9,6 +9,7 @@ from __future__ import annotations
 from spillway_engine.planner.gpus import (
     FLASH_ATTN,
     FLASH_ATTN_SM90_FP8_HD512,
+    FLASHINFER,
     TRITON_ATTN,
     Backend,
     Gpu,
@@ -19,6 +20,7 @@ from spillway_engine.planner.shape import (
     ModelShape,
     UnsupportedModel,
 )
+from spillway_engine.planner.sparse_mla import choose_sparse
 
 #: where a refusal of the KV dtype points: the object's field and the CLI's flag
 KV_DTYPE_FIELD = "spec.engine.kvCacheDtype (--kv-cache-dtype)"
@@ -101,9 +103,6 @@ def check_kv_dtype(shape: ModelShape, gpu: Gpu, kv_cache_dtype: str) -> None:
             f"{shape.dtype} model (kv_cache_dtype=\"{kv_cache_dtype}\" is incompatible with "
             f"dtype=\"{shape.dtype}\". Please set `--kv-cache-dtype` to {allowed}.)"
         )
-    attention = any(layer.kind != "mamba" for layer in shape.layers)
-    if not attention or shape.sparse_mla or shape.compressed_sparse_mla:
-        return  # no selector asked, or a sparse backend with rules of its own
     mla = bool(shape.mla_latent)
     if mla and kv_cache_dtype.startswith("nvfp4") and kv_cache_dtype != "nvfp4_ds_mla":
         # VllmConfig: NVFP4 caches are refused with MLA before any backend is asked
@@ -112,6 +111,9 @@ def check_kv_dtype(shape: ModelShape, gpu: Gpu, kv_cache_dtype: str) -> None:
             f"{shape.architecture} (nvfp4 KV cache is not supported with MLA (Multi-head "
             "Latent Attention) backends)"
         )
+    attention = any(layer.kind != "mamba" for layer in shape.layers)
+    if not attention or shape.sparse_mla or shape.compressed_sparse_mla:
+        return  # no selector asked, or a sparse backend with rules of its own
     names = _vllm_list(gpu, mla, shape.mm_prefix)
     takers = [b for b in names if _stores(b, kv_cache_dtype, gpu)]
     if not takers:
@@ -143,26 +145,33 @@ def resolve_kv_dtype(shape: ModelShape, kv_cache_dtype: str, gpu: Gpu) -> tuple[
 
 
 def choose_backend(
-    shape: ModelShape, gpu: Gpu, kv_cache_dtype: str, block_size: int | None
+    shape: ModelShape, gpu: Gpu, kv_cache_dtype: str, block_size: int | None, tp: int = 1
 ) -> Backend | None:
     """The backend the target's attention layers run on (None: no attention layer)."""
     if not any(layer.kind != "mamba" for layer in shape.layers):
         return None
     if shape.sparse_mla:
-        return gpu.sparse_mla_backend(
-            kv_cache_dtype=kv_cache_dtype, head_size=shape.head_size, block_size=block_size
-        )
+        check_kv_dtype(shape, gpu, kv_cache_dtype)
+        return choose_sparse(shape, gpu, kv_cache_dtype, block_size, tp).backend
     if shape.mla_latent:
         return gpu.mla_backend(
             kv_cache_dtype=kv_cache_dtype, block_size=block_size, head_size=shape.head_size
         )
     if any(layer.head_size not in (None, shape.head_size) for layer in shape.layers):
         if gpu.compute_capability[0] == 10:
-            raise UnsupportedModel(
-                f"{shape.architecture} with per-layer head sizes on {gpu.name}: vLLM 0.33.0's "
-                "Gemma4Config asks for FA4 there and lets FlashInfer take the layers it "
-                "runs; that mix is not modelled yet; plan it for a Hopper pool"
-            )
+            # Gemma4Config sets FA4 as FlashAttention's version, but SM10x lists FlashInfer
+            # first and it takes every layer's head (256 and 512): 16-token pages
+            heads = {shape.head_size} | {layer.head_size for layer in shape.layers} - {None}
+            chosen = {gpu.attention_backend(mm_prefix=shape.mm_prefix, sinks=shape.sinks,
+                                            kv_cache_dtype=kv_cache_dtype, head_size=h)
+                      for h in heads}
+            if chosen != {FLASHINFER}:
+                raise UnsupportedModel(
+                    f"{shape.architecture} with head sizes {sorted(heads)} on {gpu.name}: "
+                    f"vLLM 0.33.0 runs its layers on {', '.join(sorted(b.name for b in chosen))}"
+                    "; that mix is not modelled; plan it for a Hopper pool"
+                )
+            return FLASHINFER
         if gpu.generation != "hopper":
             # Gemma4Config: FA4 does not run on SM8x/SM12x, so it forces Triton
             return TRITON_ATTN

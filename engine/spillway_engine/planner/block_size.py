@@ -60,11 +60,16 @@ def hybrid_block(
                 f"{shape.architecture} without linear-attention layers is not modelled"
             )
         return HybridBlock(block)
-    if backend is None:
-        raise UnsupportedModel("attention-free Mamba models are not modelled")
     tp = request.tensor_parallel_size
     mamba_mode: Literal["align", "none"] = "align" if request.enable_prefix_caching else "none"
     mamba_page = shape.mamba.page_bytes(tp, shape.dtype, num_spec)
+    if backend is None:
+        # every layer a Mamba layer (a hybrid class whose config names no attention
+        # layer): no attention backend to align to, so vLLM keeps the default block and
+        # each block holds a whole state (update_block_size_for_backend returns early)
+        notes.append(f"no attention layer: one {shape.mamba.family} state a {block}-token block")
+        return HybridBlock(block, mamba_mode, mamba_page, None,
+                           block if mamba_mode == "align" else _max_len(request))
     mamba_padded: int | None = None
     align = max(backend.blocks.base, block)
     if shape.mla_latent:
@@ -95,10 +100,12 @@ def hybrid_block(
         raise UnsupportedModel(f"aligned block size {block} is not supported by {backend.name}")
     if block * per_token != mamba_page:
         mamba_padded = block * per_token
-    if mamba_mode == "align":
-        mamba_block = block
-    else:
-        if request.max_model_len is None:
-            raise ValueError("max_model_len is needed without prefix caching")
-        mamba_block = request.max_model_len
+    mamba_block = block if mamba_mode == "align" else _max_len(request)
     return HybridBlock(block, mamba_mode, mamba_page, mamba_padded, mamba_block)
+
+
+def _max_len(request: LayoutRequest) -> int:
+    """Without prefix caching a Mamba block covers the whole context."""
+    if request.max_model_len is None:
+        raise ValueError("max_model_len is needed without prefix caching")
+    return request.max_model_len

@@ -28,8 +28,9 @@ Modelled (vLLM 0.33.0, CUDA, default settings):
     ``MultipleOf(16)``.
   - GDN prefill: Triton/FLA, no checkpoint grid.
 
-* Blackwell (SM100, SM103, SM120): see the README's table; sparse MLA and DeepSeek-V4
-  are refused by name there.
+* Blackwell (SM100, SM103, SM120): see the README's table.
+
+Sparse MLA's backends (every GPU) are chosen in ``sparse_mla.py``.
 
 Which ``--kv-cache-dtype`` values any backend of these lists stores is in
 ``attention_backend.py`` (a dtype none of them takes is refused as vLLM refuses it).
@@ -108,6 +109,9 @@ FP8_DS_MLA_BYTES_PER_TOKEN = 656
 #: ``DeepseekV4FlashMLABackend``), exactly 256-token kernel pages; its indexer's backend
 #: has the same 256 and the sliding-window cache MultipleOf(32), so 256 is the block
 FLASHMLA_SPARSE_DSV4 = Backend("FLASHMLA_SPARSE_DSV4", KernelBlocks(256, fixed=True))
+#: DeepSeek-V4 on SM12x (``DeepseekV4FlashInferSM120Attention``): FlashInfer's kernels on
+#: the same fp8_ds_mla layout, exactly 256-token kernel pages
+FLASHINFER_MLA_SPARSE_DSV4 = Backend("FLASHINFER_MLA_SPARSE_DSV4", KernelBlocks(256, fixed=True))
 #: FlashMLA's V4 cache rows (fp8_ds_mla): 448 fp8 NoPE + 64 bf16 RoPE + 8 B of UE8M0
 #: scales = 584 B a token (``state_content_bytes``), pages rounded up to 576 B
 DSV4_FP8_DS_MLA_BYTES_PER_TOKEN = 584
@@ -217,74 +221,11 @@ class Gpu:
             return FLASHMLA
         return TRITON_MLA
 
-    def sparse_mla_backend(
-        self, *, kv_cache_dtype: str, head_size: int = 576, block_size: int | None = None
-    ) -> Backend:
-        """The sparse-MLA backend (platforms/cuda.py ``_get_backend_priorities``); a forced
-        ``--block-size`` reaches the selector (``user_specified_block_size``)."""
-        if self.blackwell:
-            # SM10x: FA4's sparse MLA at <= 16 heads a rank, else FlashMLA's, FlashInfer's
-            # TRT-LLM kernel first for FP8 (32-token pages, its own latent format); SM12x:
-            # FlashInfer's SM120 kernel. Their page formats are not reproduced yet.
-            raise UnsupportedModel(
-                f"sparse MLA on {self.name} (SM{self.compute_capability[0]}"
-                f"{self.compute_capability[1]}) is not modelled: vLLM 0.33.0 runs it on "
-                "FLASH_ATTN_MLA_SPARSE_FA4, FLASHMLA_SPARSE or FLASHINFER_MLA_SPARSE there "
-                "(FLASHINFER_MLA_SPARSE_SM120 on SM12x), whose cache page formats Spillway "
-                "does not reproduce yet; plan it for a Hopper pool"
-            )
-        if self.compute_capability[0] != 9:
-            # Every sparse-MLA backend in the SM8x list needs SM90 (or SM100): the
-            # selector finds none and vLLM stops.
-            raise UnsupportedModel(
-                f"sparse MLA on {self.name} (SM{self.compute_capability[0]}"
-                f"{self.compute_capability[1]}): vLLM 0.33.0 refuses it (No valid attention "
-                "backend found: FLASH_ATTN_MLA_SPARSE, FLASHMLA_SPARSE and "
-                "FLASHINFER_MLA_SPARSE_SM90 need compute capability 9.x)"
-            )
-        if block_size is not None and block_size % FLASH_ATTN_MLA_SPARSE.blocks.base:
-            # the dense MLA backends reject use_sparse; every sparse one on SM90 runs
-            # MultipleOf(64) kernel blocks
-            raise UnsupportedModel(
-                f"--block-size {block_size} with sparse MLA on {self.name}: vLLM 0.33.0 "
-                "refuses it (No valid attention backend found: FLASH_ATTN_MLA_SPARSE, "
-                "FLASHMLA_SPARSE and FLASHINFER_MLA_SPARSE_SM90 each say block_size not "
-                "supported; they run multiples of 64)"
-            )
-        if kv_cache_dtype in ("auto", "bfloat16", "float16"):
-            return FLASH_ATTN_MLA_SPARSE
-        if kv_cache_dtype in ("fp8", "fp8_e4m3") and head_size == 512:
-            # a NoPE 512 latent (GLM-5 Next): FlashAttention's sparse MLA is 16-bit only
-            # and FlashMLA's takes it only as bf16 or fp8_ds_mla (FLASHMLA_SPARSE
-            # supports head_size 512 only with bf16 or fp8_ds_mla kv-cache on SM90), so
-            # FlashInfer's SM90 kernel serves plain fp8 rows (512 B a token)
-            return FLASHINFER_MLA_SPARSE_SM90
-        if kv_cache_dtype == "fp8":
-            return FLASHMLA_SPARSE  # FlashAttention's sparse MLA has 16-bit KV only
-        if kv_cache_dtype == "fp8_e4m3" and head_size == 576:
-            # DeepSeek-V3.2 / GLM-5 (512 latent + 64 RoPE): FlashAttention's sparse MLA is
-            # 16-bit only and fp8_e4m3 is not in FlashMLA's list (its fp8 is fp8_ds_mla),
-            # so the last of the tail, FlashInfer's SM90 kernel, serves plain fp8 rows
-            # (576 B a token; it needs kv_lora_rank 512 and RoPE 0 or 64)
-            return FLASHINFER_MLA_SPARSE_SM90
-        raise UnsupportedModel(
-            f"sparse MLA with kv-cache dtype {kv_cache_dtype!r} and a {head_size}-wide "
-            f"latent on {self.name}: vLLM 0.33.0 refuses it (No valid attention backend "
-            "found: FLASH_ATTN_MLA_SPARSE takes a 16-bit cache only, FLASHMLA_SPARSE and "
-            "FLASHINFER_MLA_SPARSE_SM90 support head sizes 512 and 576 only)"
-        )
-
     def compressed_sparse_mla_backend(self, *, kv_cache_dtype: str) -> Backend:
         """DeepSeek-V4's attention backend (models/deepseek_v4/nvidia/model.py
-        ``_select_dsv4_attn_cls``: FlashMLA's V4 kernels except on SM12x)."""
-        if self.blackwell:
-            raise UnsupportedModel(
-                f"DeepSeek-V4 on {self.name} (SM{self.compute_capability[0]}"
-                f"{self.compute_capability[1]}) is not modelled: vLLM 0.33.0 runs its own "
-                "V4 kernels there (FlashMLA's on SM10x, FlashInfer's on SM12x), whose pages "
-                "Spillway does not reproduce yet; plan it for a Hopper pool"
-            )
-        if self.compute_capability[0] != 9:
+        ``_select_dsv4_attn_cls``: FlashMLA's V4 kernels, FlashInfer's on SM12x; SM10x
+        keeps FlashMLA's unless --attention-backend asks otherwise)."""
+        if self.compute_capability[0] not in (9, 10, 12):
             # FlashMLA's V4 kernels are SM90/SM100 only; vLLM does not ask the selector
             # for these layers, so it fails on the GPU rather than at start-up.
             raise UnsupportedModel(
@@ -293,12 +234,15 @@ class Gpu:
                 "sparse kernels (FLASHMLA_SPARSE_DSV4: supports_compute_capability is "
                 "9.x and 10.x only), which do not run here"
             )
-        if kv_cache_dtype not in ("auto", *_FP8_KV):
+        if kv_cache_dtype != "auto" and not kv_cache_dtype.startswith("fp8"):
             raise UnsupportedModel(
                 f"DeepSeek-V4 with kv-cache dtype {kv_cache_dtype!r}: vLLM 0.33.0 refuses it "
-                "(DeepseekV4 fp8_ds_mla layout only supports fp8 kv-cache); FlashMLA's V4 "
+                "(DeepseekV4 fp8_ds_mla layout only supports fp8 kv-cache); its V4 "
                 "kernels store every cache as fp8_ds_mla, so use auto or fp8"
             )
+        # SM12x: FlashInfer's SM120 V4 class, the same fp8_ds_mla rows and 256-token pages
+        if self.compute_capability[0] == 12:
+            return FLASHINFER_MLA_SPARSE_DSV4
         return FLASHMLA_SPARSE_DSV4
 
     def gdn_prefill_kernel(self, head_k_dim: int = 128, cuda_major: int = DEFAULT_CUDA_MAJOR

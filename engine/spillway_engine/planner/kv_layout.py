@@ -30,9 +30,14 @@ pipeline helpers, so callers import from here. It never imports vLLM;
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
-from spillway_engine.planner.attention_backend import choose_backend, resolve_kv_dtype
+from spillway_engine.planner.attention_backend import (
+    check_kv_dtype,
+    choose_backend,
+    resolve_kv_dtype,
+)
 from spillway_engine.planner.block_size import hybrid_block, kernel_block_size
 from spillway_engine.planner.drafter import SPECULATIVE_METHODS, check_drafter, with_drafter
 from spillway_engine.planner.gpus import GdnKernel, Gpu
@@ -56,7 +61,15 @@ from spillway_engine.planner.pipeline_stages import (
     pp_partition,
     with_stages,
 )
-from spillway_engine.planner.shape import ModelShape, UnsupportedModel
+from spillway_engine.planner.shape import DTYPE_BYTES, ModelShape, UnsupportedModel
+from spillway_engine.planner.sparse_mla import (
+    INDEXER_PAGE_TOKENS,
+    choose_sparse,
+    hooked_kv_dtype,
+)
+from spillway_engine.planner.sparse_mla import (
+    block_alignment as sparse_block_alignment,
+)
 
 __all__ = [
     "SPECULATIVE_METHODS",
@@ -75,24 +88,40 @@ __all__ = [
 def compute_layout(shape: ModelShape, gpu: Gpu, request: LayoutRequest) -> KVLayout:
     """The KV-cache groups, hash unit and bytes per block vLLM 0.33.0 builds."""
     shape = _checked(shape, request)
-    kv_dtype, kv_bytes = resolve_kv_dtype(shape, request.kv_cache_dtype, gpu)
+    tp = request.tensor_parallel_size
+    sparse = None
+    if shape.sparse_dims is None:
+        kv_dtype, kv_bytes = resolve_kv_dtype(shape, request.kv_cache_dtype, gpu)
+    else:
+        # the architecture's config hook rewrites the cache dtype before anything reads
+        # it; vLLM's config checks, then the sparse backend, which decides the format
+        hooked = hooked_kv_dtype(shape, gpu, request.kv_cache_dtype)
+        request = replace(request, kv_cache_dtype=hooked)
+        shape = replace(shape, block_alignment=sparse_block_alignment(shape, gpu))
+        check_kv_dtype(shape, gpu, hooked)
+        sparse = choose_sparse(shape, gpu, hooked, request.block_size, tp)
+        kv_dtype = shape.dtype if sparse.kv_cache_dtype == "auto" else sparse.kv_cache_dtype
+        kv_bytes = DTYPE_BYTES[kv_dtype]
     notes = list(shape.notes)
     if shape.compressed_sparse_mla:
         return _packed_layout(shape, gpu, request, notes)
     # The target's layers pick the backend and block size (update_block_size_for_backend
     # reads the model config); a drafter selects its own backend for its layers.
-    backend = choose_backend(shape, gpu, request.kv_cache_dtype, request.block_size)
+    backend = (sparse.backend if sparse else
+               choose_backend(shape, gpu, request.kv_cache_dtype, request.block_size, tp))
     own_layers = len(shape.layers)
     check_drafter(shape, request)
     shape, num_spec = with_drafter(shape, request, notes)
-    tp = request.tensor_parallel_size
-    tokens = token_bytes(shape, tp, kv_dtype, kv_bytes, backend, notes)
+    tokens = token_bytes(shape, tp, kv_dtype, kv_bytes, backend, notes, sparse)
     block = kernel_block_size(request, backend, gpu)
+    if sparse is not None:
+        block = _with_indexer_pages(block, request)
     gdn_kernel: GdnKernel | None = (
         gpu.gdn_prefill_kernel(shape.gdn_head_k_dim, request.cuda_major) if shape.gdn else None
     )
     hybrid = hybrid_block(
-        shape, gpu, request, backend, block, tokens.per_token, gdn_kernel, num_spec, notes
+        shape, gpu, request, backend, block, tokens.aligned_per_token, gdn_kernel, num_spec,
+        notes,
     )
     specs = layer_specs(
         shape, hybrid.block, hybrid.mamba_block, hybrid.mamba_page, hybrid.mamba_padded,
@@ -123,6 +152,21 @@ def compute_layout(shape: ModelShape, gpu: Gpu, request: LayoutRequest) -> KVLay
         gdn_prefill_kernel=gdn_kernel,
     )
     return with_stages(layout, own_layers, specs, request)
+
+
+def _with_indexer_pages(block: int, request: LayoutRequest) -> int:
+    """The sparse indexer's backend beside the latents' runs exactly 64-token DeepGEMM
+    pages (``DeepseekV32IndexerBackend``): vLLM's block is the smallest size both backends
+    take (``_preferred_block_size_for_backends``); a forced one must be a multiple."""
+    if request.block_size is None:
+        return math.lcm(block, INDEXER_PAGE_TOKENS)
+    if block % INDEXER_PAGE_TOKENS:
+        raise UnsupportedModel(
+            f"--block-size {block} with sparse MLA: the indexer's kernels run "
+            f"{INDEXER_PAGE_TOKENS}-token pages, so vLLM's worker cannot split the blocks; "
+            f"use a multiple of {INDEXER_PAGE_TOKENS}"
+        )
+    return block
 
 
 def _checked(shape: ModelShape, request: LayoutRequest) -> ModelShape:

@@ -12,14 +12,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from spillway_engine.arith import cdiv, round_up
-from spillway_engine.planner.gpus import (
-    FLASHINFER_MLA_SPARSE_SM90,
-    FLASHMLA_SPARSE,
-    FP8_DS_MLA_BYTES_PER_TOKEN,
-    Backend,
-)
+from spillway_engine.planner.gpus import FLASHINFER_MLA_SPARSE_SM90, Backend
 from spillway_engine.planner.layout_types import CacheSpec
 from spillway_engine.planner.shape import LayerKind, ModelShape, UnsupportedModel
+from spillway_engine.planner.sparse_mla import SparseChoice
 
 
 @dataclass(frozen=True)
@@ -33,6 +29,15 @@ class TokenBytes:
     kv_heads: int
     #: the model's own heads' bytes per token
     per_token: int
+    #: rows of a sparse-MLA kernel page: latent blocks sit whole pages apart
+    page_rows: int = 1
+    #: the per-token page vLLM's hybrid alignment reckons with: an MLA spec without
+    #: the DS-MLA formats' state bytes (``_align_hybrid_block_size``); 0: ``per_token``
+    nominal_per_token: int = 0
+
+    @property
+    def aligned_per_token(self) -> int:
+        return self.nominal_per_token or self.per_token
 
     def of(self, layer: LayerKind) -> int:
         """Attention bytes per token of a layer with its own heads (else the model's)."""
@@ -50,7 +55,7 @@ class TokenBytes:
 
 def token_bytes(
     shape: ModelShape, tp: int, kv_dtype: str, kv_bytes: int, backend: Backend | None,
-    notes: list[str],
+    notes: list[str], sparse: SparseChoice | None = None,
 ) -> TokenBytes:
     """The per-token attention page of the model's heads on one rank."""
     kv_heads = 1 if shape.mla_latent else max(1, shape.num_kv_heads // tp)
@@ -62,14 +67,16 @@ def token_bytes(
             "replicated head"
         )
     per_token = kv_heads * (shape.head_size + shape.head_size_v) * kv_bytes
-    if backend is FLASHMLA_SPARSE and kv_dtype in ("fp8", "fp8_e4m3"):
-        per_token = FP8_DS_MLA_BYTES_PER_TOKEN  # FlashMLA's sparse fp8_ds_mla format
+    if sparse is not None:
+        per_token = sparse.bytes_per_token  # the sparse kernel's own row format
     if backend is FLASHINFER_MLA_SPARSE_SM90:
         notes.append(
-            "FLASHINFER_MLA_SPARSE_SM90 serves the fp8 latents: vLLM needs FlashInfer's "
+            "FLASHINFER_MLA_SPARSE_SM90 serves the latents: vLLM needs FlashInfer's "
             "kernels (flashinfer-cubin, or nvcc and ninja) for it, else it finds no backend"
         )
-    return TokenBytes(shape, tp, kv_bytes, kv_heads, per_token)
+    nominal = kv_heads * (shape.head_size + shape.head_size_v) * kv_bytes
+    return TokenBytes(shape, tp, kv_bytes, kv_heads, per_token,
+                      sparse.page_rows if sparse else 1, nominal)
 
 
 def layer_specs(
@@ -91,7 +98,7 @@ def layer_specs(
         if spec is None:
             spec = made[id(layer)] = _layer_spec(
                 layer, shape, block, mamba_block, mamba_page, mamba_padded, tokens.of,
-                num_spec,
+                num_spec, tokens.page_rows,
             )
         specs.append(spec)
     return specs
@@ -142,6 +149,7 @@ def _layer_spec(
     mamba_padded: int | None,
     layer_per_token: Callable[[LayerKind], int],
     num_spec: int = 0,
+    page_rows: int = 1,
 ) -> CacheSpec:
     """One layer's spec on one rank (``get_kv_cache_spec``)."""
     if layer.kind == "mamba":
@@ -155,10 +163,9 @@ def _layer_spec(
         return _kernel_strided(state_spec(layer, block), layer)
     layer_token = layer_per_token(layer)
     if shape.sparse_mla and layer.kind == "mla" and layer.bytes_per_token is None:
-        # FlashAttention's / FlashMLA's 16-bit sparse kernels read flat rows
-        # (align_blocks_to_rows); FlashMLA's fp8_ds_mla pages are not modelled here
+        # sparse kernels read flat rows in pages of ``page_rows`` (align_blocks_to_rows)
         return CacheSpec(layer.kind, block, block * layer_token, per_token=layer_token,
-                     stride_alignment=layer_token)
+                         stride_alignment=page_rows * layer_token)
     return CacheSpec(
         layer.kind,
         block,

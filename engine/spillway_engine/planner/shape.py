@@ -17,11 +17,14 @@ Kind = Literal[
 ]
 
 DTYPE_BYTES = {
-    "bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1
+    "bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1,
+    "fp8_ds_mla": 1,
 }
 #: the --kv-cache-dtype values the planner models (vLLM's whole list and what it does
 #: with the rest: planner/attention_backend.py)
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
+KV_CACHE_DTYPES = (
+    "auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_ds_mla"
+)
 TORCH_DTYPE_NAMES = {
     "bfloat16": "bfloat16",
     "bf16": "bfloat16",
@@ -91,6 +94,23 @@ class MambaState:
 
 
 @dataclass(frozen=True)
+class SparseMlaDims:
+    """The config fields vLLM 0.33.0's sparse-MLA backends check before taking a model
+    (``supports_combination``), and what its config hook does to an ``auto`` cache."""
+
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    qk_nope_head_dim: int
+    index_topk: int
+    #: the cache dtype the architecture's ``VerifyAndUpdateConfig`` puts in place of
+    #: ``auto`` on SM10x (GLM-5: fp8_e4m3, GLM-5 Next: fp8); None: it leaves auto
+    sm10x_auto_kv_dtype: str | None = None
+    #: the indexer's block alignment on SM12x, where DeepGEMM's paged MQA takes only
+    #: 64-entry pages (GLM-5 Next's kpool indexer); None: as on other GPUs
+    sm12x_block_alignment: int | None = None
+
+
+@dataclass(frozen=True)
 class ModelShape:
     """The facts of a config.json that decide the KV layout."""
 
@@ -105,6 +125,8 @@ class ModelShape:
     mla_latent: int = 0
     #: sparse MLA (DeepSeek sparse attention): the latents run on sparse-MLA kernels
     sparse_mla: bool = False
+    #: the sparse-MLA config fields the backends check (None: not sparse MLA)
+    sparse_dims: SparseMlaDims | None = None
     #: DeepSeek-V4's compressed sparse attention: its own FlashMLA kernels, and an
     #: indexer backend that declares only block-outermost KV layouts, so vLLM packs
     #: each block's pages side by side (``_get_packed_kv_cache_groups``)

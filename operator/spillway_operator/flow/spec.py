@@ -148,6 +148,8 @@ class KVCacheDtype(StrEnum):
     FP8 = "fp8"
     FP8_E4M3 = "fp8_e4m3"
     FP8_E5M2 = "fp8_e5m2"
+    #: DeepSeek's fp8 MLA rows (sparse MLA on FlashMLA / FlashInfer SM120, DeepSeek-V4)
+    FP8_DS_MLA = "fp8_ds_mla"
 
 
 class ModelDtype(StrEnum):

@@ -19,6 +19,7 @@ from spillway_engine.planner.shape import (
     LayerKind,
     ModelShape,
     ShapeRule,
+    SparseMlaDims,
     UnsupportedModel,
     derived_max_len,
     model_dtype,
@@ -47,7 +48,16 @@ def _deepseek_sparse(config: dict[str, Any], arch: str) -> ModelShape:
         if not cfg.has(key):
             raise UnsupportedModel(f"{arch} without {key} is not a sparse-attention config")
     n = cfg.int("num_hidden_layers")
-    latent = cfg.int("kv_lora_rank") + cfg.int("qk_rope_head_dim", 0, minimum=0)
+    rope = cfg.int("qk_rope_head_dim", 0, minimum=0)
+    latent = cfg.int("kv_lora_rank") + rope
+    dims = SparseMlaDims(
+        kv_lora_rank=cfg.int("kv_lora_rank"),
+        qk_rope_head_dim=rope,
+        qk_nope_head_dim=cfg.int("qk_nope_head_dim", 0, minimum=0),
+        index_topk=cfg.int("index_topk"),
+        # models/config.py GlmMoeDsaForCausalLM: an fp8 cache by default on SM10x
+        sm10x_auto_kv_dtype="fp8_e4m3" if arch == "GlmMoeDsaForCausalLM" else None,
+    )
     head = cfg.int("index_head_dim")
     indexer = LayerKind("mla", bytes_per_token=head + head // _INDEXER_QUANT_BLOCK * 4)
     mla = LayerKind("mla")
@@ -76,6 +86,7 @@ def _deepseek_sparse(config: dict[str, Any], arch: str) -> ModelShape:
         head_size_v=0,
         mla_latent=latent,
         sparse_mla=True,
+        sparse_dims=dims,
         derived_max_model_len=derived_max_len(cfg),
         mtp_layers=(indexer, mla) * mtp,
         num_hidden_layers=n,

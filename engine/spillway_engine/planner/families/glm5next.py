@@ -30,6 +30,7 @@ from spillway_engine.planner.shape import (
     ModelConfigError,
     ModelShape,
     ShapeRule,
+    SparseMlaDims,
     UnsupportedModel,
     derived_max_len,
     divide_for_tp,
@@ -106,6 +107,7 @@ def _glm5next(config: dict[str, Any], arch: str) -> ModelShape:
         head_size_v=0,
         mla_latent=latent,
         sparse_mla=True,
+        sparse_dims=_sparse_dims(cfg, latent, kpool),
         block_alignment=kpool * min(_MQA_PAGES),
         mamba=kda_state,
         mtp_layers=(indexer, tail, mla) * mtp,
@@ -117,6 +119,20 @@ def _glm5next(config: dict[str, Any], arch: str) -> ModelShape:
             f"each {latent}-wide NoPE latent; a circular tail ring per MLA layer, never "
             "offloaded (not prefix-cacheable)",
         ),
+    )
+
+
+def _sparse_dims(cfg: ConfigReader, latent: int, kpool: int) -> SparseMlaDims:
+    """What the sparse backends check (a NoPE latent), and the GPU-dependent rules."""
+    return SparseMlaDims(
+        kv_lora_rank=latent,
+        qk_rope_head_dim=0,
+        qk_nope_head_dim=cfg.int("qk_nope_head_dim", 256),
+        index_topk=cfg.int("index_topk"),
+        # models/config.py Glm5NextModelConfig: an fp8 cache by default on SM10x
+        sm10x_auto_kv_dtype="fp8",
+        # DeepGEMM's paged MQA on SM120 takes only 64-entry pages
+        sm12x_block_alignment=kpool * max(_MQA_PAGES),
     )
 
 
