@@ -21,6 +21,8 @@ from e2e.nodes.realnodes import PATH, NodeError, NodeSpec, RealNodes, _alive, _k
 
 FAULT_CHAIN = "SPILLWAY-FAULT"
 COMPONENTS = ("kubelet", "containerd", "gpuplugin")
+#: A restarted kubelet still running this long after its start got past the CRI check.
+KUBELET_STAYS_UP_S = 3.0
 
 
 class NodeFaults:
@@ -61,16 +63,31 @@ class NodeFaults:
         containerd: wait until it answers."""
         key = f"{component}/{node}"
         spec = self.node(node)
-        with self.nodes._locked():
-            self.nodes.record = self.nodes.read_record() or {}
-            proc = self.nodes._spawn(key, self._argv[key], f"{component}-{node}.log",
-                                     spec.ns_file)
+        proc = self._spawn(key, component, node)
+        if component == "kubelet":
+            # A kubelet started while its containerd's CRI still initialises (containerd
+            # answers `ctr version` before that) exits at once: "validate CRI v1 runtime
+            # API ... server is not initialized yet". Start it again until it stays up.
+            deadline = time.monotonic() + timeout
+            time.sleep(KUBELET_STAYS_UP_S)
+            while proc.poll() is not None:
+                if time.monotonic() > deadline:
+                    raise NodeError(f"{key} exited ({proc.returncode}) at every start for "
+                                    f"{timeout:.0f}s; see {self.nodes.logs}/kubelet-{node}.log")
+                proc = self._spawn(key, component, node)
+                time.sleep(KUBELET_STAYS_UP_S)
         if component == "containerd":
             def answers() -> bool:
                 return subprocess.run(["ctr", "--address", str(spec.socket), "version"],
                                       capture_output=True, timeout=10).returncode == 0
             self.nodes._wait(f"{node}'s containerd to answer", answers, proc,
                              f"containerd-{node}.log", timeout)
+
+    def _spawn(self, key: str, component: str, node: str) -> subprocess.Popen:
+        with self.nodes._locked():
+            self.nodes.record = self.nodes.read_record() or {}
+            return self.nodes._spawn(key, self._argv[key], f"{component}-{node}.log",
+                                     self.node(node).ns_file)
 
     def restart(self, component: str, node: str,
                 sig: signal.Signals = signal.SIGTERM) -> None:
