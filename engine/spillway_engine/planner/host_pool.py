@@ -14,9 +14,9 @@ from spillway_engine.planner.offload_geometry import (
     OffloadRequest,
     SpillwayGeometry,
     UpstreamGeometry,
+    pool_figures,
     spillway_connector_refusal,
     spillway_geometry,
-    unit_pool_gauge_tokens,
     upstream_geometry,
 )
 from spillway_engine.planner.plan_schema import PlanRefused, PlanRequest
@@ -253,18 +253,10 @@ def _with_units(
         replace(g, units=k, row_bytes=k * unit * copies)
         for g, k in zip(geometry.groups, units, strict=True)
     )
-    num_chunks = num_units // sum(units)
     return replace(
         geometry,
-        num_units=num_units,
-        groups=groups,
-        chunk_set_bytes=sum(g.row_bytes for g in groups),
-        num_chunks=num_chunks,
-        region_bytes=num_units * unit * copies,
-        capacity_tokens=num_chunks * span,
-        gauge_tokens=unit_pool_gauge_tokens(
-            num_units, max_model_len, span, ((g.window_chunks, g.units) for g in groups)
-        ),
+        **pool_figures(groups, num_units, num_units // sum(units), unit, copies, span,
+                       max_model_len),
         kv_connector_extra_config={
             **geometry.kv_connector_extra_config,
             # every stage's connector takes these over its own (offloader/geometry.py)

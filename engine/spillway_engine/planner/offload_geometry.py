@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from spillway_engine.arith import cdiv, round_up
 from spillway_engine.planner.kv_layout import KVGroup, KVLayout
@@ -495,6 +495,22 @@ def disk_geometry(spillway: SpillwayGeometry, volume_bytes: int) -> DiskGeometry
     )
 
 
+
+def pool_figures(groups: tuple[GroupChunk, ...], num_units: int, num_chunks: int,
+                 unit: int, copies: int, span: int, max_model_len: int) -> dict[str, Any]:
+    """The SpillwayGeometry fields that follow from its groups and its unit pool: one
+    place for the planner's pool and a pipeline stage's shared one (host_pool)."""
+    return {
+        "num_units": num_units,
+        "groups": groups,
+        "chunk_set_bytes": sum(g.row_bytes for g in groups),
+        "num_chunks": num_chunks,
+        "region_bytes": num_units * unit * copies,
+        "capacity_tokens": num_chunks * span,
+        "gauge_tokens": unit_pool_gauge_tokens(
+            num_units, max_model_len, span, ((g.window_chunks, g.units) for g in groups)),
+    }
+
 def spillway_geometry(layout: KVLayout, request: OffloadRequest) -> SpillwayGeometry:
     """Spillway's per-group chunking: one token span, rows sized by each group's bytes."""
     if layout.mamba_cache_mode == "none":
@@ -540,20 +556,12 @@ def spillway_geometry(layout: KVLayout, request: OffloadRequest) -> SpillwayGeom
         for i, g in offloaded_groups(layout)
         for bpc, nbytes, k in (per_group.get(i, (span // g.tokens_per_block, 0, 0)),)
     )
-    num_units, num_chunks = pool.num_units, pool.num_chunks
     return SpillwayGeometry(
         chunk_tokens=span,
         copies=copies,
         unit_bytes=unit,
-        num_units=num_units,
-        groups=groups,
-        chunk_set_bytes=sum(g.row_bytes for g in groups),
-        num_chunks=num_chunks,
-        region_bytes=num_units * unit * copies,
-        capacity_tokens=num_chunks * span,
-        gauge_tokens=unit_pool_gauge_tokens(
-            num_units, request.max_model_len, span, ((g.window_chunks, g.units) for g in groups)
-        ),
+        **pool_figures(groups, pool.num_units, pool.num_chunks, unit, copies, span,
+                       request.max_model_len),
         kv_connector_extra_config={
             "cpu_bytes_to_use": request.cpu_bytes,
             "spillway_chunk_tokens": span,
