@@ -27,8 +27,10 @@ Available again:
 
 Per fault: requests started from the fault to convergence, how many ended with an
 OpenAI-shaped retryable error (an HTTP 429/5xx with an ``{"error": ...}`` body, or an
-SSE ``data: {"error": ...}`` chunk), how many were lost (anything else: a reset, a
-stream cut without an error, no byte for 60 s), the emulator's KV mismatches (every
+SSE ``data: {"error": ...}`` chunk), how many were reset (the connection ended
+mid-answer: the client's HTTP library raises, an error it can retry but not in OpenAI's
+shape), how many were lost (anything else: a stream ended short without an error, an
+unshaped status, no byte for 60 s), the emulator's KV mismatches (every
 engine container's ``spillway_emulator_kv_mismatch_total``), the object's condition
 changes while it lasted, and the time from the fault to Available again (Available=True,
 every replica ready, the router sending to every replica).
@@ -48,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import http.client
 import json
 import os
 import random
@@ -58,6 +61,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -94,8 +98,24 @@ def say(msg: str) -> None:
 # ------------------------------------------------------------------- the clients
 
 
+def _lines(r: Any) -> Iterator[bytes]:
+    """The answer's lines. Not ``for line in r``: http.client's line reading ends quietly
+    where a chunked body was cut off (its peek swallows IncompleteRead); ``read1``
+    raises, as a client's HTTP library does."""
+    rest = b""
+    while chunk := r.read1(65536):
+        *whole, rest = (rest + chunk).split(b"\n")
+        yield from whole
+    if rest:
+        yield rest
+
+
 def stream_once(url: str, model: str, prompt: list[int]) -> tuple[str, str]:
-    """One streamed completion -> (outcome, detail); outcome ok | retryable | lost."""
+    """One streamed completion -> (outcome, detail); outcome ok | retryable | reset |
+    lost. ``reset``: the connection ended mid-answer, so the client's HTTP library raised
+    (an error it can retry, though not OpenAI-shaped: what a gateway does when the pod
+    goes away under a stream whose head is out); ``lost``: anything else that is not a
+    complete answer (a hang, an answer cut short without an error, an unshaped status)."""
     body = json.dumps({"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS,
                        "temperature": 0, "ignore_eos": True, "stream": True,
                        "stream_options": {"include_usage": True}}).encode()
@@ -105,7 +125,7 @@ def stream_once(url: str, model: str, prompt: list[int]) -> tuple[str, str]:
     try:
         with urllib.request.urlopen(req, timeout=HUNG_S) as r:
             where = r.headers.get("x-spillway-upstream") or ""  # the gateway's pod
-            for raw in r:
+            for raw in _lines(r):
                 lines += 1
                 line = raw.decode().strip()
                 if line == "data: [DONE]":
@@ -125,7 +145,9 @@ def stream_once(url: str, model: str, prompt: list[int]) -> tuple[str, str]:
             shaped = False
         ok = shaped and e.code in RETRYABLE
         return ("retryable" if ok else "lost", f"HTTP {e.code}{'' if shaped else ' unshaped'}")
-    except (OSError, ValueError) as e:  # a reset, a timeout (hung), a cut chunk
+    except (http.client.IncompleteRead, ConnectionResetError) as e:  # cut mid-answer
+        return "reset", f"{type(e).__name__} after {lines} lines: {str(e)[:60]}"
+    except (OSError, ValueError) as e:  # a timeout (hung), a refused connection
         return "lost", f"{type(e).__name__}: {str(e)[:80]}"
     if done and tokens == MAX_TOKENS:
         return "ok", ""
@@ -570,17 +592,18 @@ def install_serving(cluster: LocalCluster, replicas: int, disk_tier: bool = Fals
 
 
 def table(rows: list[Row], load: Load, w: Watcher) -> None:
-    print(f"\n{'fault':<40} {'sent':>5} {'retryable':>9} {'lost':>5} {'mismatch':>8} "
+    print(f"\n{'fault':<40} {'sent':>5} {'retryable':>9} {'reset':>5} {'lost':>5} "
+          f"{'mismatch':>8} "
           f"{'to Available':>12}  conditions while it lasted; notes", flush=True)
     everything = Row("all requests of the run", 0.0, float("inf"),
                      mismatch=sum(w.mismatch.values()))
     for r in [*rows, everything]:
         got = load.window(r.t0, r.t_end)
-        n = {k: sum(1 for x in got if x[2] == k) for k in ("ok", "retryable", "lost")}
+        n = {k: sum(1 for x in got if x[2] == k) for k in ("ok", "retryable", "reset", "lost")}
         conds = [c for t, c in w.transitions if r.t0 <= t < r.t_end]
         avail = ("" if r is everything else "never" if r.available_s is None
                  else f"{r.available_s:.1f}s")
-        print(f"{r.fault:<40} {len(got):>5} {n['retryable']:>9} {n['lost']:>5} "
+        print(f"{r.fault:<40} {len(got):>5} {n['retryable']:>9} {n['reset']:>5} {n['lost']:>5} "
               f"{r.mismatch:>8.0f} {avail:>12}  {', '.join(conds) or '-'}; "
               f"{'; '.join(r.notes)}", flush=True)
         details = sorted({x[3] for x in got if x[2] != "ok"})

@@ -14,6 +14,18 @@ robin over the pool. Failing closed, a picker that cannot answer makes the gatew
 answer 503. Retries go to the next picked pod when the first refuses or resets the
 connection before answering, so a pod that just went away costs no request.
 
+A pod cut off the network sends neither bytes nor a reset, so a stream open on it
+would wait out the cut: the gateway's connections to the pods carry TCP keepalive
+(probes after 10 s of silence, dead after 3 unanswered 2 s apart), so the kernel
+finds such a pod dead within about 16 s and Envoy ends the stream with a reset (the
+client's HTTP library raises: the body is incomplete). That is the one way Envoy has
+to end a response whose head is already out; spillway-router ends it with an SSE
+``error`` event instead. A live pod answers the probes from its kernel, so a stream
+that is only slow (queued, or a long non-streamed answer) is never cut. The gateway
+also checks each pod's ``/health`` as the router does (every 2 s, dead after 2 misses),
+so new requests, picked or round robin, avoid a pod found dead before the picker
+stops choosing it.
+
 A production gateway learns the pool's pods from the InferencePool's selector; this
 standalone one is rendered with them (the local cluster's pods, or test processes).
 
@@ -70,6 +82,11 @@ class GatewayConfig:
     address: str = "127.0.0.1"
     retries: int = 2  # down the picked list, before the first byte only
     picker_timeout_s: float = 2.0
+    # the pods' health check, spillway-router's defaults; health_path None: none
+    health_path: str | None = "/health"
+    health_interval_s: float = 2.0
+    dead_after_probes: int = 2
+    keepalive_s: int = 10  # silence on a pod's connection before TCP keepalive probes
 
 
 def _address(hostport: str) -> dict[str, Any]:
@@ -96,6 +113,24 @@ def _cluster(name: str, endpoints: list[str] | Path, **more: Any) -> dict[str, A
                 "eds_cluster_config": {"eds_config": source}, **more}
     return {"name": name, "type": "STATIC", "connect_timeout": "2s",
             "load_assignment": load_assignment(name, endpoints), **more}
+
+
+def _pod_checks(cfg: GatewayConfig) -> dict[str, Any]:
+    """How the pool finds a pod dead: TCP keepalive on its connections (a stream open on
+    a pod cut off the network ends) and, unless ``health_path`` is None, an active
+    health check of ``/health`` (new requests avoid it)."""
+    checks: dict[str, Any] = {"upstream_connection_options": {"tcp_keepalive": {
+        "keepalive_time": cfg.keepalive_s, "keepalive_interval": 2, "keepalive_probes": 3}}}
+    if cfg.health_path is not None:
+        every = f"{cfg.health_interval_s}s"
+        checks["health_checks"] = [{
+            "timeout": f"{2 * cfg.health_interval_s}s", "interval": every,
+            # an idle pool is checked as often as a busy one: a cut is found either way
+            "no_traffic_interval": every, "no_traffic_healthy_interval": every,
+            "unhealthy_threshold": cfg.dead_after_probes, "healthy_threshold": 1,
+            "http_health_check": {"path": cfg.health_path},
+        }]
+    return checks
 
 
 def write_endpoints(path: Path, endpoints: list[str], version: str) -> None:
@@ -223,10 +258,10 @@ def render(cfg: GatewayConfig) -> dict[str, Any]:
             "clusters": [
                 _cluster("picker", [cfg.picker], typed_extension_protocol_options=h2),
                 _cluster("pool", cfg.endpoints, load_balancing_policy=override_host,
-                         per_connection_buffer_limit_bytes=cfg.max_body),
+                         per_connection_buffer_limit_bytes=cfg.max_body, **_pod_checks(cfg)),
             ] if cfg.picker is not None else [
                 _cluster("pool", cfg.endpoints, lb_policy="ROUND_ROBIN",
-                         per_connection_buffer_limit_bytes=cfg.max_body),
+                         per_connection_buffer_limit_bytes=cfg.max_body, **_pod_checks(cfg)),
             ],
         },
     }

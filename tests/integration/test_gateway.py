@@ -222,3 +222,70 @@ def test_with_the_picker_gone_fail_open_keeps_serving_and_fail_closed_answers_50
         status, reply, _ = _complete(closed_gw.url, _tokens(5, 64))
         assert status == 503, reply
         assert reply["message"] == "the endpoint picker is unavailable"
+
+
+def test_a_stream_open_on_a_pod_cut_off_the_network_ends_instead_of_waiting_out_the_cut(
+        tmp_path):
+    """A pod whose packets are dropped (iptables on loopback: this tier runs as root, as
+    the real nodes do) sends neither bytes nor a reset. The gateway's TCP keepalive
+    finds its connection dead and Envoy ends the stream open on it: the client's read
+    raises within seconds instead of waiting for the network to come back."""
+    import contextlib
+    import http.client
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    over = threading.Event()
+
+    class Pod(BaseHTTPRequestHandler):  # a generation stream: an event every 0.2 s
+        protocol_version = "HTTP/1.1"  # chunked, as vLLM's server streams
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            event = b'data: {"choices": [{"text": "a"}]}\n\n'
+            with contextlib.suppress(OSError):
+                while not over.wait(0.2):
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
+                    self.wfile.flush()
+
+    pod = ThreadingHTTPServer(("127.0.0.1", 0), Pod)
+    pod.daemon_threads = True
+    threading.Thread(target=pod.serve_forever, daemon=True).start()
+    pod_port = pod.server_address[1]
+    cfg = GatewayConfig(picker=None, endpoints=[f"127.0.0.1:{pod_port}"], port=free_port(),
+                        admin_port=free_port(), health_path=None, keepalive_s=2)
+    drop = [[*side, "-p", "tcp", flag, str(pod_port), "-j", "DROP"]
+            for side in (["INPUT", "-i", "lo"],) for flag in ("--sport", "--dport")]
+    try:
+        with Envoy(cfg, tmp_path).start() as gw:
+            conn = http.client.HTTPConnection("127.0.0.1", cfg.port, timeout=40)
+            conn.request("POST", "/v1/completions", b'{"stream": true}',
+                         {"Content-Type": "application/json"})
+            answer = conn.getresponse()
+            assert answer.status == 200
+            for _ in range(3):
+                assert answer.readline().startswith(b"data: ")
+                answer.readline()
+            for rule in drop:
+                subprocess.run(["iptables", "-w", "-I", *rule], check=True)
+            cut = time.monotonic()
+            # a stream that waits out the cut raises TimeoutError after 40 s instead (and
+            # not readline: http.client's ends quietly where a chunked body is cut off)
+            with pytest.raises((http.client.IncompleteRead, ConnectionError)):
+                answer.read()
+            ended = time.monotonic() - cut
+            # keepalive: 2 s of silence, then 3 probes 2 s apart
+            assert ended < 20, ended
+            gone = gw.stats()
+            assert gone["cluster.pool.upstream_cx_destroy_with_active_rq"] >= 1, gone
+    finally:
+        for rule in drop:
+            subprocess.run(["iptables", "-w", "-D", *rule], check=False)
+        over.set()
+        pod.shutdown()

@@ -103,8 +103,26 @@ def test_envoys_own_errors_answer_in_openais_shape(tmp_path):
     with Envoy(cfg, tmp_path).start() as gw, pytest.raises(urllib.error.HTTPError) as got:
         urllib.request.urlopen(urllib.request.Request(
             f"{gw.url}/v1/completions", b"{}", {"Content-Type": "application/json"}),
-            timeout=30)
+            timeout=15)
     assert got.value.code == 503
     body = json.loads(got.value.read())
     assert body["error"]["code"] == 503 and body["error"]["type"] == "ServiceUnavailableError"
     assert "upstream" in body["error"]["message"]
+
+
+
+def test_the_pool_finds_a_dead_pod_by_keepalive_and_by_its_health():
+    """A pod cut off the network sends nothing: TCP keepalive on the pool's connections
+    ends a stream open on it (tests/integration/test_gateway.py cuts one with iptables),
+    and the health check keeps new requests off it; the same for both gateways."""
+    for picker in (None, "127.0.0.1:9002"):
+        pool = _clusters(render(_config(picker)))["pool"]
+        keepalive = pool["upstream_connection_options"]["tcp_keepalive"]
+        assert keepalive["keepalive_time"] == 10 and keepalive["keepalive_probes"] == 3
+        [check] = pool["health_checks"]
+        assert check["http_health_check"]["path"] == "/health"
+        assert check["unhealthy_threshold"] == 2 and check["interval"] == "2.0s"
+        assert check["no_traffic_interval"] == "2.0s"  # an idle pool is checked too
+    plain = GatewayConfig(picker=None, endpoints=POOL, port=8080, admin_port=9901,
+                          health_path=None)
+    assert "health_checks" not in _clusters(render(plain))["pool"]
