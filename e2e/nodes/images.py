@@ -31,7 +31,9 @@ from pathlib import Path
 from e2e.nodes.realnodes import CACHE_ROOT, PATH, NodeError, NodeSpec, RealNodes
 
 DOCKER = os.environ.get("SPILLWAY_DOCKER", "/usr/bin/docker")
-DOCKER_HOST = os.environ.get("SPILLWAY_DOCKER_HOST", "unix:///run/spillway/docker.sock")
+#: tools/images.sh's daemon: its socket in $SPILLWAY_RUN_DIR, as that script puts it
+DOCKER_HOST = os.environ.get("SPILLWAY_DOCKER_HOST") or (
+    f"unix://{os.environ.get('SPILLWAY_RUN_DIR') or '/run/spillway'}/docker.sock")
 INDEX_TYPES = ("application/vnd.oci.image.index.v1+json",
                "application/vnd.docker.distribution.manifest.list.v2+json")
 
