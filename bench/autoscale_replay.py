@@ -344,8 +344,7 @@ def run_fleet(items: list[ReplayItem], duration: float, workdir: Path) -> tuple[
         say("starting the local control plane ...")
         cluster.start()
         cluster.kubectl("apply", "--server-side", "-f", REPO_ROOT / "crds")
-        cluster.kubectl("wait", "--for=condition=Established",
-                        "crd/inferencedeployments.spillway.dev")
+        cluster.wait_established("inferencedeployments.spillway.dev")
         operator = start_operator(cluster.config.kubeconfig, workdir / "operator.log")
         api = config.new_client_from_config(config_file=str(cluster.config.kubeconfig))
         core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)

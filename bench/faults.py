@@ -190,8 +190,7 @@ class Bench:
         kubectl = [str(locate_binaries()["kubectl"]), f"--kubeconfig={kubeconfig}"]
         subprocess.run([*kubectl, "apply", "--server-side", "-f", REPO_ROOT / "crds"],
                        check=True, capture_output=True)
-        subprocess.run([*kubectl, "wait", "--for=condition=Established",
-                        "crd/inferencedeployments.spillway.dev"], check=True, capture_output=True)
+        self.cluster.wait_established("inferencedeployments.spillway.dev")
         subprocess.run([*kubectl, "create", "namespace", LEASE_NS], capture_output=True)
         self.api = config.new_client_from_config(config_file=str(kubeconfig))
         self.started = 0

@@ -32,8 +32,7 @@ HELM_ARGS = ("--set", "router.endpointPicker.enabled=true")
 
 def install_crd(cluster: LocalCluster) -> None:
     cluster.kubectl("apply", "--server-side", "-f", locate_gie_crds() / GIE_INFERENCE_POOL_CRD)
-    cluster.kubectl("wait", "--for=condition=Established",
-                    "crd/inferencepools.inference.networking.k8s.io")
+    cluster.wait_established("inferencepools.inference.networking.k8s.io")
 
 
 def start(api: client.ApiClient, namespace: str, name: str, workdir: Path,

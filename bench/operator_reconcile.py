@@ -314,8 +314,12 @@ def main() -> int:
     kubectl = [str(locate_binaries()["kubectl"]), f"--kubeconfig={kubeconfig}"]
     subprocess.run([*kubectl, "apply", "--server-side", "-f", REPO_ROOT / "crds"],
                    check=True, capture_output=True)
-    subprocess.run([*kubectl, "wait", "--for=condition=Established",
-                    "crd/inferencedeployments.spillway.dev"], check=True, capture_output=True)
+    if cluster is not None:  # a CRD just made may have no status yet: kubectl wait fails
+        cluster.wait_established("inferencedeployments.spillway.dev")
+    else:
+        subprocess.run([*kubectl, "wait", "--for=condition=Established",
+                        "crd/inferencedeployments.spillway.dev"], check=True,
+                       capture_output=True)
     api = api_client(Path(kubeconfig))
     workers = [w for w in args.workers.split(",") if w]
     variants = ([(f"spillway-{w}w", {"SPILLWAY_WORKERS": w}) for w in workers]

@@ -427,13 +427,11 @@ def main() -> int:
                               "-o", "wide").rstrip(), flush=True)
         if not args.real_nodes:  # on real nodes the chart installs the CRD
             cluster.kubectl("apply", "--server-side", "-f", REPO_ROOT / "crds")
-            cluster.kubectl("wait", "--for=condition=Established",
-                            "crd/inferencedeployments.spillway.dev")
+            cluster.wait_established("inferencedeployments.spillway.dev")
         if args.gateway:  # a prerequisite, as a GIE gateway's installation brings it
             cluster.kubectl("apply", "--server-side", "-f",
                             locate_gie_crds() / GIE_INFERENCE_POOL_CRD)
-            cluster.kubectl("wait", "--for=condition=Established",
-                            "crd/inferencepools.inference.networking.k8s.io")
+            cluster.wait_established("inferencepools.inference.networking.k8s.io")
             say("installed the Gateway API Inference Extension's InferencePool CRD (v1.2.0)")
 
         cluster.kubectl("create", "namespace", NAMESPACE, check=False)

@@ -679,10 +679,7 @@ class LocalCluster:
         self._kubeconfig(w / "lws.kubeconfig", "lws-controller-manager", "lws")
         self.kubectl("apply", "--server-side", "--force-conflicts",
                      "--field-manager=spillway-harness", "-f", crds)
-        self._wait(f"the {LWS_CRD} CRD Established", lambda: self.kubectl(
-            "get", "crd", LWS_CRD, "-o",
-            "jsonpath={.status.conditions[?(@.type=='Established')].status}",
-            check=False) == "True", "kube-apiserver", timeout)
+        self.wait_established(LWS_CRD, timeout=timeout)
         config = w / "lws-config.yaml"
         config.write_text(yaml.safe_dump({
             "apiVersion": "config.lws.x-k8s.io/v1alpha1",
@@ -864,6 +861,18 @@ class LocalCluster:
         if check and proc.returncode != 0:
             raise ClusterError(f"kubectl {' '.join(map(str, args))} failed: {proc.stderr.strip()}")
         return proc.stdout
+
+    def wait_established(self, *crds: str, timeout: float = 60) -> None:
+        """Each CRD (by name, or ``crd/<name>``; none: every CRD) Established. Not
+        ``kubectl wait --for=condition=Established``: on a CRD the API server has not yet
+        given a status it fails at once (".status.conditions accessor error: <nil>")."""
+        names = [c.removeprefix("crd/") for c in crds] or self.kubectl(
+            "get", "crd", "-o", "jsonpath={.items[*].metadata.name}").split()
+        for name in names:
+            self._wait(f"the {name} CRD Established", lambda n=name: self.kubectl(
+                "get", "crd", n, "-o",
+                "jsonpath={.status.conditions[?(@.type=='Established')].status}",
+                check=False) == "True", "kube-apiserver", timeout)
 
     def _kubectl_ok(self, *args: str) -> bool:
         try:

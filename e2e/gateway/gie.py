@@ -200,7 +200,7 @@ class GiePicker:
 
         kc = self.cluster.kubectl
         kc("apply", "--server-side", "-f", str(locate_gie_crds()))
-        kc("wait", "--for=condition=Established", "crd", "--all", f"--timeout={timeout:.0f}s")
+        self.cluster.wait_established(timeout=timeout)
         api = config.new_client_from_config(config_file=str(self.cluster.config.kubeconfig))
         core = client.CoreV1Api(api)
         core.create_namespace({"metadata": {"name": NAMESPACE}})

@@ -2,7 +2,8 @@
 nodes' image loader and a last-resort cleanup.
 
 ``load`` moves images from the project's docker daemon ($SPILLWAY_DOCKER_HOST, default
-tools/images.sh's: unix://$SPILLWAY_RUN_DIR/docker.sock, /run/spillway by default) into every running real node; ``preload`` puts them in
+tools/images.sh's: unix://$SPILLWAY_RUN_DIR/docker.sock, /run/spillway by
+default) into every running real node; ``preload`` puts them in
 the nodes' kept containerd roots whether the nodes run or not (default: the operator and
 engine images tools/images.sh built; ``make demo`` runs it while the Go builds run);
 ``down`` undoes the machine's real nodes whichever cluster owns them

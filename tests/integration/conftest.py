@@ -107,8 +107,7 @@ def pytest_terminal_summary(terminalreporter):
 @pytest.fixture(scope="session")
 def crd_installed(cluster: LocalCluster) -> None:
     cluster.kubectl("apply", "--server-side", "-f", REPO_ROOT / "crds")
-    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
-                    "crd/inferencedeployments.spillway.dev")
+    cluster.wait_established("inferencedeployments.spillway.dev")
 
 
 @pytest.fixture(scope="session")

@@ -499,7 +499,7 @@ def test_operator_runs_as_the_chart_service_account(helm, cluster, api, namespac
     # the restricted Pod Security level admitted it.
     sets = ["--set", f"watchNamespaces={{{work}}}"] if namespaced else []
     helm("install", RELEASE, CHART, "-n", release_ns, *sets, "--wait", "--timeout", "90s")
-    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{CRD_NAME}")
+    cluster.wait_established(CRD_NAME)
     crd = json.loads(cluster.kubectl("get", "crd", CRD_NAME, "-o", "json"))
     assert crd["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
 
@@ -856,8 +856,7 @@ def test_operator_makes_inference_pools_as_the_chart_service_account(
     if installed_here:
         cluster.kubectl("apply", "--server-side", "-f",
                         locate_gie_crds() / GIE_INFERENCE_POOL_CRD)
-        cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
-                        f"crd/{pool_crd}")
+        cluster.wait_established(pool_crd)
     proc = None
     log = tmp_path / "operator.log"
     log.touch()

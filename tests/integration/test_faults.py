@@ -65,8 +65,7 @@ def plane() -> Iterator[LocalCluster]:
         lc.start()
         try:
             lc.kubectl("apply", "--server-side", "-f", REPO_ROOT / "crds")
-            lc.kubectl("wait", "--for=condition=Established", "--timeout=60s",
-                       "crd/inferencedeployments.spillway.dev")
+            lc.wait_established("inferencedeployments.spillway.dev")
             yield lc
         finally:
             lc.stop()

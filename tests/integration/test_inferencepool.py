@@ -67,8 +67,7 @@ def plane(gie_crd) -> Iterator[LocalCluster]:
         lc.start()
         try:
             lc.kubectl("apply", "--server-side", "-f", REPO_ROOT / "crds")
-            lc.kubectl("wait", "--for=condition=Established", "--timeout=60s",
-                       f"crd/{PLURAL}.{GROUP}")
+            lc.wait_established(f"{PLURAL}.{GROUP}")
             yield lc
         finally:
             lc.stop()
@@ -145,7 +144,7 @@ def no_traceback(op: OperatorProcess) -> None:
 
 def install_crd(plane: LocalCluster, crd: Path) -> None:
     plane.kubectl("apply", "--server-side", "-f", crd)
-    plane.kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{POOL_CRD}")
+    plane.wait_established(POOL_CRD)
 
 
 def remove_crd(plane: LocalCluster) -> None:
