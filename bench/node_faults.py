@@ -49,7 +49,7 @@ Prints a table; asserts nothing.
 from __future__ import annotations
 
 import argparse
-import fcntl
+import contextlib
 import http.client
 import json
 import os
@@ -74,12 +74,13 @@ from bench import node_faults_disk as disk
 from bench import node_faults_gateway as gateway_path
 from e2e import install
 from e2e.cluster.controlplane import REPO_ROOT, ClusterConfig, LocalCluster, Ports, locate_binaries
+from e2e.cluster.errors import ClusterError
 from e2e.nodes.faults import NodeFaults
+from e2e.nodes.realnodes import tier_session
 from spillway_engine.emulator.tiny import qwen3_next_config, write_model
 from spillway_operator.flow.spec import GROUP, PLURAL, VERSION
 
 WORKDIR = Path(os.environ.get("SPILLWAY_NODE_FAULTS_DIR", "/tmp/spillway-node-faults"))
-TIER_LOCK = Path("/run/spillway/nodes-tier.lock")  # the real-nodes tier's: one at a time
 SERVING = "spillway-serving"
 NAME = "tiny"
 SAMPLE = REPO_ROOT / "config/samples/qwen3-next-tiny-emulated.yaml"
@@ -626,12 +627,11 @@ def main() -> int:
     chosen = [f for f in args.faults.split(",") if f]
     if unknown := set(chosen) - set(FAULTS):
         ap.error(f"unknown faults {sorted(unknown)}; known: {', '.join(FAULTS)}")
-    TIER_LOCK.parent.mkdir(parents=True, exist_ok=True)
-    lock = os.open(TIER_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+    lock = contextlib.ExitStack()
     try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        print(f"another real-nodes session holds {TIER_LOCK}", file=sys.stderr)
+        lock.enter_context(tier_session())
+    except ClusterError as exc:
+        print(exc, file=sys.stderr)
         return 1
     cluster = LocalCluster(ClusterConfig(workdir=WORKDIR, ports=Ports.free(), nodes=0,
                                          real_nodes=2,
@@ -701,7 +701,7 @@ def main() -> int:
         if not args.keep:
             cluster.stop()
             disk.unmount()
-        os.close(lock)
+        lock.close()
 
 
 if __name__ == "__main__":

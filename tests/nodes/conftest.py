@@ -12,7 +12,6 @@ with a message saying which. It never skips: no root, a missing host package
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import re
@@ -27,10 +26,10 @@ from kubernetes import client, config
 
 from e2e.cluster import ClusterConfig, ClusterError, LocalCluster
 from e2e.cluster.controlplane import Ports, locate_binaries
+from e2e.nodes.realnodes import tier_session
 from tests.helpers import fresh_namespace, wait_for
 
 WORKDIR = Path(os.environ.get("SPILLWAY_NODES_TIER_DIR", "/tmp/spillway-nodes-tier"))
-TIER_LOCK = Path("/run/spillway/nodes-tier.lock")
 _SUMMARY: list[str] = []
 
 
@@ -38,19 +37,10 @@ _SUMMARY: list[str] = []
 def tier_lock() -> Iterator[None]:
     """One session of this tier per machine (they would share the folder and nodes)."""
     try:
-        TIER_LOCK.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(TIER_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
-    except PermissionError:
-        pytest.fail(f"the real-nodes tier needs root (cannot write {TIER_LOCK})")
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        pytest.fail(f"another session of tests/nodes holds {TIER_LOCK}: one at a time")
-    try:
-        yield
-    finally:
-        os.close(fd)
+        with tier_session("another session of tests/nodes"):
+            yield
+    except ClusterError as exc:
+        pytest.fail(str(exc))
 
 
 @pytest.fixture(scope="session")
