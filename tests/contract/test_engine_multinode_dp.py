@@ -43,7 +43,8 @@ from e2e.engine_process import (
 from spillway_engine.emulator.tiny import deepseek_v2_config, write_model
 from tests.helpers import wait_for
 
-#: Each engine's emulated GPU: 80 blocks of the tiny MLA model (36,864 bytes a block)
+#: Each engine's emulated GPU: 80 blocks of the tiny MLA model (3 layers, the third a
+#: MoE layer of 4 routed experts, 2 a rank under expert parallel; 55,296 bytes a block)
 GPU_BLOCKS = 80
 
 
@@ -66,7 +67,7 @@ def _rank_args(rank: int, master_port: int, events_port: int) -> list[str]:
 @pytest.fixture(scope="module")
 def replica(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Replica]:
     root = tmp_path_factory.mktemp("multinode-dp")
-    model = write_model(root / "deepseek", deepseek_v2_config())
+    model = write_model(root / "deepseek", deepseek_v2_config(num_layers=3))
     plan = plan_for(model, data_parallel_size=2, nodes=2)
     block = plan.kv_groups[0].bytes_per_block
     master, events = free_port(), free_port()
@@ -160,7 +161,7 @@ def test_each_node_runs_one_whole_engine_with_the_experts_spread_over_both(repli
     assert "(EngineCore_DP0" in leader and "(EngineCore_DP1" in worker
     for log, rank in ((leader, 0), (worker, 1)):
         assert re.search(rf"\(EngineCore_DP{rank} .*Spillway plan check passed: 1 KV-cache "
-                         r"group\(s\), 16 tokens per hash, 36864 bytes per block", log)
+                         r"group\(s\), 16 tokens per hash, 55296 bytes per block", log)
         assert re.search(rf"\(Worker_DP{rank}_EP{rank} .*Spillway plan check passed on "
                          "worker rank 0", log)
     assert "FAILED" not in leader + worker
