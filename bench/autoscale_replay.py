@@ -21,14 +21,21 @@ and prints replica-minutes, the share of requests within the TTFT target, TTFT
 percentiles and the host tier's share of prompt tokens for both, and their
 differences. Exit status 1 if replica-minutes or attainment differ by more than 10 %.
 
-The trace (``fleet_trace``) is the bursty trace's shape compressed for a small CPU:
-shared-prefix questions and multi-turn chats, 1.25 -> 6.25 req/s and back over 15
-minutes (1 -> 3 replicas), on the demo's tiny Qwen3-Next-style hybrid (four KV-cache
-groups, a 4 MiB host pool), steps timed as a 70B model on an H100. Both sides route a request by
-crc32(session) over the Ready replicas in creation order, and count a replica from the
-moment it is asked for until it is gone.
+Two traces, both at a small CPU's scale on the demo's tiny Qwen3-Next-style hybrid
+(four KV-cache groups, a 4 MiB host pool), steps timed as a 70B model on an H100:
+``bursty`` (``fleet_trace``): shared-prefix questions and multi-turn chats, 1.25 ->
+6.25 req/s and back over 15 minutes (1 -> 3 replicas); ``agentic``
+(``agentic_fleet_trace``): agent sessions of 3-5 turns on four shared contexts, each
+turn after a 1-20 s tool call, 0.25 -> 2.5 sessions/s and back (1 -> 3 replicas).
+Both sides route a request by crc32(session) over the Ready replicas in creation
+order, and count a replica from the moment it is asked for until it is gone.
 
-    python -m bench.autoscale_replay [--seed 1] [--out replay.json]
+With ``--real-nodes`` the fleet is the two real nodes instead (kubelet, containerd,
+runc): Spillway installed from its images and Helm chart, the operator in-cluster, the
+engine pods real containers of the engine image (``e2e.install``, as ``make demo``).
+
+    python -m bench.autoscale_replay [--trace bursty|agentic] [--seed 1] [--out replay.json]
+    python -m bench.autoscale_replay --real-nodes --trace agentic --seed 1
     python -m bench.autoscale_replay --simulate-only       # the simulator side alone
 
 About 25 minutes, most of it the trace in real time.
@@ -49,6 +56,7 @@ import sys
 import threading
 import time
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -59,7 +67,7 @@ sys.path.insert(0, str(ROOT / "engine"))
 sys.path.insert(0, str(ROOT / "operator"))
 
 from bench.autoscale import SpillwayPolicy, run_policy, summarize  # noqa: E402
-from bench.autoscale_traces import Scenario, Shape, make_trace  # noqa: E402
+from bench.autoscale_traces import Agents, Scenario, Shape, agentic_items, make_trace  # noqa: E402
 from spillway_cli.loadgen import percentile  # noqa: E402
 from spillway_engine.emulator.latency import ModelCost, gpu_profile  # noqa: E402
 from spillway_engine.emulator.tiny import qwen3_next_config  # noqa: E402
@@ -88,15 +96,37 @@ SPEC: dict[str, Any] = {
 }
 
 
+def _in_vocab(items: list[ReplayItem]) -> list[ReplayItem]:
+    """Prompt ids into the tiny tokenizer's range (the mapping keeps shared prefixes
+    shared)."""
+    lo, hi = VOCAB
+    return [replace(it, prompt=[lo + t % (hi - lo) for t in it.prompt]) for it in items]
+
+
 def fleet_trace(seed: int, duration: float = 900.0) -> list[ReplayItem]:
-    """The bursty trace's shape at a small CPU's scale, prompt ids in the tiny
-    tokenizer's range (the mapping keeps shared prefixes shared)."""
+    """The bursty trace's shape at a small CPU's scale."""
     shape = Shape(duration=duration, base_rate=1.25, burst_factor=5.0, prefixes=12,
                   prefix_tokens=512, question_tokens=64, base_users=4, turns=4,
                   system_tokens=256, user_tokens=64, reply_tokens=32, max_tokens=32)
-    lo, hi = VOCAB
-    return [replace(it, prompt=[lo + t % (hi - lo) for t in it.prompt])
-            for it in make_trace(shape, seed)]
+    return _in_vocab(make_trace(shape, seed))
+
+
+def agentic_fleet_trace(seed: int, duration: float = 900.0) -> list[ReplayItem]:
+    """The agentic trace's shape at a small CPU's scale: sessions of 3-5 turns on one
+    of 4 agents' 320-token contexts, each turn after a 1-20 s tool call appending its
+    output, 0.25 -> 2.5 sessions per second and back; a session ends before its prompt
+    outgrows the engine's 1,024-token context."""
+    spec = Agents(duration=duration, low=0.25, high=2.5, start=0.17 * duration,
+                  rise=0.2 * duration, hold=0.3 * duration, agents=4, system_tokens=320,
+                  task_tokens=32, min_turns=3, max_turns=5, reply_tokens=24,
+                  min_tool_tokens=16, max_tool_tokens=96, min_pause=1.0, max_pause=20.0,
+                  reply_seconds=1.0)
+    fits = [it for it in agentic_items(spec, seed) if len(it.prompt) + it.max_tokens <= 1024]
+    return _in_vocab(fits)
+
+
+#: The fleet traces: bursty's and agentic's shapes, scaled to two cores
+FLEET_TRACES = {"bursty": fleet_trace, "agentic": agentic_fleet_trace}
 
 
 def scenario_of(items: list[ReplayItem], plan_file: Path, load_delay: float,
@@ -189,8 +219,8 @@ class PodClock:
     creation order, for routing), how many exist (replica-seconds), and each pod's
     creation -> first Ready (the model load time)."""
 
-    def __init__(self, core: Any) -> None:
-        self.core = core
+    def __init__(self, core: Any, namespace: str = NAMESPACE) -> None:
+        self.core, self.namespace = core, namespace
         self.ready: list[str] = []  # pod IPs
         self.count = 0
         self.seconds = 0.0
@@ -215,7 +245,7 @@ class PodClock:
 
     def _tick(self) -> None:
         pods = self.core.list_namespaced_pod(
-            NAMESPACE, label_selector=f"spillway.dev/inference-deployment={NAME}").items
+            self.namespace, label_selector=f"spillway.dev/inference-deployment={NAME}").items
         now, wall = time.monotonic(), time.time()
         if self._counting:
             self.seconds += self.count * (now - self._last)
@@ -319,7 +349,22 @@ def _scheduler(log: str, max_model_len: int) -> SchedulerConfig:
                            max_model_len=max_model_len)
 
 
-def run_fleet(items: list[ReplayItem], duration: float, workdir: Path) -> tuple[Side, dict]:
+@dataclass
+class FleetHandle:
+    """What the measurement reads of a running fleet, wherever its engines run."""
+
+    name: str  # the side's name in the table
+    core: Any
+    custom: Any
+    engine_log: Any  # pod name -> the engine's log
+    urls: Any  # () -> the serving engines' base URLs
+    decisions: Any  # () -> the operator's scaling decisions
+
+
+@contextlib.contextmanager
+def kwok_fleet(workdir: Path) -> Iterator[FleetHandle]:
+    """The local control plane with KWOK nodes, the operator as a process and on each
+    pod's IP the pod's own engine command as a host process (``e2e.simfleet``)."""
     from kubernetes import client, config
 
     from e2e.cluster.controlplane import (
@@ -332,43 +377,125 @@ def run_fleet(items: list[ReplayItem], duration: float, workdir: Path) -> tuple[
     )
     from e2e.operator_process import start_operator
     from e2e.simfleet import SimulatorFleet
-    from spillway_engine.emulator.tiny import write_model
-    from spillway_operator.flow.spec import GROUP, PLURAL, VERSION
 
     cluster = LocalCluster(ClusterConfig(workdir=workdir, ports=Ports.from_base(17480),
                                          nodes=2, pod_net=free_pod_net()))
     cluster.config.binaries = locate_binaries()
     shutil.rmtree(workdir / "etcd", ignore_errors=True)
-    operator = fleet = pods = None
+    operator = fleet = None
     try:
-        say("starting the local control plane ...")
+        say("starting the local control plane with KWOK nodes ...")
         cluster.start()
         cluster.kubectl("apply", "--server-side", "-f", REPO_ROOT / "crds")
         cluster.wait_established("inferencedeployments.spillway.dev")
         operator = start_operator(cluster.config.kubeconfig, workdir / "operator.log")
         api = config.new_client_from_config(config_file=str(cluster.config.kubeconfig))
         core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
-        core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=NAMESPACE)))
-        model_config, _ = planned()
-        model_dir = write_model(workdir / "models" / "tiny-qwen3-next", model_config)
-        core.create_namespaced_config_map(NAMESPACE, client.V1ConfigMap(
-            metadata=client.V1ObjectMeta(name="replay-model"),
-            data={"config.json": json.dumps(model_config)}))
-        custom.create_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, {
-            "apiVersion": f"{GROUP}/{VERSION}", "kind": "InferenceDeployment",
-            "metadata": {"name": NAME}, "spec": SPEC})
+        model_dir = _apply(core, custom, workdir, SPEC)
         fleet = SimulatorFleet(api, NAMESPACE, NAME, engine="emulated",
                                model_dirs={MODEL: model_dir}).__enter__()
-        pods = PodClock(core).start()
-        deadline = time.monotonic() + 600
+        yield FleetHandle("emulated fleet", core, custom, fleet.log_text, fleet.urls,
+                          lambda: _decisions((workdir / "operator.log").read_text()))
+    finally:
+        if fleet is not None:
+            fleet.__exit__(None, None, None)
+        if operator is not None:
+            operator.stop()
+        cluster.stop()
+
+
+@contextlib.contextmanager
+def real_fleet(workdir: Path) -> Iterator[FleetHandle]:
+    """Two real nodes (kubelet, containerd, runc, a fake-GPU device plugin), Spillway
+    installed from its images and Helm chart (the operator in-cluster, with leader
+    election), and the engine pods as real containers of the engine image."""
+    from kubernetes import client, config
+
+    from e2e import install
+    from e2e.cluster.controlplane import ClusterConfig, LocalCluster, Ports, locate_binaries
+    from e2e.demo import RealPods
+    from e2e.nodes.realnodes import tier_session
+
+    lock = contextlib.ExitStack()
+    lock.enter_context(tier_session())
+    cluster = LocalCluster(ClusterConfig(workdir=workdir, ports=Ports.free(), nodes=0,
+                                         real_nodes=2,
+                                         binaries=locate_binaries(real_nodes=True)))
+    try:
+        cluster.stop()
+        shutil.rmtree(workdir, ignore_errors=True)  # etcd's folder would bring back pods
+        say(f"control plane + 2 real nodes up in {cluster.start():.1f}s")
+        refs = install.image_refs()
+        t0 = time.monotonic()
+        say(f"images into the nodes: {install.load_images(refs)} "
+            f"({time.monotonic() - t0:.0f}s)")
+        cluster.kubectl("create", "namespace", NAMESPACE, check=False)
+        install.helm_install(cluster, refs["operator"], NAMESPACE)
+        api = config.new_client_from_config(config_file=str(cluster.config.kubeconfig))
+        core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
+        spec = install.on_real_nodes({"spec": SPEC}, refs["engine"], "models")["spec"]
+        model_dir = _apply(core, custom, workdir, spec, create_namespace=False)
+        for p in [model_dir.parent, model_dir, *model_dir.rglob("*")]:  # user 1000 reads it
+            p.chmod(0o755 if p.is_dir() else 0o644)
+        install.model_volume(cluster, NAMESPACE, "models", model_dir)
+        pods = RealPods(core, NAME, NAMESPACE)
+
+        def decisions() -> list[str]:
+            out = []
+            for p in core.list_namespaced_pod(
+                    install.RELEASE_NAMESPACE,
+                    label_selector="app.kubernetes.io/component=operator").items:
+                with contextlib.suppress(client.ApiException):
+                    out += _decisions(core.read_namespaced_pod_log(
+                        p.metadata.name, install.RELEASE_NAMESPACE))
+            return out
+
+        yield FleetHandle("real nodes", core, custom, pods.log_text, pods.urls, decisions)
+    finally:
+        cluster.stop()
+        lock.close()
+
+
+def _apply(core: Any, custom: Any, workdir: Path, spec: dict[str, Any],
+           create_namespace: bool = True) -> Path:
+    """The tiny model (on disk and as the spec's ConfigMap) and the InferenceDeployment."""
+    from kubernetes import client
+
+    from spillway_engine.emulator.tiny import write_model
+    from spillway_operator.flow.spec import GROUP, PLURAL, VERSION
+
+    if create_namespace:
+        core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=NAMESPACE)))
+    model_config, _ = planned()
+    model_dir = write_model(workdir / "models" / "tiny-qwen3-next", model_config)
+    core.create_namespaced_config_map(NAMESPACE, client.V1ConfigMap(
+        metadata=client.V1ObjectMeta(name="replay-model"),
+        data={"config.json": json.dumps(model_config)}))
+    custom.create_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, {
+        "apiVersion": f"{GROUP}/{VERSION}", "kind": "InferenceDeployment",
+        "metadata": {"name": NAME}, "spec": spec})
+    return model_dir
+
+
+def measure(fleet: FleetHandle, items: list[ReplayItem], duration: float
+            ) -> tuple[Side, dict]:  # fmt: skip
+    """Wait for the first engine, time its CPU per step, replay the trace in real time
+    and read back what the fleet did."""
+    from spillway_operator.flow.spec import GROUP, PLURAL, VERSION
+
+    core, custom = fleet.core, fleet.custom
+    pods = PodClock(core).start()
+    try:
+        deadline = time.monotonic() + 900
         while not pods.ready:
             if time.monotonic() > deadline:
-                raise RuntimeError(f"no engine served in 600 s: "
-                                   f"{[fleet.log_text(p)[-2000:] for p in fleet.sims]}")
+                raise RuntimeError(f"no engine served in 900 s: "
+                                   f"{[fleet.engine_log(p)[-2000:] for p in pods.created]}")
             time.sleep(1)
         plan_json = core.read_namespaced_config_map(f"{NAME}-plan", NAMESPACE).data["plan.json"]
-        [first] = list(fleet.sims)
-        weights = _weight_bytes(fleet.log_text(first))
+        first = next(iter(pods.first_ready))
+        log = fleet.engine_log(first)
+        weights = _weight_bytes(log)
         overhead = calibrate(f"http://{pods.ready[0]}:8000", weights)
         say(f"first engine ready; its CPU time per step {overhead * 1e3:.1f} ms beyond the "
             f"modelled {latency(0.0, weights).memory_floor_s * 1e3:.1f} ms decode step "
@@ -384,27 +511,20 @@ def run_fleet(items: list[ReplayItem], duration: float, workdir: Path) -> tuple[
         if rest > 0:
             time.sleep(rest)
         pods.stop_counting()
-        host, prompt = _host_tokens(fleet)
+        host, prompt = _host_tokens(fleet.urls())
         obj = custom.get_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, NAME)
         loads = pods.load_times()
-        decisions = _decisions(workdir / "operator.log")
-        side = Side("emulated fleet", pods.seconds / 60.0, ttfts, host / max(1.0, prompt),
+        decisions = fleet.decisions()
+        side = Side(fleet.name, pods.seconds / 60.0, ttfts, host / max(1.0, prompt),
                     max(c for _, _, c in pods.timeline), len(decisions),
                     statistics.median(loads))
         extra = {"plan": plan_json, "overhead_s": overhead, "weight_bytes": weights,
-                 "load_times": loads,
-                 "scheduler": _scheduler(fleet.log_text(first), 1024),
+                 "load_times": loads, "scheduler": _scheduler(log, 1024),
                  "timeline": pods.timeline, "decisions": decisions,
                  "status": obj.get("status", {}).get("autoscaling")}
         return side, extra
     finally:
-        if pods is not None:
-            pods.close()
-        if fleet is not None:
-            fleet.__exit__(None, None, None)
-        if operator is not None:
-            operator.stop()
-        cluster.stop()
+        pods.close()
 
 
 def _report(custom: Any, pods: PodClock, t0: float, duration: float) -> None:
@@ -420,12 +540,12 @@ def _report(custom: Any, pods: PodClock, t0: float, duration: float) -> None:
         time.sleep(30)
 
 
-def _host_tokens(fleet: Any) -> tuple[float, float]:
+def _host_tokens(urls: list[str]) -> tuple[float, float]:
     """Host-hit and prompt tokens over the pods still serving (their /metrics)."""
     import urllib.request
 
     host = prompt = 0.0
-    for url in fleet.urls():
+    for url in urls:
         with contextlib.suppress(OSError), urllib.request.urlopen(f"{url}/metrics", timeout=5) as r:
             for line in r.read().decode().splitlines():
                 if line.startswith("spillway_host_hit_tokens_total"):
@@ -435,12 +555,17 @@ def _host_tokens(fleet: Any) -> tuple[float, float]:
     return host, prompt
 
 
-def _decisions(log: Path) -> list[str]:
-    """The operator's scaling decisions, from its log."""
-    with contextlib.suppress(OSError):
-        return [ln.split("replay: ", 1)[-1] for ln in log.read_text().splitlines()
-                if re.search(r"replay: replicas \d+ -> \d+", ln)]
-    return []
+def _decisions(log: str) -> list[str]:
+    """The operator's scaling decisions, from its log (text lines as a process writes
+    them, or JSON lines with a ``message`` as its pod does)."""
+    out = []
+    for line in log.splitlines():
+        if line.startswith("{"):
+            with contextlib.suppress(ValueError, AttributeError):
+                line = str(json.loads(line).get("message", ""))
+        if re.search(r"replay: replicas \d+ -> \d+", line):
+            out.append(line.split("replay: ", 1)[-1])
+    return out
 
 
 def say(msg: str) -> None:
@@ -450,15 +575,19 @@ def say(msg: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--trace", choices=sorted(FLEET_TRACES), default="bursty")
+    ap.add_argument("--real-nodes", action="store_true",
+                    help="the fleet on two real nodes: Spillway's images and chart, the "
+                    "engine pods as real containers (default: KWOK nodes, host processes)")
     ap.add_argument("--duration", type=float, default=900.0)
     ap.add_argument("--simulate-only", action="store_true",
                     help="the simulator side alone, with --load-delay and --overhead-ms")
     ap.add_argument("--load-delay", type=float, default=45.0)
     ap.add_argument("--overhead-ms", type=float, default=5.0)
     ap.add_argument("--out", type=Path, help="write both sides' figures here (JSON)")
-    ap.add_argument("--workdir", type=Path, default=Path("/tmp/spillway-replay"))
+    ap.add_argument("--workdir", type=Path)
     args = ap.parse_args(argv)
-    items = fleet_trace(args.seed, args.duration)
+    items = FLEET_TRACES[args.trace](args.seed, args.duration)
     _, plan = planned()
     if args.simulate_only:
         sim = simulate(items, plan.model_dump_json(), duration=args.duration,
@@ -467,11 +596,14 @@ def main(argv: list[str] | None = None) -> int:
         print(HEADER)
         print(sim.row())
         return 0
-    fleet, extra = run_fleet(items, args.duration, args.workdir)
+    workdir = args.workdir or Path("/tmp/spillway-replay" + ("-real" if args.real_nodes else ""))
+    with (real_fleet if args.real_nodes else kwok_fleet)(workdir) as handle:
+        fleet, extra = measure(handle, items, args.duration)
     sim = simulate(items, extra["plan"], duration=args.duration, load_delay=fleet.load_delay,
                    overhead_s=extra["overhead_s"], scheduler=extra["scheduler"],
                    seed=args.seed, weight_bytes=extra["weight_bytes"])
-    print(f"\n{len(items)} requests, {args.duration:.0f} s, TTFT target {TTFT_TARGET:g} s; "
+    print(f"\n{args.trace} trace, seed {args.seed}: {len(items)} requests, "
+          f"{args.duration:.0f} s, TTFT target {TTFT_TARGET:g} s; "
           f"engine CPU per step {extra['overhead_s'] * 1e3:.1f} ms; scheduler "
           f"{extra['scheduler']}; pod load times {[round(x) for x in extra['load_times']]}")
     print(HEADER)

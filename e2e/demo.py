@@ -324,15 +324,15 @@ class RealPods:
     reads of the host-process fleet: ``sims`` (pod -> ip, start), ``urls()`` of the Ready
     ones, ``log_text(pod)`` (the container's log, through the kubelet)."""
 
-    def __init__(self, core: client.CoreV1Api, name: str) -> None:
-        self.core, self.name = core, name
+    def __init__(self, core: client.CoreV1Api, name: str, namespace: str = NAMESPACE) -> None:
+        self.core, self.name, self.namespace = core, name, namespace
         self.sims: dict[str, _RealPod] = {}
         self.seen: dict[str, _RealPod] = {}  # every pod of the run, scaled away or not
         self._ready: list[str] = []
 
     def refresh(self) -> None:
         pods = self.core.list_namespaced_pod(
-            NAMESPACE, label_selector=f"spillway.dev/inference-deployment={self.name}").items
+            self.namespace, label_selector=f"spillway.dev/inference-deployment={self.name}").items
         live, ready = {}, []
         for p in pods:
             if p.metadata.deletion_timestamp or not p.status.pod_ip:
@@ -355,7 +355,7 @@ class RealPods:
 
     def log_text(self, pod: str) -> str:
         try:
-            return self.core.read_namespaced_pod_log(pod, NAMESPACE, container="engine")
+            return self.core.read_namespaced_pod_log(pod, self.namespace, container="engine")
         except client.ApiException:
             return ""
 

@@ -263,30 +263,56 @@ def test_one_setting_for_all_traces_needs_the_level_on_every_trace():
     assert bench.one_setting_report(rows, ["a"]) == []
 
 
-def test_the_fleet_replay_trace_fits_the_tiny_model_and_its_sides_agree_on_the_plan():
-    """bench/autoscale_replay: the trace it plays on real engines is seeded, inside the
+@pytest.mark.parametrize("trace", ["bursty", "agentic"])
+def test_the_fleet_replay_trace_fits_the_tiny_model_and_its_sides_agree_on_the_plan(trace):
+    """bench/autoscale_replay: each trace it plays on real engines is seeded, inside the
     tiny tokenizer's ids and the engines' max_model_len (a request vLLM rejects would
     miss on the fleet and in the simulator alike, telling nothing), keeps shared
     prefixes shared, and its simulator side runs the plan the operator makes."""
     from bench import autoscale_replay as replay
 
-    a, b = replay.fleet_trace(1, 300.0), replay.fleet_trace(1, 300.0)
+    make = replay.FLEET_TRACES[trace]
+    a, b = make(1, 300.0), make(1, 300.0)
     assert [list(i.prompt) for i in a] == [list(i.prompt) for i in b]
+    assert [list(i.prompt) for i in make(2, 300.0)] != [list(i.prompt) for i in a]
     lo, hi = replay.VOCAB
     assert all(lo <= t < hi for i in a for t in i.prompt)
     limit = replay.SPEC["engine"]["maxModelLen"]
     assert max(len(i.prompt) + i.max_tokens for i in a) <= limit
-    shared = [i for i in a if i.session and i.session.startswith("sp/")]
-    by_prefix: dict[str, set[tuple[int, ...]]] = {}
-    for i in shared:
-        by_prefix.setdefault(i.session, set()).add(tuple(i.prompt[:512]))
-    assert shared and all(len(v) == 1 for v in by_prefix.values())
+    if trace == "bursty":
+        shared = [i for i in a if i.session and i.session.startswith("sp/")]
+        by_prefix: dict[str, set[tuple[int, ...]]] = {}
+        for i in shared:
+            by_prefix.setdefault(i.session, set()).add(tuple(i.prompt[:512]))
+        assert shared and all(len(v) == 1 for v in by_prefix.values())
+    else:  # a session's turns grow one prompt; the agents' contexts are shared
+        sessions: dict[str, list[list[int]]] = {}
+        for i in a:
+            sessions.setdefault(i.session, []).append(list(i.prompt))
+        assert max(len(v) for v in sessions.values()) >= 3
+        for turns in sessions.values():
+            for prev, nxt in itertools.pairwise(turns):
+                assert nxt[:len(prev)] == prev
+        assert len({tuple(t[0][:300]) for t in sessions.values()}) <= 4
     _, plan = replay.planned()
     assert len(plan.kv_groups) == 4 and plan.offloader == "spillway"
     sim = replay.simulate(a, plan.model_dump_json(), duration=300.0, load_delay=30.0,
                           overhead_s=0.005, scheduler=bench.SchedulerConfig(max_model_len=limit),
                           seed=1)
     assert len(sim.ttfts) == len(a) and sim.replica_minutes >= 5.0
+
+
+def test_the_replay_reads_the_operators_decisions_from_its_log():
+    """The same lines from the operator as a process and from its pod's log."""
+    from bench import autoscale_replay as replay
+
+    log = ("2026-12-06 17:00:01 INFO gated-replay/replay: replicas 1 -> 2 (pressure 1.3)\n"
+           "2026-12-06 17:00:02 INFO gated-replay/other: replicas 1 -> 3 (x)\n"
+           "2026-12-06 17:00:09 INFO gated-replay/replay: replicas 2 -> 1 (low)\n"
+           '{"message": "gated-replay/replay: replicas 1 -> 3 (rising)", "severity": "info"}\n'
+           '{"message": "not json\n')
+    assert replay._decisions(log) == ["replicas 1 -> 2 (pressure 1.3)", "replicas 2 -> 1 (low)",
+                                      "replicas 1 -> 3 (rising)"]
 
 
 def test_the_replay_reads_the_engines_scheduler_limits_from_vllms_log():
