@@ -40,7 +40,12 @@ from e2e.install import (
     on_real_nodes,
 )
 from e2e.nodes.images import normalize
-from spillway_engine.emulator.tiny import llama_config, qwen3_next_config, write_model
+from spillway_engine.emulator.tiny import (
+    deepseek_v2_config,
+    llama_config,
+    qwen3_next_config,
+    write_model,
+)
 from spillway_operator.flow.spec import GROUP, PLURAL, VERSION
 from tests.helpers import wait_for
 
@@ -778,6 +783,141 @@ def test_a_pipeline_parallel_replica_runs_as_a_leader_worker_set_group_on_both_n
                  60, "Degraded cleared", on_timeout=state)
         url = f"http://{pods['0'].status.pod_ip}:{ENGINE_PORT}"
         assert complete([3] * 40)["usage"]["completion_tokens"] == 8
+    finally:
+        real_cluster.kubectl("delete", "-n", SERVING, "inferencedeployment", name,
+                             "--wait=true", "--timeout=120s", check=False)
+
+
+def test_a_data_parallel_expert_parallel_replica_serves_across_both_nodes(
+        real_cluster, api, installed):
+    """dataParallelSize 2 over engine.nodes 2 with --enable-expert-parallel on real
+    nodes: one LeaderWorkerSet group of two engine-image containers, one whole engine on
+    each node (vLLM's DP coordinator on the leader, the worker headless), the experts of
+    a tiny DeepSeek-style MoE split over both. Each rank checks its plan; both ranks
+    serve, pinned with vLLM's X-data-parallel-rank header; the chart's router, which asks
+    only the leader, indexes what the worker's rank caches (its publisher on the worker
+    pod's IP, listed at the leader's /kv_event_sources); and a prompt pushed out of the
+    worker rank's GPU comes back from its host pool with 0 KV mismatches."""
+    core = client.CoreV1Api(api)
+    config = deepseek_v2_config(num_layers=3)  # the third layer is a MoE layer
+    model_dir = write_model(MODELS / "tiny-deepseek", config)
+    for p in [MODELS, *model_dir.rglob("*")]:
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    model_volume(real_cluster, SERVING, "models-deepseek", model_dir)
+    model_config_map(real_cluster, SERVING, "deepseek-config", config)
+    name = "tiny-dp"
+    obj = on_real_nodes(SAMPLE, installed["engine"], "models-deepseek")
+    obj["metadata"]["name"] = name
+    spec = obj["spec"]
+    spec["model"] = {"name": "tiny/deepseek", "configMapRef": {"name": "deepseek-config"}}
+    spec["replicas"] = 1
+    spec["autoscaling"] = {"enabled": False}
+    spec["engine"] |= {"tensorParallelSize": 1, "dataParallelSize": 2, "nodes": 2,
+                       "extraArgs": ["--enable-expert-parallel"]}
+    # 80 blocks of 55,296 bytes (3 MLA layers x 576 x 2 bytes x 16 tokens) per engine,
+    # and a host pool per engine that keeps a prompt the next 3,000 tokens push out of
+    # the GPU (the sample's 4 MiB holds about four 256-token chunks of this model)
+    spec["engine"]["emulateGPU"] |= {"speed": 0, "kvBytes": 80 * 55296}
+    spec["offload"]["hostMemory"] = "32Mi"
+    spec["resources"]["affinity"] = {"podAntiAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": [{
+            "topologyKey": "kubernetes.io/hostname",
+            "labelSelector": {"matchLabels": {"spillway.dev/inference-deployment": name}}}]}}
+    t0 = time.monotonic()
+    _apply(real_cluster, obj)
+
+    def serving() -> dict[str, client.V1Pod] | None:
+        pods = {p.metadata.labels.get("leaderworkerset.sigs.k8s.io/worker-index"): p
+                for p in _pods(core, name)}
+        cond = _condition(_obj(api, name), "Available")
+        whole = len(pods) == 2 and all(
+            p.status.container_statuses and p.status.container_statuses[0].ready
+            for p in pods.values())
+        return pods if whole and cond and cond["status"] == "True" else None
+
+    def state():
+        return (_obj(api, name).get("status"),
+                real_cluster.kubectl("get", "pods", "-n", SERVING, "-o", "wide", check=False))
+
+    try:
+        pods = wait_for(serving, START_S, "the DP group's two pods Ready and Available",
+                        interval=2, on_timeout=state)
+        print(f"DP 2 x EP group on real containers: Available {time.monotonic() - t0:.0f}s "
+              "after apply")
+        leader, worker = pods["0"], pods["1"]
+        assert {leader.spec.node_name, worker.spec.node_name} == {
+            "spillway-node-a", "spillway-node-b"}
+        logs = {r: core.read_namespaced_pod_log(p.metadata.name, SERVING, container="engine")
+                for r, p in pods.items()}
+        assert "--data-parallel-size 2" in logs["0"] and "--headless" in logs["1"]
+        for r in (0, 1):
+            log = logs[str(r)]
+            assert f"(EngineCore_DP{r}" in log and "Spillway plan check passed" in log
+            assert f"(Worker_DP{r}_EP{r}" in log
+        assert "FAILED" not in logs["0"] + logs["1"]
+        url = f"http://{leader.status.pod_ip}:{ENGINE_PORT}"
+
+        def complete(prompt: list[int], rank: int, max_tokens: int = 8) -> dict[str, Any]:
+            body = json.dumps({"model": spec["model"]["name"], "prompt": prompt,
+                               "max_tokens": max_tokens, "temperature": 0}).encode()
+            req = urllib.request.Request(f"{url}/v1/completions", body, {
+                "Content-Type": "application/json", "X-data-parallel-rank": str(rank)})
+            with urllib.request.urlopen(req, timeout=120) as r:
+                return json.loads(r.read())
+
+        def per_engine() -> dict[tuple[str, str], float]:
+            with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+                text = r.read().decode()
+            return {(s.name, s.labels["engine"]): s.value
+                    for f in text_string_to_metric_families(text) for s in f.samples
+                    if "engine" in s.labels and not s.name.endswith("_created")}
+
+        probe = [7 + i % 300 for i in range(48)]
+        assert complete(probe, 0)["choices"][0]["text"] == complete(probe, 1)["choices"][0][
+            "text"]
+
+        [svc] = core.list_service_for_all_namespaces(
+            label_selector="app.kubernetes.io/name=spillway-router").items
+        router = f"http://{svc.spec.cluster_ip}:{svc.spec.ports[0].port}"
+
+        def indexed() -> float:
+            with urllib.request.urlopen(f"{router}/metrics", timeout=10) as r:
+                text = r.read().decode()
+            return sum(s.value for f in text_string_to_metric_families(text)
+                       for s in f.samples if s.name == "spillway_router_index_blocks"
+                       and s.labels.get("pod") == leader.metadata.name
+                       and s.labels.get("source") == "events" and s.labels.get("tier") == "GPU")
+
+        def rank1_indexed() -> bool:  # fresh prompts only rank 1 sees, 20 blocks each
+            for seed in (40, 41, 42):
+                held = indexed()
+                complete([seed + i % 300 for i in range(320)], 1)
+                with contextlib.suppress(AssertionError):
+                    return wait_for(lambda: indexed() >= held + 19, 15,  # noqa: B023
+                                    "the router indexing rank 1's blocks", interval=0.5)
+            return False
+
+        assert rank1_indexed(), real_cluster.kubectl(
+            "logs", "-n", RELEASE_NAMESPACE, "-l", "app.kubernetes.io/name=spillway-router",
+            "--tail", "40", check=False)
+
+        a = [10 + i % 300 for i in range(600)]
+        first = complete(a, 1)
+        for seed in range(11, 16):  # 5 x 600 tokens push a out of rank 1's 80 blocks
+            complete([seed + i % 300 for i in range(600)], 1, max_tokens=2)
+        before = per_engine()
+        again = complete(a, 1)
+        after = per_engine()
+
+        def delta(series: str, rank: str) -> float:
+            return after.get((series, rank), 0.0) - before.get((series, rank), 0.0)
+
+        assert delta("spillway_host_hit_tokens_total", "1") >= 512, (before, after)
+        assert delta("vllm:external_prefix_cache_hits_total", "0") == 0
+        assert again["choices"][0]["text"] == first["choices"][0]["text"]
+        assert after[("spillway_emulator_kv_mismatch_total", "1")] == 0
+        print(f"DP 2 x EP group: {delta('spillway_host_hit_tokens_total', '1'):.0f} prompt "
+              "tokens from the worker rank's host pool")
     finally:
         real_cluster.kubectl("delete", "-n", SERVING, "inferencedeployment", name,
                              "--wait=true", "--timeout=120s", check=False)
