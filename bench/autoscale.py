@@ -701,9 +701,9 @@ def run_one(scenario: Scenario, args) -> None:
           f"{scenario.duration:.0f} s, seed {args.seed}, plan "
           f"{scenario.plan_file.relative_to(ROOT)}, GPU KV {scenario.gpu_kv_tokens} tokens, "
           f"load {scenario.load_delay:g} s")  # fmt: skip
-    names = [n for n in SWEEP_TARGETS if n in args.policies]
-    results = [run_policy(make_policy(n, DEFAULT_TARGET[n]), scenario, args.seed)
-               for n in names]  # fmt: skip
+    chosen = [(n, args.targets.get(n, DEFAULT_TARGET[n]))
+              for n in SWEEP_TARGETS if n in args.policies]
+    results = [run_policy(make_policy(n, t), scenario, args.seed) for n, t in chosen]
     header = (
         f"{'policy':10} {'target':>6} {'replica-min':>11} "
         f"{'TTFT<=' + format(args.ttft_target, 'g') + 's':>10} {'p50 TTFT':>9} "
@@ -712,9 +712,9 @@ def run_one(scenario: Scenario, args) -> None:
     )
     print(header)
     print("-" * len(header))
-    for n, res in zip(names, results, strict=True):
+    for (_, target), res in zip(chosen, results, strict=True):
         s = summarize(res, args.ttft_target)
-        print(f"{res.policy:10} {DEFAULT_TARGET[n]:>6g} {s['rm']:>11.1f} {s['met']:>10.1%} "
+        print(f"{res.policy:10} {target:>6g} {s['rm']:>11.1f} {s['met']:>10.1%} "
               f"{s['p50']:>8.2f}s {s['p95']:>8.2f}s {s['p99']:>8.2f}s {res.actions:>7} "
               f"{res.max_replicas:>7} {res.device_hit_share:>7.1%} {res.host_hit_share:>8.1%} "
               f"{res.preemptions:>7} {res.wall:>6.1f}")  # fmt: skip
@@ -762,7 +762,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ttft-target", type=float,
                         help="modelled seconds (default: the trace's, 2 s unless it says)")
     parser.add_argument("--policies", default=",".join(SWEEP_TARGETS),
-                        help="comma-separated subset of " + ",".join(SWEEP_TARGETS))
+                        help="comma-separated subset of " + ",".join(SWEEP_TARGETS)
+                        + "; name:target runs one at that target (not with --sweep)")
     parser.add_argument("--quick", action="store_true", help="a short run for CI smoke")
     parser.add_argument("--verbose", action="store_true", help="print every decision")
     parser.add_argument("--sweep", action="store_true",
@@ -783,7 +784,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="--sweep --reuse: policies always run again (comma-separated; "
                         "default: spillway, whose code this round changes)")
     args = parser.parse_args(argv)
-    args.policies = [p for p in args.policies.split(",") if p]
+    # "hpa-kv:0.6": a policy at a target of its own (one run; the sweep sweeps them all)
+    picked = [p.split(":", 1) for p in args.policies.split(",") if p]
+    args.policies = [p[0] for p in picked]
+    try:
+        args.targets = {p[0]: float(p[1]) for p in picked if len(p) == 2}
+    except ValueError:
+        parser.error(f"--policies: a target is a number: {args.policies}")
+    if unknown := set(args.policies) - set(SWEEP_TARGETS):
+        parser.error(f"--policies: unknown {sorted(unknown)}; known: {', '.join(SWEEP_TARGETS)}")
     if args.quick:
         args.duration = args.duration or 600.0
     if args.onset:

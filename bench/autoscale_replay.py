@@ -414,7 +414,7 @@ def real_fleet(workdir: Path) -> Iterator[FleetHandle]:
     from e2e import install
     from e2e.cluster.controlplane import ClusterConfig, LocalCluster, Ports, locate_binaries
     from e2e.demo import RealPods
-    from e2e.nodes.realnodes import tier_session
+    from e2e.nodes.tier import tier_session
 
     lock = contextlib.ExitStack()
     lock.enter_context(tier_session())

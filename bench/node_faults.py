@@ -76,7 +76,7 @@ from e2e import install
 from e2e.cluster.controlplane import REPO_ROOT, ClusterConfig, LocalCluster, Ports, locate_binaries
 from e2e.cluster.errors import ClusterError
 from e2e.nodes.faults import NodeFaults
-from e2e.nodes.realnodes import tier_session
+from e2e.nodes.tier import tier_session
 from spillway_engine.emulator.tiny import qwen3_next_config, write_model
 from spillway_operator.flow.spec import GROUP, PLURAL, VERSION
 

@@ -85,30 +85,6 @@ KUBELET_PORT = 10250
 PROXY_HEALTHZ = f"{API_IP}:10256"
 MAX_NODES = 8
 REAL_NODE_LABEL = "spillway.dev/real-node"
-#: One session on the real nodes at a time (tests/nodes, tests/product, the benches):
-#: they would share the nodes and the cluster's folder.
-TIER_LOCK = Path("/run/spillway/nodes-tier.lock")
-
-
-
-@contextlib.contextmanager
-def tier_session(who: str = "another session"):
-    """Hold TIER_LOCK for the block; ClusterError at once if someone else holds it."""
-    try:
-        TIER_LOCK.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(TIER_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
-    except PermissionError:
-        raise ClusterError(f"the real nodes need root (cannot write {TIER_LOCK})") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise ClusterError(f"{who} holds {TIER_LOCK}: one real-nodes session at a time") from None
-    try:
-        yield
-    finally:
-        os.close(fd)
-
 
 # The host paths a node's mount namespace covers with its own folders.
 NODE_MOUNTS = (

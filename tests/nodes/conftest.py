@@ -26,7 +26,7 @@ from kubernetes import client, config
 
 from e2e.cluster import ClusterConfig, ClusterError, LocalCluster
 from e2e.cluster.controlplane import Ports, locate_binaries
-from e2e.nodes.realnodes import tier_session
+from e2e.nodes.tier import tier_session
 from tests.helpers import fresh_namespace, wait_for
 
 WORKDIR = Path(os.environ.get("SPILLWAY_NODES_TIER_DIR", "/tmp/spillway-nodes-tier"))

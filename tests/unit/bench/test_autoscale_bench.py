@@ -346,3 +346,14 @@ def test_the_spillway_policy_learns_what_a_request_costs_from_the_replicas():
     finished = sum(1 for r in res.requests if r.finish_time is not None)
     assert finished > 0 and policy.learner.per_request[2] > 0
     assert capacity(policy.learner).request_cost > 0
+
+
+def test_one_run_takes_a_policy_at_a_target_of_its_own(capsys):
+    """--policies hpa-kv:0.6: the side-by-side runs the README's bursty paragraph quotes;
+    a target that is not a number, or an unknown policy, is refused by name."""
+    assert bench.main(["--trace", "flash", "--duration", "120", "--policies", "static:2"]) == 0
+    row = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("static"))
+    assert row.split()[1] == "2"
+    for bad in ("static:two", "nonesuch"):
+        with pytest.raises(SystemExit):
+            bench.main(["--policies", bad])
