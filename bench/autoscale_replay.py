@@ -169,6 +169,8 @@ class Side:
     max_replicas: int
     actions: int
     load_delay: float = 0.0
+    gpu_share: float = 0.0  # prompt tokens from the GPU prefix cache
+    preemptions: int = 0
 
     @property
     def met(self) -> float:
@@ -179,12 +181,13 @@ class Side:
         got = [t for t in self.ttfts if t is not None]
         return (f"{self.name:16} {self.replica_minutes:>9.1f} {self.met:>9.2%} "
                 f"{percentile(got, 50) or 0:>7.2f} {percentile(got, 95) or 0:>7.2f} "
-                f"{self.host_share:>9.1%} {self.max_replicas:>5} {self.actions:>7} "
-                f"{self.load_delay:>7.0f}")
+                f"{self.gpu_share:>8.1%} {self.host_share:>9.1%} {self.preemptions:>7} "
+                f"{self.max_replicas:>5} {self.actions:>7} {self.load_delay:>7.0f}")
 
 
 HEADER = (f"{'':16} {'rep-min':>9} {'<= 2 s':>9} {'p50 s':>7} {'p95 s':>7} "
-          f"{'host hit':>9} {'max':>5} {'actions':>7} {'load s':>7}")
+          f"{'gpu hit':>8} {'host hit':>9} {'preempt':>7} {'max':>5} {'actions':>7} "
+          f"{'load s':>7}")
 
 
 # ----------------------------------------------------------------------------- simulator
@@ -208,7 +211,7 @@ def simulate(items: list[ReplayItem], plan_json: str, *, duration: float, load_d
     ttfts += [None] * (res.offered - len(res.requests))
     s = summarize(res, TTFT_TARGET)
     return Side("simulator", s["rm"], ttfts, res.host_hit_share, res.max_replicas,
-                res.actions, load_delay)
+                res.actions, load_delay, res.device_hit_share, res.preemptions)
 
 
 # ----------------------------------------------------------------------------- the fleet
@@ -511,13 +514,16 @@ def measure(fleet: FleetHandle, items: list[ReplayItem], duration: float
         if rest > 0:
             time.sleep(rest)
         pods.stop_counting()
-        host, prompt = _host_tokens(fleet.urls())
+        tokens = _pod_counters(fleet.urls())
+        prompt = max(1.0, tokens["vllm:prompt_tokens_total"])
         obj = custom.get_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, NAME)
         loads = pods.load_times()
         decisions = fleet.decisions()
-        side = Side(fleet.name, pods.seconds / 60.0, ttfts, host / max(1.0, prompt),
+        side = Side(fleet.name, pods.seconds / 60.0, ttfts,
+                    tokens["spillway_host_hit_tokens_total"] / prompt,
                     max(c for _, _, c in pods.timeline), len(decisions),
-                    statistics.median(loads))
+                    statistics.median(loads), tokens["vllm:prefix_cache_hits_total"] / prompt,
+                    int(tokens["vllm:num_preemptions_total"]))
         extra = {"plan": plan_json, "overhead_s": overhead, "weight_bytes": weights,
                  "load_times": loads, "scheduler": _scheduler(log, 1024),
                  "timeline": pods.timeline, "decisions": decisions,
@@ -540,19 +546,32 @@ def _report(custom: Any, pods: PodClock, t0: float, duration: float) -> None:
         time.sleep(30)
 
 
-def _host_tokens(urls: list[str]) -> tuple[float, float]:
-    """Host-hit and prompt tokens over the pods still serving (their /metrics)."""
+#: What the fleet's side reads of its pods: prompt tokens, those from the host pool and
+#: from the GPU prefix cache, and preemptions
+POD_COUNTERS = ("vllm:prompt_tokens_total", "spillway_host_hit_tokens_total",
+                "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total")
+
+
+def _pod_counters(urls: list[str]) -> dict[str, float]:
+    """POD_COUNTERS summed over the pods still serving (their /metrics)."""
     import urllib.request
 
-    host = prompt = 0.0
+    out = dict.fromkeys(POD_COUNTERS, 0.0)
     for url in urls:
         with contextlib.suppress(OSError), urllib.request.urlopen(f"{url}/metrics", timeout=5) as r:
-            for line in r.read().decode().splitlines():
-                if line.startswith("spillway_host_hit_tokens_total"):
-                    host += float(line.rsplit(" ", 1)[1])
-                elif line.startswith("vllm:prompt_tokens_total"):
-                    prompt += float(line.rsplit(" ", 1)[1])
-    return host, prompt
+            for k, v in _counters(r.read().decode()).items():
+                out[k] += v
+    return out
+
+
+def _counters(text: str) -> dict[str, float]:
+    """POD_COUNTERS in one exposition (summed over their labels)."""
+    out = dict.fromkeys(POD_COUNTERS, 0.0)
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in out:
+            out[name] += float(line.rsplit(" ", 1)[1])
+    return out
 
 
 def _decisions(log: str) -> list[str]:

@@ -357,3 +357,20 @@ def test_one_run_takes_a_policy_at_a_target_of_its_own(capsys):
     for bad in ("static:two", "nonesuch"):
         with pytest.raises(SystemExit):
             bench.main(["--policies", bad])
+
+
+def test_the_replay_reads_the_pods_counters_over_their_labels():
+    """The fleet's side: prompt, host-hit and GPU-hit tokens and preemptions, summed over
+    label sets; a series that only starts with a counter's name is not that counter."""
+    from bench import autoscale_replay as replay
+
+    text = ('vllm:prompt_tokens_total{engine="0",model_name="m"} 100.0\n'
+            'vllm:prompt_tokens_total{engine="1",model_name="m"} 50.0\n'
+            'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 30.0\n'
+            'vllm:prefix_cache_hits_total_other 99.0\n'
+            'spillway_host_hit_tokens_total{engine="0",model_name="m"} 40.0\n'
+            'vllm:num_preemptions_total{engine="0",model_name="m"} 2.0\n'
+            '# HELP vllm:num_preemptions_total x\n')
+    assert replay._counters(text) == {
+        "vllm:prompt_tokens_total": 150.0, "spillway_host_hit_tokens_total": 40.0,
+        "vllm:prefix_cache_hits_total": 30.0, "vllm:num_preemptions_total": 2.0}
