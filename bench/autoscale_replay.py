@@ -51,6 +51,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import statistics
 import sys
 import threading
@@ -616,6 +617,9 @@ def main(argv: list[str] | None = None) -> int:
         print(sim.row())
         return 0
     workdir = args.workdir or Path("/tmp/spillway-replay" + ("-real" if args.real_nodes else ""))
+    # SIGTERM (a kill, a timeout) unwinds like ^C: the fleets' finally blocks stop the
+    # cluster, the operator and the engines instead of leaving them running
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     with (real_fleet if args.real_nodes else kwok_fleet)(workdir) as handle:
         fleet, extra = measure(handle, items, args.duration)
     sim = simulate(items, extra["plan"], duration=args.duration, load_delay=fleet.load_delay,
