@@ -420,44 +420,44 @@ def real_fleet(workdir: Path) -> Iterator[FleetHandle]:
     from e2e.demo import RealPods
     from e2e.nodes.tier import tier_session
 
-    lock = contextlib.ExitStack()
-    lock.enter_context(tier_session())
-    cluster = LocalCluster(ClusterConfig(workdir=workdir, ports=Ports.free(), nodes=0,
-                                         real_nodes=2,
-                                         binaries=locate_binaries(real_nodes=True)))
-    try:
-        cluster.stop()
-        shutil.rmtree(workdir, ignore_errors=True)  # etcd's folder would bring back pods
-        say(f"control plane + 2 real nodes up in {cluster.start():.1f}s")
-        refs = install.image_refs()
-        t0 = time.monotonic()
-        say(f"images into the nodes: {install.load_images(refs)} "
-            f"({time.monotonic() - t0:.0f}s)")
-        cluster.kubectl("create", "namespace", NAMESPACE, check=False)
-        install.helm_install(cluster, refs["operator"], NAMESPACE)
-        api = config.new_client_from_config(config_file=str(cluster.config.kubeconfig))
-        core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
-        spec = install.on_real_nodes({"spec": SPEC}, refs["engine"], "models")["spec"]
-        model_dir = _apply(core, custom, workdir, spec, create_namespace=False)
-        for p in [model_dir.parent, model_dir, *model_dir.rglob("*")]:  # user 1000 reads it
-            p.chmod(0o755 if p.is_dir() else 0o644)
-        install.model_volume(cluster, NAMESPACE, "models", model_dir)
-        pods = RealPods(core, NAME, NAMESPACE)
+    with tier_session():
+        cluster = LocalCluster(ClusterConfig(workdir=workdir, ports=Ports.free(), nodes=0,
+                                             real_nodes=2,
+                                             binaries=locate_binaries(real_nodes=True)))
+        try:
+            cluster.stop()
+            shutil.rmtree(workdir, ignore_errors=True)  # etcd's folder would bring back pods
+            say(f"control plane + 2 real nodes up in {cluster.start():.1f}s")
+            refs = install.image_refs()
+            t0 = time.monotonic()
+            say(f"images into the nodes: {install.load_images(refs)} "
+                f"({time.monotonic() - t0:.0f}s)")
+            cluster.kubectl("create", "namespace", NAMESPACE, check=False)
+            install.helm_install(cluster, refs["operator"], NAMESPACE)
+            api = config.new_client_from_config(config_file=str(cluster.config.kubeconfig))
+            core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
+            spec = install.on_real_nodes({"spec": SPEC}, refs["engine"], "models")["spec"]
+            model_dir = _apply(core, custom, workdir, spec, create_namespace=False)
+            install.model_volume(cluster, NAMESPACE, "models", model_dir)
+            pods = RealPods(core, NAME, NAMESPACE)
+            yield FleetHandle("real nodes", core, custom, pods.log_text, pods.urls,
+                              lambda: _operator_pod_decisions(core))
+        finally:
+            cluster.stop()
 
-        def decisions() -> list[str]:
-            out = []
-            for p in core.list_namespaced_pod(
-                    install.RELEASE_NAMESPACE,
-                    label_selector="app.kubernetes.io/component=operator").items:
-                with contextlib.suppress(client.ApiException):
-                    out += _decisions(core.read_namespaced_pod_log(
-                        p.metadata.name, install.RELEASE_NAMESPACE))
-            return out
 
-        yield FleetHandle("real nodes", core, custom, pods.log_text, pods.urls, decisions)
-    finally:
-        cluster.stop()
-        lock.close()
+def _operator_pod_decisions(core: Any) -> list[str]:
+    """The scaling decisions in the chart's operator pods' logs (the leader's)."""
+    from kubernetes import client
+
+    from e2e.install import RELEASE_NAMESPACE
+
+    out = []
+    for p in core.list_namespaced_pod(
+            RELEASE_NAMESPACE, label_selector="app.kubernetes.io/component=operator").items:
+        with contextlib.suppress(client.ApiException):
+            out += _decisions(core.read_namespaced_pod_log(p.metadata.name, RELEASE_NAMESPACE))
+    return out
 
 
 def _apply(core: Any, custom: Any, workdir: Path, spec: dict[str, Any],
@@ -567,11 +567,13 @@ def _pod_counters(urls: list[str]) -> dict[str, float]:
 
 def _counters(text: str) -> dict[str, float]:
     """POD_COUNTERS in one exposition (summed over their labels)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     out = dict.fromkeys(POD_COUNTERS, 0.0)
-    for line in text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in out:
-            out[name] += float(line.rsplit(" ", 1)[1])
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in out:
+                out[sample.name] += sample.value
     return out
 
 

@@ -567,8 +567,6 @@ def install_serving(cluster: LocalCluster, replicas: int, disk_tier: bool = Fals
         install.helm_install(cluster, refs["operator"], SERVING)
     model_config = qwen3_next_config(num_layers=4)
     model_dir = write_model(WORKDIR / "models" / "tiny-qwen3-next", model_config)
-    for p in [model_dir.parent, model_dir, *model_dir.rglob("*")]:  # user 1000 reads it
-        p.chmod(0o755 if p.is_dir() else 0o644)
     install.model_volume(cluster, SERVING, "models", model_dir)
     sample = yaml.safe_load(SAMPLE.read_text())
     install.model_config_map(cluster, SERVING, sample["spec"]["model"]["configMapRef"]["name"],

@@ -469,8 +469,6 @@ def main() -> int:
         model_dir = write_model(cluster.config.workdir / "models" / "tiny-qwen3-next",
                                 model_config)
         if args.real_nodes:  # the engine pods (user 1000) read it from a volume
-            for p in [model_dir.parent, model_dir, *model_dir.rglob("*")]:
-                p.chmod(0o755 if p.is_dir() else 0o644)
             install.model_volume(cluster, NAMESPACE, "models", model_dir)
             sample = install.on_real_nodes(sample, refs["engine"], "models")
         # The control plane keeps its etcd folder: an earlier run (--keep, or killed)

@@ -70,7 +70,10 @@ def helm_install(cluster: LocalCluster, operator_ref: str, serving_namespace: st
 
 def model_volume(cluster: LocalCluster, namespace: str, name: str, model_dir: Path) -> None:
     """A PersistentVolume over the model folder on this machine (both real nodes share
-    its filesystem) and a claim bound to it, read by the engine pods as weights.pvc."""
+    its filesystem) and a claim bound to it, read by the engine pods as weights.pvc.
+    The folder, its parent and its files are made readable by the engine's user (1000)."""
+    for p in [model_dir.parent, model_dir, *model_dir.rglob("*")]:
+        p.chmod(0o755 if p.is_dir() else 0o644)
     pv = f"{namespace}-{name}"[:63]
     cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all([
         {"apiVersion": "v1", "kind": "PersistentVolume",

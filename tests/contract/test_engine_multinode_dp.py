@@ -41,6 +41,7 @@ from e2e.engine_process import (
     write_plan,
 )
 from spillway_engine.emulator.tiny import deepseek_v2_config, write_model
+from tests.contract.test_engine_multinode import _rank_args
 from tests.helpers import wait_for
 
 #: Each engine's emulated GPU: 80 blocks of the tiny MLA model (3 layers, the third a
@@ -58,9 +59,9 @@ class Replica:
     router_log: Path
 
 
-def _rank_args(rank: int, master_port: int, events_port: int) -> list[str]:
-    return ["--nnodes", "2", "--node-rank", str(rank), "--master-addr", "127.0.0.1",
-            "--master-port", str(master_port), "--kv-events-port", str(events_port),
+def _dp_rank_args(rank: int, master_port: int, events_port: int) -> list[str]:
+    """A rank's launcher flags, the group's event port base, and vLLM's EP flag."""
+    return [*_rank_args(rank, master_port), "--kv-events-port", str(events_port),
             "--", "--enable-expert-parallel"]
 
 
@@ -80,7 +81,7 @@ def replica(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Replica]:
             plan_path = write_plan(node, plan, model)
             port = free_port()
             proc = launch(plan_path, node / "engine.log", port, GPU_BLOCKS * block,
-                          serve_args=_rank_args(rank, master, events))
+                          serve_args=_dp_rank_args(rank, master, events))
             servers.append(Server(f"node{rank}", proc, port, node / "engine.log", plan, 0.0))
         leader, worker = servers
         wait_ready(leader)

@@ -74,8 +74,6 @@ def installed(real_cluster, api):
     print(f"helm install --wait in {time.monotonic() - t0:.0f}s")
     config = qwen3_next_config(num_layers=4)
     model_dir = write_model(MODELS / "tiny-qwen3-next", config)
-    for p in [MODELS, *model_dir.rglob("*")]:  # the engine runs as user 1000
-        p.chmod(0o755 if p.is_dir() else 0o644)
     model_volume(real_cluster, SERVING, "models", model_dir)
     model_config_map(real_cluster, SERVING, SAMPLE["spec"]["model"]["configMapRef"]["name"],
                      config)
@@ -676,6 +674,48 @@ def test_one_object_serves_on_an_h100_pool_and_a_b200_pool_each_with_its_own_pla
                                  "--wait=true", "--timeout=120s", check=False)
 
 
+def _two_node_group(real_cluster, installed, name: str, model: str,
+                    config: dict[str, Any]) -> dict[str, Any]:
+    """One replica of tiny/``model`` whose engines span both nodes (``engine.nodes`` 2,
+    one rank per node by a required anti-affinity, as 8-GPU ranks on 8-GPU nodes would
+    be), its folder on a volume and its config in a ConfigMap; no autoscaling. The
+    caller adds the parallelism and the emulated GPU."""
+    model_dir = write_model(MODELS / f"tiny-{model}", config)
+    model_volume(real_cluster, SERVING, f"models-{model}", model_dir)
+    model_config_map(real_cluster, SERVING, f"{model}-config", config)
+    obj = on_real_nodes(SAMPLE, installed["engine"], f"models-{model}")
+    obj["metadata"]["name"] = name
+    spec = obj["spec"]
+    spec["model"] = {"name": f"tiny/{model}", "configMapRef": {"name": f"{model}-config"}}
+    spec["replicas"] = 1
+    spec["autoscaling"] = {"enabled": False}
+    spec["engine"] |= {"tensorParallelSize": 1, "nodes": 2}
+    spec["resources"]["affinity"] = {"podAntiAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": [{
+            "topologyKey": "kubernetes.io/hostname",
+            "labelSelector": {"matchLabels": {"spillway.dev/inference-deployment": name}}}]}}
+    return obj
+
+
+def _group_serving(api, name: str, old_uids: set[str] = frozenset()
+                   ) -> dict[str, client.V1Pod] | None:  # fmt: skip
+    """The group's pods by worker index once both are Ready (none of ``old_uids``) and
+    the object is Available; None before."""
+    pods = {p.metadata.labels.get("leaderworkerset.sigs.k8s.io/worker-index"): p
+            for p in _pods(client.CoreV1Api(api), name)}
+    cond = _condition(_obj(api, name), "Available")
+    whole = len(pods) == 2 and all(
+        p.metadata.uid not in old_uids and p.status.container_statuses
+        and p.status.container_statuses[0].ready for p in pods.values())
+    return pods if whole and cond and cond["status"] == "True" else None
+
+
+def _group_state(real_cluster, api, name: str) -> tuple[Any, str]:
+    """What a timed-out wait shows: the object's status and the serving pods."""
+    return (_obj(api, name).get("status"),
+            real_cluster.kubectl("get", "pods", "-n", SERVING, "-o", "wide", check=False))
+
+
 def test_a_pipeline_parallel_replica_runs_as_a_leader_worker_set_group_on_both_nodes(
         real_cluster, api, installed):
     """engine.nodes 2 on real nodes: one LeaderWorkerSet group of two engine-image
@@ -686,49 +726,22 @@ def test_a_pipeline_parallel_replica_runs_as_a_leader_worker_set_group_on_both_n
     makes LWS recreate the group and the object says Degraded=GroupRestarting until the
     group serves again."""
     core = client.CoreV1Api(api)
-    config = llama_config(num_layers=4)
-    model_dir = write_model(MODELS / "tiny-llama", config)
-    for p in [MODELS, *model_dir.rglob("*")]:
-        p.chmod(0o755 if p.is_dir() else 0o644)
-    model_volume(real_cluster, SERVING, "models-llama", model_dir)
-    model_config_map(real_cluster, SERVING, "llama-config", config)
     name = "tiny-group"
-    obj = on_real_nodes(SAMPLE, installed["engine"], "models-llama")
-    obj["metadata"]["name"] = name
+    obj = _two_node_group(real_cluster, installed, name, "llama", llama_config(num_layers=4))
     spec = obj["spec"]
-    spec["model"] = {"name": "tiny/llama", "configMapRef": {"name": "llama-config"}}
-    spec["replicas"] = 1
-    spec["autoscaling"] = {"enabled": False}
-    spec["engine"] |= {"tensorParallelSize": 1, "pipelineParallelSize": 2, "nodes": 2}
+    spec["engine"]["pipelineParallelSize"] = 2
     # each stage holds 2 of the 4 layers: 4096 bytes a block, 80 blocks per emulated GPU
     spec["engine"]["emulateGPU"] |= {"speed": 0, "kvBytes": 80 * 4096}
-    # one rank per node, as 8-GPU ranks on 8-GPU nodes would be
-    spec["resources"]["affinity"] = {"podAntiAffinity": {
-        "requiredDuringSchedulingIgnoredDuringExecution": [{
-            "topologyKey": "kubernetes.io/hostname",
-            "labelSelector": {"matchLabels": {"spillway.dev/inference-deployment": name}}}]}}
     t0 = time.monotonic()
     _apply(real_cluster, obj)
 
-    def group() -> dict[str, client.V1Pod]:
-        return {p.metadata.labels.get("leaderworkerset.sigs.k8s.io/worker-index"): p
-                for p in _pods(core, name)}
-
-    def serving(old_uids: set[str] = frozenset()) -> dict[str, client.V1Pod] | None:
-        pods = group()
-        cond = _condition(_obj(api, name), "Available")
-        whole = len(pods) == 2 and all(
-            p.metadata.uid not in old_uids and p.status.container_statuses
-            and p.status.container_statuses[0].ready for p in pods.values())
-        return pods if whole and cond and cond["status"] == "True" else None
-
     def state():
-        return (_obj(api, name).get("status"),
-                real_cluster.kubectl("get", "pods", "-n", SERVING, "-o", "wide", check=False))
+        return _group_state(real_cluster, api, name)
 
     try:
-        pods = wait_for(serving, START_S, "the group's two ranks Ready and Available",
-                        interval=2, on_timeout=state)
+        pods = wait_for(lambda: _group_serving(api, name), START_S,
+                        "the group's two ranks Ready and Available", interval=2,
+                        on_timeout=state)
         print(f"PP 2 group on real containers: Available {time.monotonic() - t0:.0f}s "
               "after apply")
         leader, worker = pods["0"], pods["1"]
@@ -775,8 +788,8 @@ def test_a_pipeline_parallel_replica_runs_as_a_leader_worker_set_group_on_both_n
             interval=0.5, on_timeout=state)
         assert cond["status"] == "True", cond
         t1 = time.monotonic()
-        pods = wait_for(lambda: serving(old), START_S, "the recreated group serving",
-                        interval=2, on_timeout=state)
+        pods = wait_for(lambda: _group_serving(api, name, old), START_S,
+                        "the recreated group serving", interval=2, on_timeout=state)
         print(f"PP 2 group recreated by LWS and serving {time.monotonic() - t1:.0f}s "
               "after Degraded=GroupRestarting")
         wait_for(lambda: _condition(_obj(api, name), "Degraded")["reason"] == "AsExpected",
@@ -799,49 +812,26 @@ def test_a_data_parallel_expert_parallel_replica_serves_across_both_nodes(
     pod's IP, listed at the leader's /kv_event_sources); and a prompt pushed out of the
     worker rank's GPU comes back from its host pool with 0 KV mismatches."""
     core = client.CoreV1Api(api)
-    config = deepseek_v2_config(num_layers=3)  # the third layer is a MoE layer
-    model_dir = write_model(MODELS / "tiny-deepseek", config)
-    for p in [MODELS, *model_dir.rglob("*")]:
-        p.chmod(0o755 if p.is_dir() else 0o644)
-    model_volume(real_cluster, SERVING, "models-deepseek", model_dir)
-    model_config_map(real_cluster, SERVING, "deepseek-config", config)
     name = "tiny-dp"
-    obj = on_real_nodes(SAMPLE, installed["engine"], "models-deepseek")
-    obj["metadata"]["name"] = name
+    obj = _two_node_group(real_cluster, installed, name, "deepseek",
+                          deepseek_v2_config(num_layers=3))  # the third layer is a MoE layer
     spec = obj["spec"]
-    spec["model"] = {"name": "tiny/deepseek", "configMapRef": {"name": "deepseek-config"}}
-    spec["replicas"] = 1
-    spec["autoscaling"] = {"enabled": False}
-    spec["engine"] |= {"tensorParallelSize": 1, "dataParallelSize": 2, "nodes": 2,
-                       "extraArgs": ["--enable-expert-parallel"]}
+    spec["engine"] |= {"dataParallelSize": 2, "extraArgs": ["--enable-expert-parallel"]}
     # 80 blocks of 55,296 bytes (3 MLA layers x 576 x 2 bytes x 16 tokens) per engine,
     # and a host pool per engine that keeps a prompt the next 3,000 tokens push out of
     # the GPU (the sample's 4 MiB holds about four 256-token chunks of this model)
     spec["engine"]["emulateGPU"] |= {"speed": 0, "kvBytes": 80 * 55296}
     spec["offload"]["hostMemory"] = "32Mi"
-    spec["resources"]["affinity"] = {"podAntiAffinity": {
-        "requiredDuringSchedulingIgnoredDuringExecution": [{
-            "topologyKey": "kubernetes.io/hostname",
-            "labelSelector": {"matchLabels": {"spillway.dev/inference-deployment": name}}}]}}
     t0 = time.monotonic()
     _apply(real_cluster, obj)
 
-    def serving() -> dict[str, client.V1Pod] | None:
-        pods = {p.metadata.labels.get("leaderworkerset.sigs.k8s.io/worker-index"): p
-                for p in _pods(core, name)}
-        cond = _condition(_obj(api, name), "Available")
-        whole = len(pods) == 2 and all(
-            p.status.container_statuses and p.status.container_statuses[0].ready
-            for p in pods.values())
-        return pods if whole and cond and cond["status"] == "True" else None
-
     def state():
-        return (_obj(api, name).get("status"),
-                real_cluster.kubectl("get", "pods", "-n", SERVING, "-o", "wide", check=False))
+        return _group_state(real_cluster, api, name)
 
     try:
-        pods = wait_for(serving, START_S, "the DP group's two pods Ready and Available",
-                        interval=2, on_timeout=state)
+        pods = wait_for(lambda: _group_serving(api, name), START_S,
+                        "the DP group's two pods Ready and Available", interval=2,
+                        on_timeout=state)
         print(f"DP 2 x EP group on real containers: Available {time.monotonic() - t0:.0f}s "
               "after apply")
         leader, worker = pods["0"], pods["1"]
