@@ -33,7 +33,14 @@ helm upgrade --install spillway "$REPO_ROOT/charts/spillway" \
   --kube-context "$ctx" -n "$RELEASE_NAMESPACE" --create-namespace \
   --set image.repository="${OPERATOR_IMAGE%:*}" --set image.tag="${OPERATOR_IMAGE##*:}" \
   "${extra[@]}" --wait --timeout 5m
-kctl wait --for=condition=Established --timeout=60s crd/inferencedeployments.spillway.dev
+# Polled, not `kubectl wait --for=condition=Established`, which fails at once on a CRD
+# the API server has not yet given a status (".status.conditions accessor error: <nil>").
+crd_established() {
+  [ "$(kctl get crd inferencedeployments.spillway.dev \
+        -o jsonpath='{.status.conditions[?(@.type=="Established")].status}' 2>/dev/null)" = True ]
+}
+for _ in $(seq 1 60); do crd_established && break; sleep 1; done
+crd_established || die "the InferenceDeployment CRD is not Established after 60 s"
 kctl -n "$RELEASE_NAMESPACE" rollout status deployment/spillway --timeout=120s
 
 if $samples; then

@@ -83,9 +83,11 @@ def _shared_libraries(binary: Path) -> list[Path]:
     return libs
 
 
-def busybox_layer(busybox: Path = BUSYBOX, binaries: tuple[Path, ...] = ()) -> bytes:
+def busybox_layer(busybox: Path = BUSYBOX, binaries: tuple[Path, ...] = (),
+                  static: dict[str, Path] | None = None) -> bytes:
     """An uncompressed layer tar: busybox, its applet links, /etc basics, empty dirs;
-    and each of ``binaries`` at its host path with the libraries it loads."""
+    each of ``binaries`` at its host path with the libraries it loads; and each static
+    binary of ``static`` (path in the image -> file here) as it is."""
     if not busybox.is_file():
         raise ImageError(f"{busybox} not found: run tools/host.sh (it installs busybox-static)")
     extra: dict[str, bytes] = {}
@@ -94,6 +96,10 @@ def busybox_layer(busybox: Path = BUSYBOX, binaries: tuple[Path, ...] = ()) -> b
             raise ImageError(f"{binary} not found (Debian package openssl)")
         for path in (binary, *_shared_libraries(binary)):
             extra[str(path).lstrip("/")] = path.resolve().read_bytes()
+    for target, source in (static or {}).items():
+        if not source.is_file():
+            raise ImageError(f"{source} not found (tools/build.sh builds it)")
+        extra[target.lstrip("/")] = source.read_bytes()
     dirs = {str(Path(p).parent) for p in extra} - {"."}
     dirs |= {str(parent) for d in dirs for parent in Path(d).parents} - {"."}
     binary = busybox.read_bytes()
@@ -117,14 +123,17 @@ def busybox_layer(busybox: Path = BUSYBOX, binaries: tuple[Path, ...] = ()) -> b
     return buf.getvalue()
 
 
-def write_image(archive: Path, ref: str, cmd: list[str], layer: bytes) -> OCIImage:
-    """Write an OCI image-layout tar for ``ref`` (``name:tag``) with one layer."""
+def write_image(archive: Path, ref: str, cmd: list[str], layer: bytes,
+                user: str = "") -> OCIImage:
+    """Write an OCI image-layout tar for ``ref`` (``name:tag``) with one layer, run as
+    ``user`` (numeric, for runAsNonRoot; empty: root)."""
     layer_digest = _sha(layer)
     config = {
         "architecture": "amd64",
         "os": "linux",
         "created": "1970-01-01T00:00:00Z",
-        "config": {"Env": [PATH_ENV], "Cmd": cmd, "WorkingDir": "/"},
+        "config": {"Env": [PATH_ENV], "Cmd": cmd, "WorkingDir": "/",
+                   **({"User": user} if user else {})},
         "rootfs": {"type": "layers", "diff_ids": [layer_digest]},
         "history": [{"created": "1970-01-01T00:00:00Z", "created_by": "e2e/nodes/ociimage.py"}],
     }

@@ -13,7 +13,7 @@ Across the seam the operator and the router import the engine's floors up to the
 only (the operator image has no vLLM); ``spillway`` (the user's command) may use all.
 The rest of the tree stands on top of the packages and may import any of them:
 e2e base -> real nodes -> control plane -> e2e harness (install, operator process,
-simulator fleet, gateway) -> demo -> contract harness (vLLM built on the CPU) ->
+simulator fleet, gateway, kind) -> demo -> contract harness (vLLM built on the CPU) ->
 bench -> device checks (``e2e/gpu``) -> tests. No package imports any of it.
 """
 
@@ -55,7 +55,8 @@ TREE_FLOORS = [
                   "e2e.cluster.pki", "e2e.nodes.ociimage"]),
     ("real nodes", ["e2e.nodes"]),
     ("control plane", ["e2e.cluster"]),
-    ("e2e harness", ["e2e.install", "e2e.operator_process", "e2e.simfleet", "e2e.gateway"]),
+    ("e2e harness", ["e2e.install", "e2e.operator_process", "e2e.simfleet", "e2e.gateway",
+                     "e2e.kind"]),
     ("demo", ["e2e.demo"]),
     ("contract harness", ["tests.helpers", "tests.contract.conftest",
                           "tests.contract.vllm_harness", "tests.contract.offload_loop",
