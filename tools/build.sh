@@ -8,7 +8,8 @@
 # Prints the directory of every family on stdout, one "NAME=DIR" per line, in the
 # order below whatever order they were built in. Never writes into the repository.
 # `tools/build.sh FAMILY...` builds (or finds) only those, in the same two chains;
-# kvindexer (llm-d's indexer harness) is built only so: `tools/build.sh kvindexer`.
+# kvindexer (llm-d's indexer harness) is built only so: `tools/build.sh kvindexer`; so are
+# the kind node image's (tools/kind-node.sh): kind, crictl, kubeadm, kindcoredns.
 #
 # A cold build is CPU-bound (about 15 CPU-minutes of compiling): the families are built
 # in SPILLWAY_BUILD_JOBS chains at once (default 2), Kubernetes' six commands in one
@@ -213,17 +214,49 @@ build_lws() {
 # tests/contract/test_llmd_indexer.py subscribes it to emulated engines' KV events.
 build_kvindexer() { LDFLAGS="-s -w" ensure kvindexer "$KVINDEXER_BUILD" .:kvindexer; }
 
+# What tools/kind-node.sh builds a kind node image with (only when named): the kind CLI
+# and crictl (kind's `kind load` runs it in the nodes) from tools/kind, which pins
+# sigs.k8s.io/kind and sigs.k8s.io/cri-tools; kubeadm of the same Kubernetes release from
+# tools/kind/kubeadm (tools/k8s/gen.sh's module for cmd/kubeadm); and CoreDNS with the
+# plugins of kubeadm's Corefile (tools/kind/coredns, the same CoreDNS as tools/coredns),
+# the cluster DNS kubeadm deploys.
+kind_pins() {  # kind_pins MODULE VERSION: tools/kind/go.mod must pin MODULE at VERSION
+  grep -q "^	$1 v$2\( \|$\)" "$here/kind/go.mod" ||
+    { log "tools/kind/go.mod does not pin $1 v$2 (tools/versions.env)"; exit 1; }
+}
+build_kind() {
+  kind_pins sigs.k8s.io/kind "$KIND_VERSION"
+  LDFLAGS="-s -w" ensure kind "$KIND_VERSION" sigs.k8s.io/kind:kind
+}
+build_crictl() {
+  kind_pins sigs.k8s.io/cri-tools "$CRICTL_VERSION"
+  LDFLAGS="-s -w -X sigs.k8s.io/cri-tools/pkg/version.Version=v$CRICTL_VERSION" MODULE=kind \
+    ensure crictl "$CRICTL_VERSION" sigs.k8s.io/cri-tools/cmd/crictl:crictl
+}
+build_kubeadm() {
+  grep -q "^	k8s.io/kubernetes v$K8S_VERSION " "$here/kind/kubeadm/go.mod" ||
+    { log "tools/kind/kubeadm/go.mod does not pin k8s.io/kubernetes v$K8S_VERSION: tools/k8s/gen.sh $K8S_VERSION tools/kind/kubeadm kubeadm"; exit 1; }
+  LDFLAGS=$(k8s_ldflags) MODULE=kind/kubeadm ensure kubeadm "$K8S_VERSION" \
+    k8s.io/kubernetes/cmd/kubeadm:kubeadm
+}
+build_kindcoredns() {
+  grep -q "^require github.com/coredns/coredns v$COREDNS_VERSION$" "$here/kind/coredns/go.mod" ||
+    { log "tools/kind/coredns/go.mod does not pin github.com/coredns/coredns v$COREDNS_VERSION (tools/versions.env)"; exit 1; }
+  LDFLAGS="-s -w" MODULE=kind/coredns ensure kindcoredns "$COREDNS_VERSION-$KIND_COREDNS_BUILD" .:coredns
+}
+
 # ------------------------------------------------------------------ the chains
 # The families in the order their lines are printed, and the chains they are built in:
 # Kubernetes (control plane, then the node's commands, which reuse its compiled
 # packages, then the device plugin from the same module) beside everything else.
-# kvindexer is built only when named (one contract test needs it).
+# kvindexer is built only when named (one contract test needs it), and so are the kind
+# node image's families (tools/kind-node.sh names them).
 ORDER=(k8s node etcd kwok helm imageref gpuplugin coredns gie lws)
-ALL_CHAINS=("k8s node gpuplugin" "etcd kwok helm lws imageref coredns gie kvindexer")
+ALL_CHAINS=("k8s node gpuplugin kubeadm" "etcd kwok helm lws imageref coredns gie kvindexer kind crictl kindcoredns")
 if [ $# -gt 0 ]; then  # only the families named (make demo: what the demo runs)
   for fam in "$@"; do
     declare -F "build_$fam" >/dev/null ||
-      { log "unknown family $fam (one of ${ORDER[*]} kvindexer)"; exit 2; }
+      { log "unknown family $fam (one of ${ORDER[*]} kvindexer kind crictl kubeadm kindcoredns)"; exit 2; }
   done
   ORDER=("$@")
 fi
