@@ -186,10 +186,12 @@ if $local_image; then
   start=$SECONDS
   if ! kind create cluster --name "$CLUSTER_NAME" --image "$node_image" --config "$config" \
        --wait 180s >"$createlog" 2>&1; then
-    # kind's error, one line: the step it names ("ERROR: failed to create cluster: ...")
+    # one line: the step kind marks failed (" ✗ Preparing nodes 📦 ...") and its error
+    step=$(grep -m1 '✗' "$createlog" | LC_ALL=C sed 's/[^ -~]//g; s/^ *//; s/ *$//' || true)
     why=$(grep -m1 '^ERROR: ' "$createlog" | cut -c1-300 || true)
     kind delete cluster --name "$CLUSTER_NAME" >/dev/null 2>&1 || true
-    die "kind create cluster '$CLUSTER_NAME' from $node_image: ${why:-see the log} (log: $createlog)"
+    rm -f "$state/$CLUSTER_NAME.local"
+    die "kind create cluster '$CLUSTER_NAME' from $node_image failed at '${step:-?}': ${why:-see the log} (log: $createlog)"
   fi
   forward_api_server
   kctl wait --for=condition=Ready nodes --all --timeout=180s >/dev/null \

@@ -29,7 +29,8 @@ if [ -f "$state/$CLUSTER_NAME.local" ]; then
     rm -f "$state/$CLUSTER_NAME.routes"
   fi
   tag="spillway-kind:$CLUSTER_NAME"
-  iptables -t nat -S 2>/dev/null | grep -F -- "--comment $tag " | sed 's/^-A /-D /' \
+  { iptables -t nat -S 2>/dev/null || true; } \
+    | { grep -F -e "--comment \"$tag\" " -e "--comment $tag " || true; } | sed 's/^-A /-D /' \
     | while read -r -a rule; do
         iptables -t nat "${rule[@]//\"/}" || die "iptables -t nat ${rule[*]}"
       done

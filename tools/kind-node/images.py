@@ -63,7 +63,6 @@ def layer(binary: Path | None, dest: str | None) -> bytes:
         add(tar, "etc/passwd", data=b"root:x:0:0:root:/root:/bin/sh\n"
             b"nobody:x:65534:65534:nobody:/nonexistent:/bin/false\n")
         add(tar, "etc/group", data=b"root:x:0:\nnogroup:x:65534:\n")
-        add(tar, "etc/nsswitch.conf", data=b"hosts: files dns\n")
         if binary is not None and dest:
             add(tar, dest.lstrip("/"), mode=0o755, data=binary.read_bytes())
     return buf.getvalue()
