@@ -29,3 +29,27 @@ need() {
 }
 
 kctl() { kubectl --context "kind-$CLUSTER_NAME" "$@"; }
+
+# --local-image clusters: what create-cluster.sh leaves on this host is recorded under
+# $KIND_STATE (NAME.routes: the host routes of --host-routes); the iptables rules
+# forwarding a cluster's API server port are tagged spillway-kind:NAME.
+# unforward_api_server and unroute_host remove those of $CLUSTER_NAME (create-cluster.sh
+# before adding its own: a cluster deleted with plain `kind delete` left them;
+# delete-cluster.sh).
+export KIND_STATE="${SPILLWAY_CACHE:-$HOME/.cache/spillway}/kind-clusters"
+unforward_api_server() {
+  local tag="spillway-kind:$CLUSTER_NAME"
+  { iptables -t nat -S 2>/dev/null || true; } \
+    | { grep -F -e "--comment \"$tag\" " -e "--comment $tag " || true; } | sed 's/^-A /-D /' \
+    | while read -r -a rule; do
+        iptables -t nat "${rule[@]//\"/}" || die "iptables -t nat ${rule[*]}"
+      done
+}
+unroute_host() {
+  local record="$KIND_STATE/$CLUSTER_NAME.routes" cidr via
+  [ -f "$record" ] || return 0
+  while read -r cidr via; do
+    if ip route del "$cidr" via "$via" 2>/dev/null; then log "route $cidr via $via removed"; fi
+  done < "$record"
+  rm -f "$record"
+}

@@ -117,6 +117,7 @@ forward_api_server() {
   [ -n "$port" ] || die "forward the API server: no 127.0.0.1 port published for $cp:6443"
   cp_ip=$(node_ip "$cp")
   bridge=br-$(docker network inspect -f '{{.Id}}' kind | cut -c1-12)
+  unforward_api_server  # a cluster of this name deleted with plain `kind delete` left them
   sysctl -qw "net.ipv4.conf.$bridge.route_localnet=1" \
     || die "forward the API server: sysctl net.ipv4.conf.$bridge.route_localnet=1"
   iptables -t nat -A OUTPUT -d 127.0.0.1/32 -p tcp --dport "$port" -m comment --comment "$tag" \
@@ -149,8 +150,9 @@ add_host_routes() {
 
 if $local_image; then
   [ "$(id -u)" = 0 ] || die "--local-image needs root (the node image, the API server's forwarding)"
-  state=${SPILLWAY_CACHE:-$HOME/.cache/spillway}/kind-clusters
+  state=$KIND_STATE
   mkdir -p "$state"
+  unroute_host  # a cluster of this name deleted with plain `kind delete` left them
   touch "$state/$CLUSTER_NAME.local"  # delete-cluster.sh: undo what this host got
   config=$(mktemp)
   createlog=$state/$CLUSTER_NAME.create.log

@@ -20,20 +20,10 @@ while [ $# -gt 0 ]; do
   esac
 done
 
-state=${SPILLWAY_CACHE:-$HOME/.cache/spillway}/kind-clusters
+state=$KIND_STATE
 if [ -f "$state/$CLUSTER_NAME.local" ]; then
-  if [ -f "$state/$CLUSTER_NAME.routes" ]; then
-    while read -r cidr via; do
-      if ip route del "$cidr" via "$via" 2>/dev/null; then log "route $cidr via $via removed"; fi
-    done < "$state/$CLUSTER_NAME.routes"
-    rm -f "$state/$CLUSTER_NAME.routes"
-  fi
-  tag="spillway-kind:$CLUSTER_NAME"
-  { iptables -t nat -S 2>/dev/null || true; } \
-    | { grep -F -e "--comment \"$tag\" " -e "--comment $tag " || true; } | sed 's/^-A /-D /' \
-    | while read -r -a rule; do
-        iptables -t nat "${rule[@]//\"/}" || die "iptables -t nat ${rule[*]}"
-      done
+  unroute_host
+  unforward_api_server
   refs=$("$REPO_ROOT/tools/kind-node.sh" --refs) || die "tools/kind-node.sh --refs failed"
   kind_cmd=$(sed -n 's/^kind=//p' <<<"$refs")
   DOCKER_HOST=$(sed -n 's/^DOCKER_HOST=//p' <<<"$refs")
