@@ -52,9 +52,20 @@ def normalize(ref: str) -> str:
     return f"{name}@{digest}" if digest else name
 
 
-def _ctr(socket: Path, *args: str, step: str, check: bool = True,
+#: A node's containerd: its socket here (a real node), or a command that runs ``ctr``
+#: where that containerd is (a kind node: ``docker exec -i NODE ctr``).
+Runtime = Path | tuple[str, ...]
+
+
+def ctr_command(socket: Runtime) -> list[str]:
+    if isinstance(socket, Path):
+        return ["ctr", "--address", str(socket), "--namespace", "k8s.io"]
+    return [*socket, "--namespace", "k8s.io"]
+
+
+def _ctr(socket: Runtime, *args: str, step: str, check: bool = True,
          timeout: float = 120) -> subprocess.CompletedProcess:
-    proc = subprocess.run(["ctr", "--address", str(socket), "--namespace", "k8s.io", *args],
+    proc = subprocess.run([*ctr_command(socket), *args],
                           capture_output=True, timeout=timeout, env={**os.environ, "PATH": PATH})
     if check and proc.returncode != 0:
         raise NodeError(f"{step}: ctr {' '.join(args)} failed: "
@@ -62,11 +73,11 @@ def _ctr(socket: Path, *args: str, step: str, check: bool = True,
     return proc
 
 
-def _content(socket: Path, digest: str) -> dict:
+def _content(socket: Runtime, digest: str) -> dict:
     return json.loads(_ctr(socket, "content", "get", digest, step="read content").stdout)
 
 
-def _manifest(socket: Path, name: str) -> tuple[str, dict] | None:
+def _manifest(socket: Runtime, name: str) -> tuple[str, dict] | None:
     """(manifest digest, manifest) of image ``name`` on a node, or None."""
     listed = _ctr(socket, "images", "ls", f"name=={name}", step="list images").stdout.decode()
     for line in listed.splitlines()[1:]:
@@ -87,7 +98,7 @@ def _manifest(socket: Path, name: str) -> tuple[str, dict] | None:
     return None
 
 
-def config_digest(socket: Path, name: str) -> str | None:
+def config_digest(socket: Runtime, name: str) -> str | None:
     """The image ID (config digest) of image ``name`` on a node, or None."""
     found = _manifest(socket, name)
     return found[1]["config"]["digest"] if found else None
@@ -100,7 +111,7 @@ def _chain_id(diff_ids: list[str]) -> str:
     return chain
 
 
-def _unpacked(socket: Path, manifest: dict) -> bool:
+def _unpacked(socket: Runtime, manifest: dict) -> bool:
     """Whether the image's top snapshot (its layers' chain ID) exists."""
     try:
         config = _content(socket, manifest["config"]["digest"])
@@ -112,7 +123,7 @@ def _unpacked(socket: Path, manifest: dict) -> bool:
         step="find an image's snapshot", check=False).returncode == 0
 
 
-def free_layer_blobs(socket: Path, name: str) -> int:
+def free_layer_blobs(socket: Runtime, name: str) -> int:
     """Remove the layer blobs of image ``name`` once it is unpacked; returns the bytes
     freed. A blob another image still needs (one not unpacked, or one whose manifest
     cannot be read) is kept; nothing is touched when ``name`` is not unpacked."""
@@ -159,7 +170,7 @@ def current_runtimes() -> list[tuple[str, Path]]:
     return [(n, NodeSpec(n, i).socket) for i, n in enumerate(record["nodes"])]
 
 
-def _fan_out(ref: str, targets: list[tuple[str, Path]], docker_host: str, docker: str) -> None:
+def _fan_out(ref: str, targets: list[tuple[str, Runtime]], docker_host: str, docker: str) -> None:
     """``docker save ref`` once, into ``ctr images import -`` of every target (all at
     once: one save; the peak disk use is each node's blobs plus its snapshots)."""
     save = subprocess.Popen([docker, "save", ref], stdout=subprocess.PIPE,
@@ -168,8 +179,7 @@ def _fan_out(ref: str, targets: list[tuple[str, Path]], docker_host: str, docker
     for name, socket in targets:
         err = tempfile.TemporaryFile()  # noqa: SIM115 - closed below, after the wait
         proc = subprocess.Popen(
-            ["ctr", "--address", str(socket), "--namespace", "k8s.io", "images", "import",
-             "--snapshotter", "overlayfs", "-"],
+            [*ctr_command(socket), "images", "import", "--snapshotter", "overlayfs", "-"],
             stdin=subprocess.PIPE, stdout=err, stderr=err, env={**os.environ, "PATH": PATH})
         imports.append((name, proc, err))
     save_err: list[bytes] = []
@@ -224,11 +234,12 @@ def all_at_once(image_bytes: int, nodes: int, free_bytes: int) -> bool:
     return 2 * image_bytes * nodes + DISK_MARGIN <= free_bytes
 
 
-def load_image(ref: str, runtimes: list[tuple[str, Path]] | None = None,
+def load_image(ref: str, runtimes: list[tuple[str, Runtime]] | None = None,
                docker_host: str = DOCKER_HOST, free_layers: bool = True,
                docker: str = DOCKER, parallel: bool | None = None) -> dict[str, str]:
     """Make image ``ref`` of the docker daemon present in every real node's containerd
-    (``runtimes``: (node, socket), default the machine's running real nodes). Returns
+    (``runtimes``: (node, socket or ctr command; ``Runtime``), default the machine's
+    running real nodes). Returns
     {node: "present" | "imported"}; pods then run it with imagePullPolicy IfNotPresent
     (a ``:latest`` tag means Always, which needs a registry: tag it otherwise).
 
