@@ -5,11 +5,12 @@ SHELL := /bin/bash
 VENV ?= $(HOME)/.cache/spillway/venv
 PYTEST_ARGS ?=
 
-.PHONY: crd help venv venv-demo host tools tools-demo images images-in-nodes setup setup-demo lint test test-unit test-contract test-integration test-images test-nodes test-product demo demo-fleet cluster-up cluster-down
+.PHONY: crd help venv venv-demo host tools tools-demo tools-kind images images-in-nodes setup setup-demo setup-kind lint test test-unit test-contract test-integration test-images test-nodes test-product test-kind demo demo-fleet demo-kind cluster-up cluster-down
 
 help:
 	@echo "make demo   - the local demo: control plane + 2 real nodes with fake GPUs, Spillway's images and chart"
 	@echo "make demo-fleet - the same demo on KWOK nodes, engines as host processes"
+	@echo "make demo-kind - the same demo on a kind cluster from a node image built here"
 	@echo "make test   - lint + every test tier (unit, contract, integration, images, nodes)"
 	@echo "make cluster-up / cluster-down - start or stop the local cluster only"
 
@@ -72,6 +73,19 @@ test-images: venv images
 test-nodes: venv tools images
 	$(VENV)/bin/pytest tests/nodes $(PYTEST_ARGS)
 
+# kind: what the harness installs in the cluster (kubectl, helm, the device plugin,
+# LeaderWorkerSet's controller); tools/kind-node.sh, which the harness runs, builds kind,
+# kubeadm, crictl and the node image with the control plane's images in it.
+KIND_TOOLS = k8s node gpuplugin helm lws
+tools-kind: host
+	@tools/build.sh $(KIND_TOOLS) >/dev/null
+setup-kind:
+	@$(MAKE) --no-print-directory -j3 venv-demo tools-kind images
+
+# Spillway on a kind cluster made here: the cluster, the chart, engines in kind's nodes
+test-kind: venv tools-kind images
+	$(VENV)/bin/pytest tests/kind $(PYTEST_ARGS)
+
 # Spillway from its images and chart on the real nodes, engine pods as real containers
 test-product: venv tools images
 	$(VENV)/bin/pytest tests/product $(PYTEST_ARGS)
@@ -79,6 +93,11 @@ test-product: venv tools images
 # The local demo on two real nodes: Spillway's images, the Helm chart, real engine containers
 demo: setup-demo
 	$(VENV)/bin/python -m e2e.demo --real-nodes $(DEMO_ARGS)
+
+# The same demo on a kind cluster (1 control plane, 2 fake-GPU workers) from a node
+# image built here, Spillway from its images (kind load) and chart
+demo-kind: setup-kind
+	$(VENV)/bin/python -m e2e.demo --kind $(DEMO_ARGS)
 
 # The same demo with KWOK nodes and the engines as host processes (no containers)
 demo-fleet: venv tools

@@ -2,6 +2,7 @@
 
     make demo            (or: python -m e2e.demo --real-nodes [--burst-seconds 180] [--keep])
     make demo-fleet      (or: python -m e2e.demo: KWOK nodes, engines as host processes)
+    make demo-kind       (or: python -m e2e.demo --kind: the same as make demo, on kind)
 
 With ``--real-nodes`` (what ``make demo`` runs) the cluster has two real nodes (a real
 kubelet, containerd and runc each; CNI, kube-proxy, a device plugin with 8 fake GPUs;
@@ -9,8 +10,12 @@ e2e/nodes), Spillway is installed as a user installs it (the images tools/images
 built from the Dockerfile, loaded into the nodes; the Helm chart: operator with leader
 election and spillway-router as pods), and the engine pods are real containers of the
 engine image, requesting the fake GPUs, with the model on a volume (e2e/install.py).
-Without it, the rest of this text holds: KWOK plays the kubelets and the harness runs
-each pod's command as a host process on the pod's IP.
+With ``--kind`` the same runs on a kind cluster (e2e/kind/cluster.py): ``kind create
+cluster`` from a node image built on this machine (tools/kind-node.sh), the images put
+in its nodes with ``kind load``, the fake-GPU device plugin and LeaderWorkerSet
+installed in it as a GPU cluster has them. Without either, the rest of this text
+holds: KWOK plays the kubelets and the harness runs each pod's command as a host process
+on the pod's IP.
 
 Starts the local control plane with fake H100 nodes, installs the CRD, runs the
 operator and applies config/samples/qwen3-next-tiny-emulated.yaml: a tiny
@@ -82,6 +87,7 @@ from e2e.cluster.controlplane import (
     locate_gie_crds,
 )
 from e2e.gateway.pool import PoolGateway
+from e2e.kind.cluster import KindCluster, KindConfig
 from e2e.operator_process import start_operator
 from e2e.simfleet import ENGINE_PORT, SimulatorFleet
 from spillway_engine.emulator.tiny import qwen3_next_config, write_model
@@ -379,16 +385,27 @@ def main() -> int:
     ap.add_argument("--real-nodes", action="store_true",
                     help="two real nodes (kubelet, containerd, runc) and Spillway installed "
                     "from its images with the Helm chart (make demo)")
+    ap.add_argument("--kind", action="store_true",
+                    help="the same on a kind cluster made from a node image built here "
+                    "(1 control plane, 2 workers with fake GPUs; make demo-kind)")
     ap.add_argument("--gateway", action="store_true",
                     help="clients through a real Envoy built from the operator's "
                     "InferencePool, spillway-router as its endpoint picker")
     args = ap.parse_args()
-    if args.real_nodes:
+    if args.kind and args.gateway:
+        ap.error("--gateway runs on the local control plane only (its Envoy reaches the "
+                 "picker's ClusterIP through kube-proxy on this machine)")
+    # In a cluster of real kubelets (the real nodes, or kind's nodes) Spillway is
+    # installed from its images and chart; on KWOK the harness plays the kubelets.
+    in_cluster = args.real_nodes or args.kind
+    if in_cluster:
         args.start_timeout = max(args.start_timeout, 900.0)
 
     # A pod network no other local cluster uses (a test session or e2e/cluster/up may
     # run beside the demo); a demo cluster still running keeps the one it started with.
-    if args.real_nodes:
+    if args.kind:
+        cluster = KindCluster(KindConfig(workdir=WORKDIR.with_name(WORKDIR.name + "-kind")))
+    elif args.real_nodes:
         cluster = LocalCluster(ClusterConfig(workdir=WORKDIR.with_name(WORKDIR.name + "-real"),
                                              ports=Ports.from_base(17380), nodes=0,
                                              real_nodes=2))
@@ -413,19 +430,27 @@ def main() -> int:
     signal.signal(signal.SIGTERM, on_signal)
     try:
         cluster.config.binaries = locate_binaries(real_nodes=args.real_nodes)
-        if not cluster.running():
+        if not args.kind and not cluster.running():
             # etcd's folder outlives a stopped cluster: its nodes would keep the pod
             # network of an earlier run, which this run's KWOK may not be given.
             shutil.rmtree(cluster.config.workdir / "etcd", ignore_errors=True)
-        say("starting the local control plane (etcd, kube-apiserver, controller-manager, "
-            "scheduler, " + ("2 real nodes: kubelet, containerd, runc, CNI, kube-proxy, "
-                             "fake-GPU device plugin" if args.real_nodes else "KWOK") + ") ...")
+        if args.kind:
+            say("creating a kind cluster from a node image built here (tools/kind-node.sh): "
+                "1 control plane and 2 workers, the fake-GPU device plugin as a DaemonSet, "
+                "LeaderWorkerSet from its release manifests ...")
+        else:
+            say("starting the local control plane (etcd, kube-apiserver, controller-manager, "
+                "scheduler, " + ("2 real nodes: kubelet, containerd, runc, CNI, kube-proxy, "
+                                 "fake-GPU device plugin" if args.real_nodes else "KWOK")
+                + ") ...")
         seconds = cluster.start()
-        say(f"control plane ready ({seconds:.1f}s); KUBECONFIG={cluster.config.kubeconfig}"
-            + ("" if args.real_nodes else f"; pod network {cluster.config.pod_net}.0.0/16"))
+        say(f"{'kind cluster' if args.kind else 'control plane'} ready ({seconds:.1f}s"
+            + (f": {', '.join(f'{k} {v:.0f}s' for k, v in cluster.timings.items())}"
+               if args.kind else "") + f"); KUBECONFIG={cluster.config.kubeconfig}"
+            + ("" if in_cluster else f"; pod network {cluster.config.pod_net}.0.0/16"))
         print(cluster.kubectl("get", "nodes", "-L", "nvidia.com/gpu.product",
                               "-o", "wide").rstrip(), flush=True)
-        if not args.real_nodes:  # on real nodes the chart installs the CRD
+        if not in_cluster:  # in a cluster the chart installs the CRD
             cluster.kubectl("apply", "--server-side", "-f", REPO_ROOT / "crds")
             cluster.wait_established("inferencedeployments.spillway.dev")
         if args.gateway:  # a prerequisite, as a GIE gateway's installation brings it
@@ -435,12 +460,17 @@ def main() -> int:
             say("installed the Gateway API Inference Extension's InferencePool CRD (v1.2.0)")
 
         cluster.kubectl("create", "namespace", NAMESPACE, check=False)
-        if args.real_nodes:
+        if in_cluster:
             refs = install.image_refs()
             say(f"loading the images tools/images.sh built ({refs['operator']}, "
                 f"{refs['engine']}) into the nodes' containerd (first time: minutes) ...")
             t0 = time.monotonic()
-            loaded = install.load_images(refs)
+            if args.kind:  # to the workers (the control plane takes no pods)
+                loaded = {"operator": "kind load docker-image in "
+                          f"{cluster.kind_load(refs['operator'], workers_only=True):.0f}s",
+                          "engine": cluster.load_image(refs["engine"])}
+            else:
+                loaded = install.load_images(refs)
             say(f"images in the nodes after {time.monotonic() - t0:.0f}s: {loaded}")
             t0 = time.monotonic()
             install.helm_install(cluster, refs["operator"], NAMESPACE, *(
@@ -468,7 +498,7 @@ def main() -> int:
         model_config = qwen3_next_config(num_layers=4)
         model_dir = write_model(cluster.config.workdir / "models" / "tiny-qwen3-next",
                                 model_config)
-        if args.real_nodes:  # the engine pods (user 1000) read it from a volume
+        if in_cluster:  # the engine pods (user 1000) read it from a volume
             install.model_volume(cluster, NAMESPACE, "models", model_dir)
             sample = install.on_real_nodes(sample, refs["engine"], "models")
         # The control plane keeps its etcd folder: an earlier run (--keep, or killed)
@@ -501,7 +531,7 @@ def main() -> int:
             return 0
         print_plan(obj())
 
-        if args.real_nodes:
+        if in_cluster:
             fleet = RealPods(client.CoreV1Api(api), name)
             [svc] = client.CoreV1Api(api).list_service_for_all_namespaces(
                 label_selector="app.kubernetes.io/name=spillway-router").items
