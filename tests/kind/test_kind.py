@@ -118,7 +118,9 @@ def test_the_tiny_hybrid_serves_through_the_router_with_host_hits(kind_cluster, 
         wait_for(router_ready, 120, "the chart's router counting the pod", interval=1)
         prompt = [10 + i % 300 for i in range(768)]
         first = _complete(router, prompt)
-        for seed in range(11, 17):  # push it out of the emulated GPU's 128 blocks
+        # 14 more prompts of 12 blocks (64 tokens each) push it out of the emulated
+        # GPU's 128 blocks
+        for seed in range(11, 25):
             _complete(router, [seed + i % 300 for i in range(768)], max_tokens=2)
         before = _metrics(pod.status.pod_ip)
         again = _complete(router, prompt)
