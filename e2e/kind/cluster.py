@@ -38,6 +38,7 @@ import yaml
 
 from e2e.cluster.controlplane import REPO_ROOT, ClusterError, locate_binaries, read_versions
 from e2e.cluster.gfd import gfd_labels
+from e2e.install import wait
 from e2e.nodes import ociimage
 from e2e.nodes.images import DOCKER, DOCKER_HOST, load_image
 
@@ -90,7 +91,8 @@ class KindCluster:
 
     @property
     def kind(self) -> str:
-        """The kind binary tools/build.sh built (tools/kind-node.sh --refs names it)."""
+        """kind as tools/kind-node.sh names it: tools/build.sh's kind, run against
+        Spillway's docker daemon with its nodes on the runc wrapper."""
         if self._kind is None:
             self._kind = self.node_image_refs(build=False)["kind"]
         return self._kind
@@ -115,21 +117,12 @@ class KindCluster:
             raise ClusterError(f"kubectl {' '.join(map(str, args))} failed: {proc.stderr.strip()}")
         return proc.stdout
 
-    def _wait(self, what: str, check, timeout: float, interval: float = 1.0,
-              dump=None) -> None:
-        deadline = time.monotonic() + timeout
-        while not check():
-            if time.monotonic() > deadline:
-                raise ClusterError(f"timed out after {timeout:g}s waiting for {what}"
-                                   + (f": {dump()}" if dump else ""))
-            time.sleep(interval)
-
     def wait_established(self, *crds: str, timeout: float = 60) -> None:
         for name in (c.removeprefix("crd/") for c in crds):
-            self._wait(f"the {name} CRD Established", lambda n=name: self.kubectl(
+            wait(lambda n=name: self.kubectl(
                 "get", "crd", n, "-o",
                 "jsonpath={.status.conditions[?(@.type=='Established')].status}",
-                check=False) == "True", timeout)
+                check=False) == "True", timeout, f"the {name} CRD Established")
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -240,10 +233,9 @@ class KindCluster:
                 "nvidia.com/gpu") for n in self.nodes()}
             return all(gpus.get(w) == str(GPUS_PER_NODE) for w in workers)
 
-        self._wait("nvidia.com/gpu allocatable on every worker from the device plugin",
-                   advertised, timeout, dump=lambda: self.kubectl(
-                       "get", "pods", "-n", DEVICE_PLUGIN_NAMESPACE, "-o", "wide",
-                       check=False))
+        wait(advertised, timeout, "nvidia.com/gpu allocatable on every worker from the "
+             "device plugin", on_timeout=lambda: self.kubectl(
+                 "get", "pods", "-n", DEVICE_PLUGIN_NAMESPACE, "-o", "wide", check=False))
 
     def install_lws(self, timeout: float) -> None:
         """LeaderWorkerSet as its release installs it (its kustomize config/default,
@@ -273,9 +265,9 @@ class KindCluster:
             except ValueError:
                 return False
 
-        self._wait("LeaderWorkerSet's webhooks answering the API server", defaulted,
-                   timeout, interval=2, dump=lambda: self.kubectl(
-                       "get", "pods", "-n", LWS_NAMESPACE, "-o", "wide", check=False))
+        wait(defaulted, timeout, "LeaderWorkerSet's webhooks answering the API server",
+             interval=2, on_timeout=lambda: self.kubectl(
+                 "get", "pods", "-n", LWS_NAMESPACE, "-o", "wide", check=False))
 
 
 def device_plugin_daemonset(image: str) -> dict:
