@@ -54,9 +54,10 @@ images-in-nodes: images venv-demo
 lint: venv
 	$(VENV)/bin/ruff check .
 
-# Every tier but tests/product (real engine pods; too long for CI's budget beside the rest)
+# Every tier but tests/product and tests/kind (real engine pods; too long for CI's budget
+# beside the rest)
 test: setup lint
-	$(VENV)/bin/pytest tests --ignore=tests/product $(PYTEST_ARGS)
+	$(VENV)/bin/pytest tests --ignore=tests/product --ignore=tests/kind $(PYTEST_ARGS)
 
 test-unit: venv
 	$(VENV)/bin/pytest tests/unit $(PYTEST_ARGS)
