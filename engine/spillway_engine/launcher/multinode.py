@@ -177,8 +177,6 @@ def parallel_launch(plan: Plan, node: Node) -> tuple[list[str], dict[str, str]]:
 #: How long a headless rank waits for its leader's port: the leader binds it when its
 #: engine starts, after the API server's start-up and the model config's download.
 LEADER_WAIT_S = 900.0
-#: The worker's wait for its leader in seconds, when set (``--leader-timeout``'s default).
-ENV_LEADER_TIMEOUT = "SPILLWAY_LEADER_TIMEOUT_S"
 
 
 def _tcp_connect(host: str, port: int, timeout: float) -> None:

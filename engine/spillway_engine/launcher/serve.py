@@ -482,13 +482,9 @@ def serve_parser() -> argparse.ArgumentParser:
         "--master-addr", metavar="HOST",
         help=f"the leader's address (default: ${multinode.ENV_LEADER_ADDRESS})")
     nodes.add_argument(
-        # A string default goes through type=float too: a bad value in the environment
-        # is refused as this flag's.
-        "--leader-timeout", type=float, metavar="SECONDS",
-        default=os.environ.get(multinode.ENV_LEADER_TIMEOUT, multinode.LEADER_WAIT_S),
+        "--leader-timeout", type=float, default=multinode.LEADER_WAIT_S, metavar="SECONDS",
         help="how long a worker (node rank > 0) waits for the leader's port before it "
-        f"stops with the reason (default ${multinode.ENV_LEADER_TIMEOUT}, else "
-        f"{multinode.LEADER_WAIT_S:.0f}; spec.engine.env sets it on the pods)")
+        f"stops with the reason (default {multinode.LEADER_WAIT_S:.0f})")
     nodes.add_argument(
         "--master-port", type=_port, default=multinode.DIST_PORT, metavar="PORT",
         help="torch.distributed's rendezvous (and data-parallel RPC) port on the leader "

@@ -400,21 +400,3 @@ def test_a_worker_that_cannot_reach_its_leader_says_where_and_what_to_check():
     assert "node rank 1 cannot reach its leader at big-0.big.ns:29500 after 30 s" in message
     assert "Name or service not known" in message and "LWS_LEADER_ADDRESS" in message
     assert "port 29500" in message and "NetworkPolicy" in message
-
-
-def test_the_leader_timeout_comes_from_the_pods_environment(monkeypatch):
-    """spec.engine.env sets SPILLWAY_LEADER_TIMEOUT_S on the pods: --leader-timeout's
-    default; the flag wins; a bad value is refused as the flag's."""
-    from spillway_engine.launcher.serve import EngineCliError, serve_parser
-
-    def timeout(*flags: str) -> float:
-        return serve_parser().parse_args(["--plan", "p.json", *flags]).leader_timeout
-
-    monkeypatch.delenv(multinode.ENV_LEADER_TIMEOUT, raising=False)
-    assert timeout() == multinode.LEADER_WAIT_S
-    monkeypatch.setenv(multinode.ENV_LEADER_TIMEOUT, "60")
-    assert timeout() == 60.0
-    assert timeout("--leader-timeout", "5") == 5.0
-    monkeypatch.setenv(multinode.ENV_LEADER_TIMEOUT, "soon")
-    with pytest.raises(EngineCliError, match="--leader-timeout"):
-        timeout()
