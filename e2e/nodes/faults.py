@@ -124,8 +124,16 @@ class NodeFaults:
         for chain in ("FORWARD", "INPUT", "OUTPUT"):
             if self._iptables("-C", chain, "-j", FAULT_CHAIN, check=False).returncode:
                 self._iptables("-I", chain, "1", "-j", FAULT_CHAIN)
-        self._iptables("-A", FAULT_CHAIN, "-d", ip, "-j", "DROP")
-        self._iptables("-A", FAULT_CHAIN, "-s", ip, "-j", "DROP")
+        if ip:
+            self._iptables("-A", FAULT_CHAIN, "-d", ip, "-j", "DROP")
+            self._iptables("-A", FAULT_CHAIN, "-s", ip, "-j", "DROP")
+
+    def block_port(self, port: int) -> None:
+        """Refuse every new TCP connection to ``port`` between pods (a NetworkPolicy
+        that leaves the port out, as a CNI that enforces one would)."""
+        self.cut("")  # the chain and its jumps, no address rule
+        self._iptables("-A", FAULT_CHAIN, "-p", "tcp", "--dport", str(port), "-j", "REJECT",
+                       "--reject-with", "tcp-reset")
 
     def heal(self) -> None:
         """Remove every cut (the chain and its jumps)."""

@@ -911,3 +911,38 @@ def test_a_data_parallel_expert_parallel_replica_serves_across_both_nodes(
     finally:
         real_cluster.kubectl("delete", "-n", SERVING, "inferencedeployment", name,
                              "--wait=true", "--timeout=120s", check=False)
+
+
+def test_a_worker_that_cannot_reach_its_leader_ends_in_engine_start_failed(
+        real_cluster, api, installed):
+    """The rendezvous port refused between the pods (as a NetworkPolicy that leaves it
+    out would): the worker rank stops after its wait for the leader (15 minutes) with
+    the line naming the address and the port, and the object says so."""
+    from e2e.nodes.faults import NodeFaults
+
+    name = "tiny-cut-group"
+    obj = _two_node_group(real_cluster, installed, name, "llama", llama_config(num_layers=4))
+    obj["spec"]["engine"]["pipelineParallelSize"] = 2
+    obj["spec"]["engine"]["emulateGPU"] |= {"speed": 0, "kvBytes": 80 * 4096}
+    faults = NodeFaults(real_cluster.real_nodes())
+    faults.block_port(29500)
+    t0 = time.monotonic()
+    try:
+        _apply(real_cluster, obj)
+
+        def stopped():
+            for c in _obj(api, name).get("status", {}).get("conditions", []):
+                if "cannot reach its leader" in c.get("message", ""):
+                    return c
+            return None
+
+        cond = wait_for(stopped, 1500, "a condition naming the unreachable leader",
+                        interval=5, on_timeout=lambda: _group_state(real_cluster, api, name))
+        print(f"after {time.monotonic() - t0:.0f}s: {cond['type']}={cond['status']} "
+              f"{cond['reason']}: {cond['message'][:300]}")
+        assert cond["reason"] == "EngineStartFailed", cond
+        assert ":29500" in cond["message"], cond
+    finally:
+        faults.heal()
+        real_cluster.kubectl("delete", "-n", SERVING, "inferencedeployment", name,
+                             "--wait=true", "--timeout=120s", check=False)
