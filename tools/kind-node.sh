@@ -187,7 +187,8 @@ images=$("$kubeadm" config images list --kubernetes-version "v$K8S_VERSION" 2>"$
 key=$( {
   echo "$NODE_REV $rootfs_key $K8S_VERSION $KIND_VERSION"
   echo "$images"
-  sha256sum "$0" "$files"/* "$kindsrc/images/base/files/usr/local/bin/entrypoint" \
+  sha256sum "$0" "$files"/* "$here/../e2e/nodes/ociimage.py" \
+    "$kindsrc/images/base/files/usr/local/bin/entrypoint" \
     "$k8s"/kube-{apiserver,controller-manager,scheduler} "$k8s/kubectl" "$node"/kube{let,-proxy} \
     "$etcd/etcd" "$kubeadm" "$crictl" "$coredns" /usr/bin/busybox | cut -d' ' -f1
   find "$base" -type f | sort | xargs sha256sum | cut -d' ' -f1

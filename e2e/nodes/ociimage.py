@@ -84,10 +84,12 @@ def _shared_libraries(binary: Path) -> list[Path]:
 
 
 def busybox_layer(busybox: Path = BUSYBOX, binaries: tuple[Path, ...] = (),
-                  static: dict[str, Path] | None = None) -> bytes:
-    """An uncompressed layer tar: busybox, its applet links, /etc basics, empty dirs;
-    each of ``binaries`` at its host path with the libraries it loads; and each static
-    binary of ``static`` (path in the image -> file here) as it is."""
+                  static: dict[str, Path] | None = None,
+                  extra_dirs: tuple[str, ...] = ()) -> bytes:
+    """An uncompressed layer tar: busybox, its applet links, /etc basics, empty dirs
+    (and ``extra_dirs``); each of ``binaries`` at its host path with the libraries it
+    loads; and each static binary of ``static`` (path in the image -> file here) as it
+    is."""
     if not busybox.is_file():
         raise ImageError(f"{busybox} not found: run tools/host.sh (it installs busybox-static)")
     extra: dict[str, bytes] = {}
@@ -102,6 +104,7 @@ def busybox_layer(busybox: Path = BUSYBOX, binaries: tuple[Path, ...] = (),
         extra[target.lstrip("/")] = source.read_bytes()
     dirs = {str(Path(p).parent) for p in extra} - {"."}
     dirs |= {str(parent) for d in dirs for parent in Path(d).parents} - {"."}
+    dirs |= set(extra_dirs)
     binary = busybox.read_bytes()
     listing = subprocess.run([str(busybox), "--list"], capture_output=True, text=True, check=True)
     applets = sorted({a for a in listing.stdout.split() if a and "/" not in a} - {"busybox"})
@@ -124,16 +127,18 @@ def busybox_layer(busybox: Path = BUSYBOX, binaries: tuple[Path, ...] = (),
 
 
 def write_image(archive: Path, ref: str, cmd: list[str], layer: bytes,
-                user: str = "") -> OCIImage:
+                user: str = "", entrypoint: list[str] | None = None) -> OCIImage:
     """Write an OCI image-layout tar for ``ref`` (``name:tag``) with one layer, run as
-    ``user`` (numeric, for runAsNonRoot; empty: root)."""
+    ``user`` (numeric, for runAsNonRoot; empty: root); ``entrypoint`` for an image whose
+    users give only arguments (kubeadm's CoreDNS)."""
     layer_digest = _sha(layer)
     config = {
         "architecture": "amd64",
         "os": "linux",
         "created": "1970-01-01T00:00:00Z",
         "config": {"Env": [PATH_ENV], "Cmd": cmd, "WorkingDir": "/",
-                   **({"User": user} if user else {})},
+                   **({"User": user} if user else {}),
+                   **({"Entrypoint": entrypoint} if entrypoint else {})},
         "rootfs": {"type": "layers", "diff_ids": [layer_digest]},
         "history": [{"created": "1970-01-01T00:00:00Z", "created_by": "e2e/nodes/ociimage.py"}],
     }
