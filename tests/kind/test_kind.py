@@ -13,44 +13,30 @@ import time
 import urllib.request
 
 import pytest
-import yaml
 from kubernetes import client
 
-from e2e.install import model_config_map, model_volume, on_real_nodes
+from e2e.install import on_real_nodes
 from e2e.kind.cluster import GPUS_PER_NODE, KIND_DIR
-from spillway_engine.emulator.tiny import llama_config, qwen3_next_config, write_model
+from spillway_engine.emulator.tiny import qwen3_next_config
 from tests.helpers import wait_for
 from tests.product.test_product import (
-    ENGINE_PORT,
     SAMPLE,
     SERVING,
+    _apply,
+    _both_stages_serve_from_host,
     _complete,
     _condition,
+    _group_serving,
+    _group_state,
     _metrics,
+    _model_on_a_volume,
     _obj,
+    _pipeline_group,
     _pods,
 )
 
 START_S = 900  # an engine start in a kind node on 2 cores
 pytestmark = pytest.mark.timeout(2400)
-
-
-def _apply(kind_cluster, obj) -> None:
-    kind_cluster.kubectl("apply", "-n", SERVING, "-f", "-", input=yaml.safe_dump(obj))
-
-
-def _model(kind_cluster, name: str, config: dict) -> str:
-    """The model folder under the tier's folder (mounted into every kind node at the
-    same path), a PV and claim over it, its config in a ConfigMap; the claim's name."""
-    model_dir = write_model(kind_cluster.workdir / "models" / f"tiny-{name}", config)
-    model_volume(kind_cluster, SERVING, f"models-{name}", model_dir)
-    model_config_map(kind_cluster, SERVING, f"{name}-config", config)
-    return f"models-{name}"
-
-
-def _state(kind_cluster, api, name):
-    return (_obj(api, name).get("status"),
-            kind_cluster.kubectl("get", "pods", "-n", SERVING, "-o", "wide", check=False))
 
 
 def test_the_workers_advertise_fake_gpus_from_the_device_plugin(kind_cluster, core):
@@ -91,7 +77,8 @@ def test_the_tiny_hybrid_serves_through_the_router_with_host_hits(kind_cluster, 
                                                                     installed):
     name = "tiny"
     config = qwen3_next_config(num_layers=4)
-    obj = on_real_nodes(SAMPLE, installed["engine"], _model(kind_cluster, "qwen3-next", config))
+    obj = on_real_nodes(SAMPLE, installed["engine"], _model_on_a_volume(
+        kind_cluster, "qwen3-next", config, kind_cluster.workdir / "models"))
     obj["metadata"]["name"] = name
     obj["spec"]["model"]["configMapRef"]["name"] = "qwen3-next-config"
     obj["spec"]["replicas"] = 1
@@ -101,7 +88,7 @@ def test_the_tiny_hybrid_serves_through_the_router_with_host_hits(kind_cluster, 
     try:
         wait_for(lambda: (c := _condition(_obj(api, name), "Available")) and
                  c["status"] == "True", START_S, "Available=True", interval=2,
-                 on_timeout=lambda: _state(kind_cluster, api, name))
+                 on_timeout=lambda: _group_state(kind_cluster, api, name))
         [pod] = _pods(core, name)
         print(f"engine pod Ready in a kind node {time.monotonic() - t0:.0f}s after apply")
         assert pod.status.container_statuses[0].container_id.startswith("containerd://")
@@ -139,33 +126,13 @@ def test_the_tiny_hybrid_serves_through_the_router_with_host_hits(kind_cluster, 
 def test_a_pipeline_parallel_replica_runs_as_a_group_on_both_workers(kind_cluster, api, core,
                                                                       installed):
     name = "tiny-group"
-    config = llama_config(num_layers=4)
-    obj = on_real_nodes(SAMPLE, installed["engine"], _model(kind_cluster, "llama", config))
-    obj["metadata"]["name"] = name
-    spec = obj["spec"]
-    spec["model"] = {"name": "tiny/llama", "configMapRef": {"name": "llama-config"}}
-    spec["replicas"] = 1
-    spec["autoscaling"] = {"enabled": False}
-    spec["engine"] |= {"tensorParallelSize": 1, "nodes": 2, "pipelineParallelSize": 2}
-    spec["engine"]["emulateGPU"] |= {"speed": 0, "kvBytes": 80 * 4096}
-    spec["resources"]["affinity"] = {"podAntiAffinity": {
-        "requiredDuringSchedulingIgnoredDuringExecution": [{
-            "topologyKey": "kubernetes.io/hostname",
-            "labelSelector": {"matchLabels": {"spillway.dev/inference-deployment": name}}}]}}
+    obj = _pipeline_group(kind_cluster, installed, name, kind_cluster.workdir / "models")
     t0 = time.monotonic()
     _apply(kind_cluster, obj)
     try:
-        def serving():
-            pods = {p.metadata.labels.get("leaderworkerset.sigs.k8s.io/worker-index"): p
-                    for p in _pods(core, name)}
-            cond = _condition(_obj(api, name), "Available")
-            whole = len(pods) == 2 and all(p.status.container_statuses and
-                                           p.status.container_statuses[0].ready
-                                           for p in pods.values())
-            return pods if whole and cond and cond["status"] == "True" else None
-
-        pods = wait_for(serving, START_S, "the group's two ranks Ready and Available",
-                        interval=2, on_timeout=lambda: _state(kind_cluster, api, name))
+        pods = wait_for(lambda: _group_serving(api, name), START_S,
+                        "the group's two ranks Ready and Available", interval=2,
+                        on_timeout=lambda: _group_state(kind_cluster, api, name))
         print(f"PP 2 group on kind: Available {time.monotonic() - t0:.0f}s after apply")
         leader, worker = pods["0"], pods["1"]
         assert leader.spec.node_name != worker.spec.node_name
@@ -173,29 +140,7 @@ def test_a_pipeline_parallel_replica_runs_as_a_group_on_both_workers(kind_cluste
                 for r, p in pods.items()}
         assert "plan check passed on worker rank 0 (pipeline stage 0)" in logs["0"]
         assert "plan check passed on worker rank 1 (pipeline stage 1)" in logs["1"]
-        url = f"http://{leader.status.pod_ip}:{ENGINE_PORT}"
-
-        def complete(prompt, max_tokens=8):
-            body = json.dumps({"model": "tiny/llama", "prompt": prompt, "max_tokens": max_tokens,
-                               "temperature": 0, "ignore_eos": True}).encode()
-            req = urllib.request.Request(f"{url}/v1/completions", body,
-                                         {"Content-Type": "application/json"})
-            with urllib.request.urlopen(req, timeout=120) as r:
-                return json.loads(r.read())
-
-        first = complete([10 + i % 300 for i in range(600)])
-        for seed in range(11, 16):  # 5 x 600 tokens push it out of both stages' GPU caches
-            complete([seed + i % 300 for i in range(600)], max_tokens=2)
-        before = _metrics(leader.status.pod_ip)
-        again = complete([10 + i % 300 for i in range(600)])
-        after = _metrics(leader.status.pod_ip)
-        hits = after["spillway_host_hit_tokens_total"] - before.get(
-            "spillway_host_hit_tokens_total", 0)
-        assert hits >= 512, (before, after)
-        assert after["vllm:kv_offload_load_bytes_total"] - before.get(
-            "vllm:kv_offload_load_bytes_total", 0) >= 512 * (2 * 4096 // 16)
-        assert again["choices"][0]["text"] == first["choices"][0]["text"]
-        assert after.get("spillway_emulator_kv_mismatch_total", 0) == 0
+        hits = _both_stages_serve_from_host(leader, obj["spec"]["model"]["name"])
         print(f"kind PP 2 group: {hits:.0f} prompt tokens from both stages' host pools")
     finally:
         kind_cluster.kubectl("delete", "-n", SERVING, "inferencedeployment", name,
@@ -219,20 +164,12 @@ def test_a_drain_moves_two_groups_one_at_a_time_under_the_disruption_budget(
     PodDisruptionBudget refuses the other group's eviction until the first serves again,
     so one group serves all through the drain; then the second moves too."""
     name = "tiny-groups"
-    config = llama_config(num_layers=4)
-    obj = on_real_nodes(SAMPLE, installed["engine"], _model(kind_cluster, "llama", config))
-    obj["metadata"]["name"] = name
-    spec = obj["spec"]
-    spec["model"] = {"name": "tiny/llama", "configMapRef": {"name": "llama-config"}}
-    spec["replicas"] = 2
-    spec["autoscaling"] = {"enabled": False}
-    spec["engine"] |= {"tensorParallelSize": 1, "nodes": 2, "pipelineParallelSize": 2}
-    spec["engine"]["emulateGPU"] |= {"speed": 0, "kvBytes": 80 * 4096}
-    spec["resources"]["affinity"] = {"podAntiAffinity": {
-        "requiredDuringSchedulingIgnoredDuringExecution": [{
-            "topologyKey": "kubernetes.io/hostname",
-            "labelSelector": {"matchLabels": {"spillway.dev/inference-deployment": name}},
-            "matchLabelKeys": ["leaderworkerset.sigs.k8s.io/group-key"]}]}}
+    obj = _pipeline_group(kind_cluster, installed, name, kind_cluster.workdir / "models")
+    obj["spec"]["replicas"] = 2
+    # one rank per node within a group, not across the groups
+    [term] = obj["spec"]["resources"]["affinity"]["podAntiAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"]
+    term["matchLabelKeys"] = ["leaderworkerset.sigs.k8s.io/group-key"]
     _apply(kind_cluster, obj)
 
     def groups() -> dict[str, list]:
@@ -250,7 +187,7 @@ def test_a_drain_moves_two_groups_one_at_a_time_under_the_disruption_budget(
     node = None
     try:
         wait_for(lambda: serving_groups() == 2, START_S, "both groups serving", interval=2,
-                 on_timeout=lambda: _state(kind_cluster, api, name))
+                 on_timeout=lambda: _group_state(kind_cluster, api, name))
         pdb = client.PolicyV1Api(api).read_namespaced_pod_disruption_budget(name, SERVING)
         assert pdb.spec.max_unavailable == 1, pdb.spec
         by_node: dict[str, set[str]] = {}
@@ -278,7 +215,7 @@ def test_a_drain_moves_two_groups_one_at_a_time_under_the_disruption_budget(
             timeout=2 * START_S + 60, check=False)
         drain_s = time.monotonic() - t0
         wait_for(lambda: serving_groups() == 2, START_S, "both groups serving after the drain",
-                 interval=2, on_timeout=lambda: _state(kind_cluster, api, name))
+                 interval=2, on_timeout=lambda: _group_state(kind_cluster, api, name))
         stop.set()
         watcher.join(5)
         out = drained.stdout + drained.stderr

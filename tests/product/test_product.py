@@ -118,8 +118,9 @@ def _metrics(ip: str) -> dict[str, float]:
     return out
 
 
-def _complete(url: str, prompt: list[int], max_tokens: int = 8) -> dict[str, Any]:
-    body = json.dumps({"model": SAMPLE["spec"]["model"]["name"], "prompt": prompt,
+def _complete(url: str, prompt: list[int], max_tokens: int = 8,
+              model: str = SAMPLE["spec"]["model"]["name"]) -> dict[str, Any]:
+    body = json.dumps({"model": model, "prompt": prompt,
                        "max_tokens": max_tokens, "temperature": 0,
                        "ignore_eos": True}).encode()
     req = urllib.request.Request(f"{url}/v1/completions", body,
@@ -674,16 +675,24 @@ def test_one_object_serves_on_an_h100_pool_and_a_b200_pool_each_with_its_own_pla
                                  "--wait=true", "--timeout=120s", check=False)
 
 
+def _model_on_a_volume(cluster, model: str, config: dict[str, Any],
+                       models: Path = MODELS) -> str:
+    """tiny/``model``'s folder under ``models`` (a folder every node sees at that path),
+    a volume and claim over it, and its config in ``<model>-config``; the claim's name."""
+    model_dir = write_model(models / f"tiny-{model}", config)
+    model_volume(cluster, SERVING, f"models-{model}", model_dir)
+    model_config_map(cluster, SERVING, f"{model}-config", config)
+    return f"models-{model}"
+
+
 def _two_node_group(real_cluster, installed, name: str, model: str,
-                    config: dict[str, Any]) -> dict[str, Any]:
+                    config: dict[str, Any], models: Path = MODELS) -> dict[str, Any]:
     """One replica of tiny/``model`` whose engines span both nodes (``engine.nodes`` 2,
     one rank per node by a required anti-affinity, as 8-GPU ranks on 8-GPU nodes would
     be), its folder on a volume and its config in a ConfigMap; no autoscaling. The
     caller adds the parallelism and the emulated GPU."""
-    model_dir = write_model(MODELS / f"tiny-{model}", config)
-    model_volume(real_cluster, SERVING, f"models-{model}", model_dir)
-    model_config_map(real_cluster, SERVING, f"{model}-config", config)
-    obj = on_real_nodes(SAMPLE, installed["engine"], f"models-{model}")
+    claim = _model_on_a_volume(real_cluster, model, config, models)
+    obj = on_real_nodes(SAMPLE, installed["engine"], claim)
     obj["metadata"]["name"] = name
     spec = obj["spec"]
     spec["model"] = {"name": f"tiny/{model}", "configMapRef": {"name": f"{model}-config"}}
@@ -695,6 +704,39 @@ def _two_node_group(real_cluster, installed, name: str, model: str,
             "topologyKey": "kubernetes.io/hostname",
             "labelSelector": {"matchLabels": {"spillway.dev/inference-deployment": name}}}]}}
     return obj
+
+
+def _pipeline_group(cluster, installed, name: str, models: Path = MODELS) -> dict[str, Any]:
+    """A PP 2 replica of a 4-layer tiny Llama as one group across two nodes; each stage
+    holds 2 of the 4 layers: 4096 bytes a block, 80 blocks per emulated GPU."""
+    obj = _two_node_group(cluster, installed, name, "llama", llama_config(num_layers=4),
+                          models)
+    obj["spec"]["engine"]["pipelineParallelSize"] = 2
+    obj["spec"]["engine"]["emulateGPU"] |= {"speed": 0, "kvBytes": 80 * 4096}
+    return obj
+
+
+def _both_stages_serve_from_host(leader: client.V1Pod, model: str) -> float:
+    """A prompt pushed out of both stages' GPU caches (5 x 600 tokens after it) comes
+    back from both host pools: the same completion, 0 KV mismatches; the host-hit
+    tokens."""
+    url = f"http://{leader.status.pod_ip}:{ENGINE_PORT}"
+    prompt = [10 + i % 300 for i in range(600)]
+    first = _complete(url, prompt, model=model)
+    for seed in range(11, 16):
+        _complete(url, [seed + i % 300 for i in range(600)], max_tokens=2, model=model)
+    before = _metrics(leader.status.pod_ip)
+    again = _complete(url, prompt, model=model)
+    after = _metrics(leader.status.pod_ip)
+    hits = after["spillway_host_hit_tokens_total"] - before.get(
+        "spillway_host_hit_tokens_total", 0)
+    assert hits >= 512, (before, after)
+    per_token = 2 * 4096 // 16  # both stages' layers
+    assert after["vllm:kv_offload_load_bytes_total"] - before.get(
+        "vllm:kv_offload_load_bytes_total", 0) >= 512 * per_token
+    assert again["choices"][0]["text"] == first["choices"][0]["text"]
+    assert after.get("spillway_emulator_kv_mismatch_total", 0) == 0
+    return hits
 
 
 def _group_serving(api, name: str, old_uids: set[str] = frozenset()
@@ -727,11 +769,7 @@ def test_a_pipeline_parallel_replica_runs_as_a_leader_worker_set_group_on_both_n
     group serves again."""
     core = client.CoreV1Api(api)
     name = "tiny-group"
-    obj = _two_node_group(real_cluster, installed, name, "llama", llama_config(num_layers=4))
-    spec = obj["spec"]
-    spec["engine"]["pipelineParallelSize"] = 2
-    # each stage holds 2 of the 4 layers: 4096 bytes a block, 80 blocks per emulated GPU
-    spec["engine"]["emulateGPU"] |= {"speed": 0, "kvBytes": 80 * 4096}
+    obj = _pipeline_group(real_cluster, installed, name)
     t0 = time.monotonic()
     _apply(real_cluster, obj)
 
@@ -754,31 +792,8 @@ def test_a_pipeline_parallel_replica_runs_as_a_leader_worker_set_group_on_both_n
         assert "plan check passed on worker rank 0 (pipeline stage 0)" in logs["0"]
         assert "plan check passed on worker rank 1 (pipeline stage 1)" in logs["1"]
         assert "FAILED" not in logs["0"] + logs["1"]
-        url = f"http://{leader.status.pod_ip}:{ENGINE_PORT}"
-        model = spec["model"]["name"]
-
-        def complete(prompt: list[int], max_tokens: int = 8) -> dict[str, Any]:
-            body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens,
-                               "temperature": 0, "ignore_eos": True}).encode()
-            req = urllib.request.Request(f"{url}/v1/completions", body,
-                                         {"Content-Type": "application/json"})
-            with urllib.request.urlopen(req, timeout=120) as r:
-                return json.loads(r.read())
-
-        first = complete([10 + i % 300 for i in range(600)])
-        for seed in range(11, 16):  # 5 x 600 tokens push it out of both GPU caches
-            complete([seed + i % 300 for i in range(600)], max_tokens=2)
-        before = _metrics(leader.status.pod_ip)
-        again = complete([10 + i % 300 for i in range(600)])
-        after = _metrics(leader.status.pod_ip)
-        hits = after["spillway_host_hit_tokens_total"] - before.get(
-            "spillway_host_hit_tokens_total", 0)
-        assert hits >= 512, (before, after)
-        per_token = 2 * 4096 // 16  # both stages' layers
-        assert after["vllm:kv_offload_load_bytes_total"] - before.get(
-            "vllm:kv_offload_load_bytes_total", 0) >= 512 * per_token
-        assert again["choices"][0]["text"] == first["choices"][0]["text"]
-        assert after.get("spillway_emulator_kv_mismatch_total", 0) == 0
+        model = obj["spec"]["model"]["name"]
+        hits = _both_stages_serve_from_host(leader, model)
         print(f"PP 2 group: {hits:.0f} prompt tokens from the host pools of both stages")
 
         old = {p.metadata.uid for p in pods.values()}
@@ -795,7 +810,7 @@ def test_a_pipeline_parallel_replica_runs_as_a_leader_worker_set_group_on_both_n
         wait_for(lambda: _condition(_obj(api, name), "Degraded")["reason"] == "AsExpected",
                  60, "Degraded cleared", on_timeout=state)
         url = f"http://{pods['0'].status.pod_ip}:{ENGINE_PORT}"
-        assert complete([3] * 40)["usage"]["completion_tokens"] == 8
+        assert _complete(url, [3] * 40, model=model)["usage"]["completion_tokens"] == 8
     finally:
         real_cluster.kubectl("delete", "-n", SERVING, "inferencedeployment", name,
                              "--wait=true", "--timeout=120s", check=False)
@@ -921,9 +936,7 @@ def test_a_worker_that_cannot_reach_its_leader_ends_in_engine_start_failed(
     from e2e.nodes.faults import NodeFaults
 
     name = "tiny-cut-group"
-    obj = _two_node_group(real_cluster, installed, name, "llama", llama_config(num_layers=4))
-    obj["spec"]["engine"]["pipelineParallelSize"] = 2
-    obj["spec"]["engine"]["emulateGPU"] |= {"speed": 0, "kvBytes": 80 * 4096}
+    obj = _pipeline_group(real_cluster, installed, name)
     faults = NodeFaults(real_cluster.real_nodes())
     faults.block_port(29500)
     t0 = time.monotonic()
