@@ -22,7 +22,9 @@ ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 # The build backend on a layer of its own (no download per build of the code).
 RUN python -m pip install "setuptools>=69" wheel
 WORKDIR /src
-COPY pyproject.toml README.md ./
+# No README: the package needs none, and a README edit would rebuild every image and
+# reload the engine image into the nodes.
+COPY pyproject.toml ./
 COPY operator/ operator/
 COPY engine/ engine/
 RUN python -m pip wheel --no-deps --no-build-isolation --wheel-dir /wheels .

@@ -55,18 +55,31 @@ lint: venv
 	$(VENV)/bin/ruff check .
 
 # Every tier but tests/product and tests/kind (real engine pods; too long for CI's budget
-# beside the rest)
+# beside the rest), in three runs. The contract and unit tiers are CPU-bound (vLLM's own
+# planning code, emulated engines started from scratch) and the integration tier mostly
+# waits on its control plane: each runs on TEST_WORKERS processes, a test file per
+# process (a file's session caches are built once; an integration worker starts a
+# control plane of its own on free ports). The images and nodes tiers share one docker
+# daemon and two real nodes: one test at a time. Every run runs; the target fails if
+# any did.
+TEST_WORKERS ?= 2
+PARALLEL = -n $(TEST_WORKERS) --dist loadfile
 test: setup lint
-	$(VENV)/bin/pytest tests --ignore=tests/product --ignore=tests/kind $(PYTEST_ARGS)
+	@status=0; set -x; \
+	$(VENV)/bin/pytest $(PARALLEL) tests/contract tests/unit $(PYTEST_ARGS) || status=$$?; \
+	$(VENV)/bin/pytest $(PARALLEL) tests/integration $(PYTEST_ARGS) || status=$$?; \
+	$(VENV)/bin/pytest tests --ignore=tests/product --ignore=tests/kind --ignore=tests/contract \
+	  --ignore=tests/unit --ignore=tests/integration $(PYTEST_ARGS) || status=$$?; \
+	exit $$status
 
 test-unit: venv
-	$(VENV)/bin/pytest tests/unit $(PYTEST_ARGS)
+	$(VENV)/bin/pytest $(PARALLEL) tests/unit $(PYTEST_ARGS)
 
 test-contract: venv
-	$(VENV)/bin/pytest tests/contract $(PYTEST_ARGS)
+	$(VENV)/bin/pytest $(PARALLEL) tests/contract $(PYTEST_ARGS)
 
 test-integration: venv tools
-	$(VENV)/bin/pytest tests/integration $(PYTEST_ARGS)
+	$(VENV)/bin/pytest $(PARALLEL) tests/integration $(PYTEST_ARGS)
 
 test-images: venv images
 	$(VENV)/bin/pytest tests/images $(PYTEST_ARGS)

@@ -202,11 +202,23 @@ def pod_nets_in_use() -> set[str]:
     return used
 
 
+def pod_net_share() -> range:
+    """The 127.N this process picks from: all of 2-254, or, in one of several test
+    processes (pytest-xdist's PYTEST_XDIST_WORKER gwI of PYTEST_XDIST_WORKER_COUNT),
+    every count-th from 2 + I, so two processes starting clusters at once never pick the
+    same free network before either is in use."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    if not worker.startswith("gw") or count < 2:
+        return range(2, 255)
+    return range(2 + int(worker[2:]) % count, 255, count)
+
+
 def free_pod_net(avoid: set[str] | None = None) -> str:
     """A ``127.N`` pod network no running local cluster uses (127.0 is the host's own
-    loopback, 127.1 the default of e2e/cluster/up)."""
+    loopback, 127.1 the default of e2e/cluster/up), from this process's share."""
     taken = pod_nets_in_use() | {"127.0", "127.1"} | (avoid or set())
-    for n in range(2, 255):
+    for n in pod_net_share():
         if f"127.{n}" not in taken:
             return f"127.{n}"
     raise ClusterError("every 127.N pod network is in use by a local cluster")

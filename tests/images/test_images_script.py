@@ -76,7 +76,7 @@ def test_a_broken_dockerfile_fails_in_one_line_naming_the_step(images, tmp_path)
 def _context_copy(dest):
     """The build context's inputs, copied (no caches)."""
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
-    for name in ("Dockerfile", ".dockerignore", "pyproject.toml", "README.md"):
+    for name in ("Dockerfile", ".dockerignore", "pyproject.toml"):
         shutil.copy2(ROOT / name, dest / name)
     for folder in ("operator", "engine", "tools/images"):
         shutil.copytree(ROOT / folder, dest / folder, ignore=ignore)

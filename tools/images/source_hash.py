@@ -1,5 +1,5 @@
 """The hash of what the images are built from: the files of the build context that the
-Dockerfile copies (pyproject.toml, README.md, operator/, engine/, tools/images/) and the
+Dockerfile copies (pyproject.toml, operator/, engine/, tools/images/) and the
 Dockerfile itself. tools/images.sh labels each image with it (dev.spillway.source);
 tests/images refuses an image built from another tree.
 
@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 #: Paths (files, or folders ending in /) the hash covers, relative to the repository.
-INPUTS = ("Dockerfile", ".dockerignore", "pyproject.toml", "README.md", "operator/", "engine/",
+INPUTS = ("Dockerfile", ".dockerignore", "pyproject.toml", "operator/", "engine/",
           "tools/images/")
 
 
