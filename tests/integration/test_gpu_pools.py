@@ -125,8 +125,11 @@ def test_a_pool_over_nodes_of_two_products_keeps_to_its_own_and_names_the_other(
     [pod] = wait_for(lambda: [p for p in core.list_namespaced_pod(namespace).items
                               if p.spec.node_name] or None, 60, "the pod scheduled")
     assert _node_product(core, pod.spec.node_name) in GPUS["h100"].gfd_products
-    events = core.list_namespaced_event(namespace, field_selector="reason=MixedGPUProducts")
-    assert [e.type for e in events.items] == ["Warning"]
+    # the Event is written after the condition; on a loaded machine it may not be there yet
+    events = wait_for(lambda: core.list_namespaced_event(
+        namespace, field_selector="reason=MixedGPUProducts").items or None, 30,
+        "the MixedGPUProducts event")
+    assert [e.type for e in events] == ["Warning"]
 
 
 @pytest.mark.parametrize(("resources", "says"), [
