@@ -27,7 +27,7 @@ from tests.helpers import SECOND_GPU, fresh_namespace, wait_for
 
 # Pod IPs of the test session's cluster: a random 127.N range (the people's cluster,
 # e2e/cluster/up, uses 127.1), so sessions and the demo can run side by side; from this
-# process's share when pytest-xdist runs several (make test), so no two workers' meet.
+# process's share when pytest-xdist runs several (make test), so no two workers' networks meet.
 TEST_POD_NET = f"127.{random.choice([n for n in pod_net_share() if n >= 10])}"
 
 # Lines for the end of the pytest report, so CI logs show what the tier ran against.
